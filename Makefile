@@ -1,0 +1,48 @@
+# The two commands a newcomer needs: `make up` and `make test`. Both install what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install services migrate up test test-fast lint chaos bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
+	  echo "python3-venv missing: installing"; apt-get install -y -qq python3-venv; $(PYTHON) -m venv $(VENV); }
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+services:
+	@bash scripts/ensure-services.sh
+
+migrate: install services
+	$(BIN)/conveyor db upgrade
+
+## Runs the whole platform locally: gateway, dispatcher, sleeper function. Ctrl-C stops it.
+up: install services
+	$(BIN)/python -m scripts.up
+
+## The test suite: unit, integration (real PostgreSQL + RabbitMQ) and end-to-end (real processes).
+test: install services
+	@command -v node >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq nodejs >/dev/null || true; }
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+## Long fault-injection run (10,000 tasks); writes bench/results/chaos-*.json
+chaos: install services
+	$(BIN)/python -m bench.chaos --tasks $${CHAOS_TASKS:-10000}
+
+## Benchmarks against Celery and a bare aio-pika consumer; writes bench/results/*.json
+bench: install services
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

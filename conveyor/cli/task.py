@@ -1,5 +1,245 @@
-"""Consumer CLI: `conveyor task submit|get|watch` (owned by the client SDK work)."""
+"""Consumer CLI: `conveyor task submit|get|watch`, a thin shell over `conveyor.client`.
 
+It is what a person uses to try a service by hand: submit a body, then watch the
+task move PENDING -> IN_PROGRESS -> SUCCESS/FAILURE with a live progress bar.
+Credentials and the gateway come from CONVEYOR_GATEWAY_URL, CONVEYOR_CLIENT_ID and
+CONVEYOR_CLIENT_SECRET (or the matching options). Errors print the gateway's
+error number and description and exit 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import httpx
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from conveyor.client import (
+    DEFAULT_GATEWAY_URL,
+    ConveyorClient,
+    ConveyorError,
+    Task,
+    TaskWaitTimeout,
+)
 
 app = typer.Typer(help="Submit and follow tasks through the gateway.", no_args_is_help=True)
+
+out = Console()
+err = Console(stderr=True)
+
+GatewayOpt = Annotated[
+    str, typer.Option("--gateway", envvar="CONVEYOR_GATEWAY_URL", help="Gateway base URL.")
+]
+ClientIdOpt = Annotated[str, typer.Option("--client-id", envvar="CONVEYOR_CLIENT_ID")]
+SecretOpt = Annotated[
+    str, typer.Option("--client-secret", envvar="CONVEYOR_CLIENT_SECRET", show_default=False)
+]
+ServiceOpt = Annotated[
+    str | None,
+    typer.Option("--service", "-s", help="Service of the task [env: CONVEYOR_SERVICE]."),
+]
+TargetArgs = Annotated[
+    list[str], typer.Argument(metavar="[SERVICE] TASK_ID", help="The task, optionally its service.")
+]
+IntervalOpt = Annotated[float, typer.Option("--interval", help="Seconds between polls.")]
+TimeoutOpt = Annotated[
+    float | None, typer.Option("--timeout", help="Give up after this many seconds.")
+]
+
+
+@dataclass(frozen=True)
+class Credentials:
+    gateway: str
+    client_id: str
+    client_secret: str
+
+    def client(self) -> ConveyorClient:
+        if not self.client_id or not self.client_secret:
+            fail(
+                "set CONVEYOR_CLIENT_ID and CONVEYOR_CLIENT_SECRET (or --client-id/--client-secret)"
+            )
+        return ConveyorClient(self.gateway, self.client_id, self.client_secret)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    err.print(Text.assemble(("error:", "red"), " ", message), highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def reported_errors(gateway: str) -> Iterator[None]:
+    """Turns client errors into a one-line message and exit code 1."""
+    try:
+        yield
+    except ConveyorError as exc:
+        detail = "".join(f"\n  {e.get('path', '')}: {e.get('message', e)}" for e in exc.errors)
+        number = f"{exc.number} " if exc.number else ""
+        fail(f"{number}{exc.description} (HTTP {exc.http_status}){detail}")
+    except httpx.TransportError as exc:
+        fail(f"cannot reach the gateway at {gateway}: {exc or type(exc).__name__}")
+    except TaskWaitTimeout as exc:
+        fail(f"gave up waiting: task {exc.task.task_id} is still {exc.task.status}")
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+
+
+def parse_body(text: str) -> dict[str, Any]:
+    """`--body` is JSON, `@file.json`, or `-` for stdin; it must be an object."""
+    if text == "-":
+        text = sys.stdin.read()
+    elif text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--body") from None
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint="--body") from None
+    if not isinstance(body, dict):
+        raise typer.BadParameter("must be a JSON object", param_hint="--body")
+    return body
+
+
+def resolve_target(targets: list[str], service: str | None) -> tuple[str, str]:
+    """Accepts `<service> <task_id>` or `<task_id>` with --service / CONVEYOR_SERVICE."""
+    if len(targets) == 2:
+        if service and service != targets[0]:
+            fail(f"two services given: {targets[0]!r} and --service {service!r}", 2)
+        return targets[0], targets[1]
+    if len(targets) != 1:
+        fail("expected [SERVICE] TASK_ID", 2)
+    service = service or os.environ.get("CONVEYOR_SERVICE")
+    if not service:
+        fail("which service? give it before the task id, or use --service or CONVEYOR_SERVICE", 2)
+    return service, targets[0]
+
+
+def status_detail(task: Task) -> str:
+    if task.status == "PENDING" and task.task_position is not None:
+        return f"position {task.task_position}"
+    if task.worker_host:
+        return f"on {task.worker_host}"
+    return ""
+
+
+def print_outcome(task: Task) -> None:
+    if task.succeeded:
+        out.print("[green]SUCCESS[/]", highlight=False)
+        out.print_json(json.dumps(task.response))
+        return
+    message = task.error_message or "(no error message)"
+    err.print(Text.assemble(("FAILURE", "red"), ": ", message), highlight=False, soft_wrap=True)
+
+
+def follow_live(client: ConveyorClient, service: str, task_id: str, **polling: Any) -> Task:
+    """A rich progress bar redrawn at each poll, for terminals."""
+    columns = (
+        TextColumn("{task.fields[status]:<12}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[detail]}", markup=False),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err, transient=False) as bar:
+        row = bar.add_task(task_id, total=100, status="...", detail="")
+        for task in client.follow(service, task_id, **polling):
+            bar.update(row, completed=task.progress, status=task.status, detail=status_detail(task))
+    return task
+
+
+def follow_lines(client: ConveyorClient, service: str, task_id: str, **polling: Any) -> Task:
+    """One line per visible change, for logs and pipes."""
+    shown: tuple[str, int, str] | None = None
+    for task in client.follow(service, task_id, **polling):
+        state = (task.status, int(task.progress), status_detail(task))
+        if state != shown:
+            line = f"{task.status} {task.progress:.1f}% {state[2]}".rstrip()
+            err.print(line, markup=False, highlight=False)
+            shown = state
+    return task
+
+
+def watch_task(
+    creds: Credentials, service: str, task_id: str, timeout: float | None, interval: float
+) -> None:
+    follow = follow_live if err.is_terminal else follow_lines
+    with reported_errors(creds.gateway), creds.client() as client:
+        task = follow(client, service, task_id, timeout=timeout, interval=interval)
+    print_outcome(task)
+    raise typer.Exit(0 if task.succeeded else 1)
+
+
+@app.command()
+def submit(
+    service: Annotated[str, typer.Argument(help="Target service.")],
+    body: Annotated[str, typer.Option("--body", "-b", help="JSON object, @file or - (stdin).")],
+    callback: Annotated[str | None, typer.Option("--callback", help="Callback URL.")] = None,
+    idempotency_key: Annotated[str | None, typer.Option("--idempotency-key")] = None,
+    wait: Annotated[
+        bool, typer.Option("--wait", "-w", help="Watch the task until it ends.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the task id.")] = False,
+    interval: IntervalOpt = 0.5,
+    timeout: TimeoutOpt = None,
+    gateway: GatewayOpt = DEFAULT_GATEWAY_URL,
+    client_id: ClientIdOpt = "",
+    client_secret: SecretOpt = "",
+) -> None:
+    """Submit a task; print its id and position in the queue."""
+    creds = Credentials(gateway, client_id, client_secret)
+    payload = parse_body(body)
+    with reported_errors(gateway), creds.client() as client:
+        submitted = client.submit(service, payload, callback, idempotency_key)
+    if quiet:
+        typer.echo(submitted.task_id)
+    else:
+        reused = "" if submitted.created else " (existing task for this idempotency key)"
+        typer.echo(f"taskId: {submitted.task_id}{reused}")
+        typer.echo(f"taskPosition: {submitted.position}")
+    if wait:
+        watch_task(creds, service, submitted.task_id, timeout, interval)
+
+
+@app.command()
+def get(
+    targets: TargetArgs,
+    service: ServiceOpt = None,
+    gateway: GatewayOpt = DEFAULT_GATEWAY_URL,
+    client_id: ClientIdOpt = "",
+    client_secret: SecretOpt = "",
+) -> None:
+    """Print a task's state as JSON: `get <service> <task_id>` or `get <task_id> --service S`."""
+    service_name, task_id = resolve_target(targets, service)
+    creds = Credentials(gateway, client_id, client_secret)
+    with reported_errors(gateway), creds.client() as client:
+        task = client.get(service_name, task_id)
+    typer.echo(json.dumps(task.raw, indent=2, ensure_ascii=False))
+
+
+@app.command()
+def watch(
+    targets: TargetArgs,
+    service: ServiceOpt = None,
+    interval: IntervalOpt = 0.5,
+    timeout: TimeoutOpt = None,
+    gateway: GatewayOpt = DEFAULT_GATEWAY_URL,
+    client_id: ClientIdOpt = "",
+    client_secret: SecretOpt = "",
+) -> None:
+    """Follow a task live until it ends; exit 0 on SUCCESS, 1 on FAILURE."""
+    service_name, task_id = resolve_target(targets, service)
+    watch_task(
+        Credentials(gateway, client_id, client_secret), service_name, task_id, timeout, interval
+    )

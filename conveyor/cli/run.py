@@ -1,0 +1,81 @@
+"""Long-running commands: `conveyor gateway`, `conveyor dispatcher`, `conveyor purge`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import typer
+
+from conveyor import logs
+from conveyor.settings import DispatcherSettings, GatewaySettings
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    uvloop.install()
+
+
+def gateway(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on"),
+    port: int = typer.Option(8000),
+    no_background: bool = typer.Option(False, help="Serve the API only"),
+    only_background: bool = typer.Option(
+        False, help="Run relay, result consumer, notifier and reaper only"
+    ),
+) -> None:
+    """The consumer API and its background loops."""
+    settings = GatewaySettings()
+    logs.configure(settings.log_level, settings.log_format)
+    if no_background and only_background:
+        raise typer.BadParameter("--no-background and --only-background exclude each other")
+    import uvicorn
+
+    from gateway.app import create_app
+
+    _install_uvloop()
+    app = create_app(settings, background=not no_background)
+    if only_background:
+        host, port = "127.0.0.1", port  # health endpoints stay available to probes
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        h11_max_incomplete_event_size=64 * 1024,
+    )
+
+
+def dispatcher() -> None:
+    """The sidecar: queue -> HTTP function bridge, configured by environment (SPEC §7)."""
+    settings = DispatcherSettings()
+    logs.configure(settings.log_level, settings.log_format)
+    from dispatcher.main import run
+
+    sys.exit(run(settings))
+
+
+def purge() -> None:
+    """Delete finished tasks past their service's retention, and anything past the hard maximum."""
+    settings = GatewaySettings()
+    logs.configure(settings.log_level, settings.log_format)
+    from gateway.db import create_engine
+    from gateway.housekeeping import purge as run_purge
+
+    async def main() -> None:
+        engine = create_engine(settings)
+        try:
+            report = await run_purge(engine, settings.purge_max_age, settings.purge_batch_size)
+        finally:
+            await engine.dispose()
+        typer.echo(
+            f"purged {report.finished} finished, {report.ancient} past the maximum age,"
+            f" {report.poison} poison messages, in {report.batches} batches"
+        )
+
+    asyncio.run(main())

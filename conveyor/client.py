@@ -1,0 +1,373 @@
+"""Python client SDK for the Conveyor gateway (SPEC §3).
+
+Consumers can speak plain HTTP to the gateway; this module saves them the
+envelope handling, Basic auth and polling loop, in a sync and an async flavour:
+
+    with ConveyorClient.from_env() as client:
+        submitted = client.submit("sleeper", {"sleep": 5})
+        task = client.wait("sleeper", submitted.task_id, timeout=60)
+
+Both flavours share the request building and response parsing below; only the
+I/O differs. API errors raise `ConveyorError`; network failures raise httpx's own
+`httpx.TransportError` subclasses unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Self
+from urllib.parse import quote
+
+import httpx
+
+from conveyor import __version__
+
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_POLL_INTERVAL_S = 0.5
+TERMINAL_STATUSES = frozenset({"SUCCESS", "FAILURE"})
+
+
+class ConveyorError(Exception):
+    """The gateway answered with an error envelope (or something that is not an envelope)."""
+
+    def __init__(
+        self,
+        http_status: int,
+        number: int,
+        description: str,
+        errors: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(f"{number} {description}")
+        self.http_status = http_status
+        self.number = number
+        self.description = description
+        self.errors = errors or []
+
+
+class TaskWaitTimeout(TimeoutError):
+    """`wait` gave up before the task finished; `task` is the last state seen."""
+
+    def __init__(self, task: Task) -> None:
+        super().__init__(f"task {task.task_id} still {task.status}")
+        self.task = task
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A created task. `created` is False when an Idempotency-Key matched an earlier task."""
+
+    task_id: str
+    position: int | None
+    created: bool = True
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task as polled from the gateway; dates are timezone-aware UTC datetimes."""
+
+    task_id: str
+    status: str
+    task_position: int | None
+    submition_date: datetime | None
+    start_date: datetime | None
+    end_date: datetime | None
+    progress: float
+    response: Any
+    error_message: str | None
+    worker_host: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "SUCCESS"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One HTTP call, built once and sent by either flavour."""
+
+    method: str
+    path: str
+    json: dict[str, Any] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _tasks_path(service: str) -> str:
+    return f"/v1/services/{quote(service, safe='')}/tasks"
+
+
+def _submit_call(
+    service: str, body: dict[str, Any], callback_url: str | None, idempotency_key: str | None
+) -> _Call:
+    payload: dict[str, Any] = {"body": body}
+    if callback_url:
+        payload["callback"] = {"type": "https", "url": callback_url}
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    return _Call("POST", _tasks_path(service), payload, headers)
+
+
+def _get_call(service: str, task_id: str) -> _Call:
+    return _Call("GET", f"{_tasks_path(service)}/{quote(task_id, safe='')}")
+
+
+def _not_an_envelope(response: httpx.Response) -> ConveyorError:
+    text = response.text.strip()[:200] or response.reason_phrase
+    return ConveyorError(response.status_code, 0, f"unexpected answer from the gateway: {text}")
+
+
+def _unwrap(response: httpx.Response) -> dict[str, Any]:
+    """Returns the envelope's `data`, or raises the envelope's error."""
+    try:
+        envelope = response.json()
+    except ValueError:
+        raise _not_an_envelope(response) from None
+    if not isinstance(envelope, dict):
+        raise _not_an_envelope(response)
+    if envelope.get("status") == "success" and isinstance(envelope.get("data"), dict):
+        return envelope["data"]
+    error = envelope.get("error")
+    if envelope.get("status") != "error" or not isinstance(error, dict):
+        raise _not_an_envelope(response)
+    raise ConveyorError(
+        response.status_code,
+        int(error.get("number") or 0),
+        str(error.get("description") or ""),
+        error.get("errors") or [],
+    )
+
+
+def _parse_date(value: Any) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
+
+
+def _parse_submitted(response: httpx.Response) -> Submitted:
+    data = _unwrap(response)
+    return Submitted(
+        task_id=str(data["taskId"]),
+        position=data.get("taskPosition"),
+        created=response.status_code == 201,
+    )
+
+
+def _parse_task(response: httpx.Response) -> Task:
+    data = _unwrap(response)
+    return Task(
+        task_id=str(data["taskId"]),
+        status=str(data["status"]),
+        task_position=data.get("taskPosition"),
+        submition_date=_parse_date(data.get("submitionDate")),
+        start_date=_parse_date(data.get("startDate")),
+        end_date=_parse_date(data.get("endDate")),
+        progress=float(data.get("progress") or 0.0),
+        response=data.get("response"),
+        error_message=data.get("errorMessage"),
+        worker_host=data.get("workerHost") or data.get("hostName"),
+        raw=data,
+    )
+
+
+class _Pacer:
+    """The polling schedule shared by both flavours: how long to pause, and when to give up."""
+
+    def __init__(self, timeout: float | None, interval: float) -> None:
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._interval = interval
+
+    def pause_after(self, task: Task) -> float:
+        if self._deadline is None:
+            return self._interval
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TaskWaitTimeout(task)
+        return min(self._interval, left)
+
+
+@dataclass(frozen=True)
+class _Config:
+    base_url: str
+    client_id: str
+    client_secret: str
+    timeout: float
+
+    @classmethod
+    def from_env(cls, timeout: float) -> _Config:
+        client_id = os.environ.get("CONVEYOR_CLIENT_ID", "")
+        client_secret = os.environ.get("CONVEYOR_CLIENT_SECRET", "")
+        if not client_id or not client_secret:
+            raise ValueError("set CONVEYOR_CLIENT_ID and CONVEYOR_CLIENT_SECRET")
+        base_url = os.environ.get("CONVEYOR_GATEWAY_URL") or DEFAULT_GATEWAY_URL
+        return cls(base_url, client_id, client_secret, timeout)
+
+    def httpx_options(self) -> dict[str, Any]:
+        return {
+            "base_url": self.base_url.rstrip("/"),
+            "auth": httpx.BasicAuth(self.client_id, self.client_secret),
+            "timeout": self.timeout,
+            "headers": {"User-Agent": f"conveyor-client/{__version__}"},
+        }
+
+
+class ConveyorClient:
+    """Synchronous gateway client; use it as a context manager or call `close()`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        client_id: str,
+        client_secret: str,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.config = _Config(base_url, client_id, client_secret, timeout)
+        self._http = httpx.Client(transport=transport, **self.config.httpx_options())
+
+    @classmethod
+    def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Self:
+        """CONVEYOR_GATEWAY_URL (default http://127.0.0.1:8000), CONVEYOR_CLIENT_ID/_SECRET."""
+        config = _Config.from_env(timeout)
+        return cls(config.base_url, config.client_id, config.client_secret, timeout, **kwargs)
+
+    def _send(self, call: _Call) -> httpx.Response:
+        return self._http.request(call.method, call.path, json=call.json, headers=call.headers)
+
+    def submit(
+        self,
+        service: str,
+        body: dict[str, Any],
+        callback_url: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Submitted:
+        return _parse_submitted(
+            self._send(_submit_call(service, body, callback_url, idempotency_key))
+        )
+
+    def get(self, service: str, task_id: str) -> Task:
+        return _parse_task(self._send(_get_call(service, task_id)))
+
+    def follow(
+        self,
+        service: str,
+        task_id: str,
+        timeout: float | None = None,
+        interval: float = DEFAULT_POLL_INTERVAL_S,
+    ) -> Iterator[Task]:
+        """Yields the task at each poll, the last one being SUCCESS or FAILURE."""
+        pacer = _Pacer(timeout, interval)
+        while True:
+            task = self.get(service, task_id)
+            yield task
+            if task.done:
+                return
+            time.sleep(pacer.pause_after(task))
+
+    def wait(
+        self,
+        service: str,
+        task_id: str,
+        timeout: float | None = None,
+        interval: float = DEFAULT_POLL_INTERVAL_S,
+    ) -> Task:
+        """Polls until the task ends; raises TaskWaitTimeout after `timeout` seconds."""
+        for task in self.follow(service, task_id, timeout, interval):
+            last = task
+        return last
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncConveyorClient:
+    """Asynchronous gateway client; use it with `async with` or call `aclose()`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        client_id: str,
+        client_secret: str,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = _Config(base_url, client_id, client_secret, timeout)
+        self._http = httpx.AsyncClient(transport=transport, **self.config.httpx_options())
+
+    @classmethod
+    def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Self:
+        """CONVEYOR_GATEWAY_URL (default http://127.0.0.1:8000), CONVEYOR_CLIENT_ID/_SECRET."""
+        config = _Config.from_env(timeout)
+        return cls(config.base_url, config.client_id, config.client_secret, timeout, **kwargs)
+
+    async def _send(self, call: _Call) -> httpx.Response:
+        return await self._http.request(
+            call.method, call.path, json=call.json, headers=call.headers
+        )
+
+    async def submit(
+        self,
+        service: str,
+        body: dict[str, Any],
+        callback_url: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Submitted:
+        call = _submit_call(service, body, callback_url, idempotency_key)
+        return _parse_submitted(await self._send(call))
+
+    async def get(self, service: str, task_id: str) -> Task:
+        return _parse_task(await self._send(_get_call(service, task_id)))
+
+    async def follow(
+        self,
+        service: str,
+        task_id: str,
+        timeout: float | None = None,
+        interval: float = DEFAULT_POLL_INTERVAL_S,
+    ) -> AsyncIterator[Task]:
+        """Yields the task at each poll, the last one being SUCCESS or FAILURE."""
+        pacer = _Pacer(timeout, interval)
+        while True:
+            task = await self.get(service, task_id)
+            yield task
+            if task.done:
+                return
+            await asyncio.sleep(pacer.pause_after(task))
+
+    async def wait(
+        self,
+        service: str,
+        task_id: str,
+        timeout: float | None = None,
+        interval: float = DEFAULT_POLL_INTERVAL_S,
+    ) -> Task:
+        """Polls until the task ends; raises TaskWaitTimeout after `timeout` seconds."""
+        async for task in self.follow(service, task_id, timeout, interval):
+            last = task
+        return last
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,421 @@
+"""The wire contract: what travels on `<queue>-in` and `<queue>-out`.
+
+Gateway and dispatcher both speak through this module and nothing else, so the
+format is defined once. Two formats exist side by side (SPEC §6.2, §6.3):
+
+* CloudEvents, RabbitMQ binary binding: attributes in `ce-` headers, `data` in
+  the body. Encoded and decoded with the `cloudevents` 2.x binding.
+* The seed's legacy JSON, read in both camelCase and snake_case spellings.
+
+Decoding never raises anything but `WireError`, so a consumer can set a poison
+message aside with one `except`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
+from cloudevents.core.formats.json import JSONFormat
+from cloudevents.core.v1.event import CloudEvent
+
+SPECVERSION_HEADER = "ce-specversion"
+TRACEPARENT = "traceparent"
+
+# Extension attributes (CloudEvents names: lowercase alphanumerics only).
+EXT_ATTEMPT = "conveyorattempt"  # identifies one delivery of a task to a function
+EXT_MAX_ATTEMPTS = "conveyormaxattempts"
+EXT_TIMEOUT = "conveyortimeout"  # seconds one attempt may run
+
+SUBMITTED = "io.conveyor.task.submitted"
+_JSON = JSONFormat()
+
+
+class WireError(ValueError):
+    """A message that cannot be understood. Callers count it and set it aside."""
+
+
+class MessageFormat(enum.StrEnum):
+    CLOUDEVENTS = "cloudevents"
+    LEGACY = "legacy"
+
+
+class EventKind(enum.StrEnum):
+    STARTED = "started"
+    PROGRESS = "progress"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def ce_type(self) -> str:
+        return f"io.conveyor.task.{self.value}"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (EventKind.SUCCEEDED, EventKind.FAILED)
+
+
+_KIND_BY_CE_TYPE = {kind.ce_type: kind for kind in EventKind}
+_KIND_BY_LEGACY = {
+    "started": EventKind.STARTED,
+    "progress": EventKind.PROGRESS,
+    "success": EventKind.SUCCEEDED,
+    "succeeded": EventKind.SUCCEEDED,
+    "failure": EventKind.FAILED,
+    "failed": EventKind.FAILED,
+}
+_LEGACY_BY_KIND = {
+    EventKind.STARTED: "started",
+    EventKind.PROGRESS: "progress",
+    EventKind.SUCCEEDED: "success",
+    EventKind.FAILED: "failure",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WireMessage:
+    """An AMQP message, independent of the client library that sends it."""
+
+    body: bytes
+    headers: dict[str, Any] = field(default_factory=dict)
+    content_type: str | None = "application/json"
+    message_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A task handed to a function: `<queue>-in`."""
+
+    task_id: str
+    service: str
+    body: dict[str, Any]
+    message_format: MessageFormat = MessageFormat.CLOUDEVENTS
+    max_attempts: int | None = None
+    timeout: float | None = None
+    traceparent: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEvent:
+    """A state change reported for a task: `<queue>-out`."""
+
+    kind: EventKind
+    task_id: str
+    host: str | None = None
+    progress: float | None = None
+    response: Any = None
+    error_message: str | None = None
+    attempt: str | None = None
+    time: datetime | None = None
+    event_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    traceparent: str | None = None
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _load_json(body: bytes) -> Any:
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise WireError(f"body is not JSON: {exc.__class__.__name__}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+
+
+def _header_str(headers: dict[str, Any], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise WireError(f"header {name} is not UTF-8") from None
+    return str(value)
+
+
+def _task_id(value: Any) -> str:
+    if not isinstance(value, str):
+        raise WireError("taskId missing or not a string")
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise WireError("taskId is not a UUID") from None
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    try:
+        parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        raise WireError("time is not RFC 3339") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _progress(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise WireError("progress is not a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise WireError("progress is not finite")
+    return min(100.0, max(0.0, value))
+
+
+def is_cloudevent(headers: dict[str, Any] | None) -> bool:
+    return bool(headers) and SPECVERSION_HEADER in headers
+
+
+def _to_wire(attributes: dict[str, Any], data: Any, traceparent: str | None) -> WireMessage:
+    if traceparent:
+        attributes[TRACEPARENT] = traceparent
+    binary = ce_rabbitmq.to_binary(CloudEvent(attributes=attributes, data=data), _JSON)
+    return WireMessage(binary.body, dict(binary.headers), binary.content_type, attributes["id"])
+
+
+def _from_wire(message: WireMessage) -> CloudEvent:
+    headers = {k: _header_str(message.headers, k) for k in message.headers if k.startswith("ce-")}
+    if message.body:
+        _load_json(message.body)  # the binding's own error would not be a WireError
+    try:
+        event = ce_rabbitmq.from_binary(
+            ce_rabbitmq.RabbitMQMessage(
+                headers=headers, content_type=message.content_type, body=message.body
+            ),
+            _JSON,
+            CloudEvent,
+        )
+    except Exception as exc:  # the binding raises several unrelated types
+        raise WireError(f"invalid CloudEvent: {exc}") from None
+    return event
+
+
+# ---------------------------------------------------------------------------
+# submissions: gateway -> `<queue>-in`
+
+
+def encode_submission(sub: Submission) -> WireMessage:
+    if sub.message_format is MessageFormat.LEGACY:
+        return _encode_legacy_submission(sub)
+    attributes: dict[str, Any] = {
+        "id": sub.task_id,
+        "subject": sub.task_id,
+        "type": SUBMITTED,
+        "source": f"/v1/services/{sub.service}",
+        "datacontenttype": "application/json",
+        "time": now(),
+    }
+    if sub.max_attempts is not None:
+        attributes[EXT_MAX_ATTEMPTS] = str(sub.max_attempts)
+    if sub.timeout is not None:
+        attributes[EXT_TIMEOUT] = f"{sub.timeout:g}"
+    return _to_wire(attributes, sub.body, sub.traceparent)
+
+
+def _encode_legacy_submission(sub: Submission) -> WireMessage:
+    # Both spellings: the seed documents camelCase, its JS worker reads snake_case.
+    payload = {
+        "taskId": sub.task_id,
+        "task_id": sub.task_id,
+        "data": {
+            "messageType": "submission",
+            "message_type": "submission",
+            "body": sub.body,
+        },
+    }
+    return WireMessage(_json_bytes(payload), {}, "application/json", sub.task_id)
+
+
+def decode_submission(message: WireMessage, service: str = "") -> Submission:
+    """Reads either format on `-in`; raises WireError on anything else."""
+    if is_cloudevent(message.headers):
+        event = _from_wire(message)
+        data = event.get_data()
+        if not isinstance(data, dict):
+            raise WireError("submission data is not a JSON object")
+        ext = event.get_extension
+        return Submission(
+            task_id=_task_id(event.get_id()),
+            service=event.get_source().rpartition("/")[2] or service,
+            body=data,
+            max_attempts=_optional_int(ext(EXT_MAX_ATTEMPTS)),
+            timeout=_optional_float(ext(EXT_TIMEOUT)),
+            traceparent=_optional_str(ext(TRACEPARENT)),
+        )
+    payload = _load_json(message.body)
+    if not isinstance(payload, dict) or not isinstance(payload.get("data"), dict):
+        raise WireError("legacy submission must be an object with a data object")
+    data = payload["data"]
+    kind = data.get("messageType", data.get("message_type"))
+    if kind != "submission":
+        raise WireError("legacy message is not a submission")
+    body = data.get("body")
+    if not isinstance(body, dict):
+        raise WireError("submission body is not a JSON object")
+    return Submission(
+        task_id=_task_id(payload.get("taskId", payload.get("task_id"))),
+        service=service,
+        body=body,
+        message_format=MessageFormat.LEGACY,
+    )
+
+
+def _optional_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise WireError("expected an integer extension attribute") from None
+
+
+def _optional_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise WireError("expected a number extension attribute") from None
+    if not math.isfinite(number) or number <= 0:
+        raise WireError("expected a positive number")
+    return number
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+# ---------------------------------------------------------------------------
+# task events: dispatcher or legacy worker -> `<queue>-out`
+
+
+def _event_data(ev: TaskEvent) -> dict[str, Any]:
+    match ev.kind:
+        case EventKind.STARTED:
+            return {"hostName": ev.host}
+        case EventKind.PROGRESS:
+            return {"progress": ev.progress}
+        case EventKind.SUCCEEDED:
+            return {"response": ev.response}
+        case EventKind.FAILED:
+            return {"errorMessage": ev.error_message}
+
+
+def encode_event(
+    ev: TaskEvent, service: str, fmt: MessageFormat = MessageFormat.CLOUDEVENTS
+) -> WireMessage:
+    data = _event_data(ev)
+    if fmt is MessageFormat.LEGACY:
+        payload = {"taskId": ev.task_id, "data": {"messageType": _LEGACY_BY_KIND[ev.kind], **data}}
+        return WireMessage(_json_bytes(payload), {}, "application/json", ev.event_id)
+    attributes: dict[str, Any] = {
+        "id": ev.event_id,
+        "subject": ev.task_id,
+        "type": ev.kind.ce_type,
+        "source": f"/conveyor/dispatcher/{service}",
+        "datacontenttype": "application/json",
+        "time": ev.time or now(),
+    }
+    if ev.attempt:
+        attributes[EXT_ATTEMPT] = ev.attempt
+    return _to_wire(attributes, data, ev.traceparent)
+
+
+def decode_event(message: WireMessage) -> TaskEvent:
+    """Reads a CloudEvent (told apart by `ce-specversion`) or a legacy message."""
+    if is_cloudevent(message.headers):
+        return _decode_ce_event(message)
+    return _decode_legacy_event(message)
+
+
+def _decode_ce_event(message: WireMessage) -> TaskEvent:
+    event = _from_wire(message)
+    kind = _KIND_BY_CE_TYPE.get(event.get_type())
+    if kind is None:
+        raise WireError("unknown event type")
+    data = event.get_data()
+    if not isinstance(data, dict):
+        raise WireError("event data is not a JSON object")
+    return _event_from_fields(
+        kind,
+        task_id=event.get_subject(),
+        data=data,
+        attempt=_optional_str(event.get_extension(EXT_ATTEMPT)),
+        time=_parse_time(event.get_time()),
+        event_id=event.get_id(),
+    )
+
+
+def _decode_legacy_event(message: WireMessage) -> TaskEvent:
+    payload = _load_json(message.body)
+    if not isinstance(payload, dict) or not isinstance(payload.get("data"), dict):
+        raise WireError("legacy event must be an object with a data object")
+    data = payload["data"]
+    kind = _KIND_BY_LEGACY.get(data.get("messageType", data.get("message_type")))
+    if kind is None:
+        raise WireError("unknown messageType")
+    return _event_from_fields(
+        kind,
+        task_id=payload.get("taskId", payload.get("task_id")),
+        data=data,
+        attempt=None,
+        time=None,
+        event_id=message.message_id or str(uuid.uuid4()),
+    )
+
+
+def _first(data: dict[str, Any], *names: str) -> Any:
+    for name in names:
+        if data.get(name) is not None:
+            return data[name]
+    return None
+
+
+def _event_from_fields(
+    kind: EventKind,
+    *,
+    task_id: Any,
+    data: dict[str, Any],
+    attempt: str | None,
+    time: datetime | None,
+    event_id: str,
+) -> TaskEvent:
+    fields: dict[str, Any] = {}
+    if kind is EventKind.STARTED:
+        host = _first(data, "hostName", "hostname", "host_name")
+        fields["host"] = None if host is None else str(host)[:255]
+    elif kind is EventKind.PROGRESS:
+        fields["progress"] = _progress(data.get("progress"))
+    elif kind is EventKind.SUCCEEDED:
+        fields["response"] = data.get("response")
+    else:
+        message = _first(data, "errorMessage", "error_message")
+        fields["error_message"] = None if message is None else str(message)
+    return TaskEvent(
+        kind=kind,
+        task_id=_task_id(task_id),
+        attempt=attempt,
+        time=time,
+        event_id=event_id,
+        **fields,
+    )

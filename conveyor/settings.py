@@ -1,0 +1,120 @@
+"""Configuration, from the environment (pydantic-settings).
+
+Every setting has a safe default that points at loopback, so a newcomer runs the
+platform with no configuration. Gateway settings use the `CONVEYOR_` prefix; the
+dispatcher's own variables (SPEC §7) are accepted with or without it, because
+Kubernetes manifests conventionally spell them bare (`FUNCTION_URL`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/conveyor"
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+def normalize_database_url(url: str) -> str:
+    """Accept the plain `postgresql://` spelling; SQLAlchemy needs the driver named."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+class LogFormat(enum.StrEnum):
+    AUTO = "auto"  # readable on a terminal, JSON otherwise
+    JSON = "json"
+    TEXT = "text"
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
+
+    amqp_url: str = DEFAULT_AMQP_URL
+    log_level: str = "INFO"
+    log_format: LogFormat = LogFormat.AUTO
+
+
+class GatewaySettings(CommonSettings):
+    database_url: str = DEFAULT_DATABASE_URL
+    db_pool_size: int = 10
+    max_body_bytes: int = 1024 * 1024
+    # bcrypt verifications are cached under a keyed hash of the credentials.
+    auth_cache_ttl: float = 30.0
+    # Failed authentications per client id and per source address, per minute.
+    auth_failures_per_minute: int = 20
+    # Crash redeliveries allowed before a submission is dead-lettered (SPEC §7.1).
+    delivery_limit: int = 5
+    # A PENDING task older than this (bounded by its service's retention) fails.
+    pending_ttl: float = 24 * 3600
+    # Tasks of any status older than this are purged whatever their service says.
+    purge_max_age: float = 90 * 24 * 3600
+    purge_batch_size: int = 5000
+    callback_signing_secret: str = "change-me"
+    callback_allow_http: bool = False
+    callback_allow_private: bool = False
+    callback_allowed_hosts: list[str] = Field(default_factory=list)
+    callback_timeout: float = 10.0
+    callback_attempts: int = 3
+    callback_backoff: float = 1.0
+    # How long an outbox entry may wait for its fast-path publish before the relay takes it.
+    outbox_grace: float = 5.0
+    relay_interval: float = 1.0
+    reaper_interval: float = 30.0
+    service_refresh_interval: float = 5.0
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalize(cls, value: str) -> str:
+        return normalize_database_url(value)
+
+    @field_validator("callback_allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [h.strip().lower() for h in value.split(",") if h.strip()]
+        return value
+
+
+def _env(name: str) -> AliasChoices:
+    return AliasChoices(f"CONVEYOR_{name}", name)
+
+
+class ShutdownMode(enum.StrEnum):
+    REQUEUE = "requeue"
+    DRAIN = "drain"
+
+
+class DispatcherSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
+
+    amqp_url: str = Field(DEFAULT_AMQP_URL, validation_alias=_env("AMQP_URL"))
+    queue: str = Field("sleeper", validation_alias=_env("QUEUE"))
+    function_url: str = Field("http://127.0.0.1:8080/", validation_alias=_env("FUNCTION_URL"))
+    function_ready_url: str | None = Field(None, validation_alias=_env("FUNCTION_READY_URL"))
+    concurrency: int = Field(4, ge=1, le=1000, validation_alias=_env("CONCURRENCY"))
+    shutdown_mode: ShutdownMode = Field(
+        ShutdownMode.REQUEUE, validation_alias=_env("SHUTDOWN_MODE")
+    )
+    drain_timeout: float = Field(30.0, ge=0, validation_alias=_env("DRAIN_TIMEOUT"))
+    dispatcher_port: int = Field(8081, validation_alias=_env("DISPATCHER_PORT"))
+    metrics_port: int | None = Field(None, validation_alias=_env("METRICS_PORT"))
+    one_shot: bool = Field(False, validation_alias=_env("ONE_SHOT"))
+    idle_exit_seconds: float = Field(60.0, validation_alias=_env("IDLE_EXIT_SECONDS"))
+    hostname: str = Field("localhost", validation_alias=_env("HOSTNAME"))
+    # Used when a message does not carry its service's values (legacy format).
+    max_attempts: int = Field(3, ge=1, validation_alias=_env("MAX_ATTEMPTS"))
+    task_timeout: float = Field(300.0, gt=0, validation_alias=_env("TASK_TIMEOUT"))
+    retry_backoff: float = Field(0.5, ge=0, validation_alias=_env("RETRY_BACKOFF"))
+    retry_backoff_max: float = Field(30.0, ge=0, validation_alias=_env("RETRY_BACKOFF_MAX"))
+    progress_interval: float = Field(0.5, ge=0, validation_alias=_env("PROGRESS_INTERVAL"))
+    function_wait_timeout: float = Field(
+        300.0, ge=0, validation_alias=_env("FUNCTION_WAIT_TIMEOUT")
+    )
+    log_level: str = Field("INFO", validation_alias=_env("LOG_LEVEL"))
+    log_format: LogFormat = Field(LogFormat.AUTO, validation_alias=_env("LOG_FORMAT"))

@@ -1,0 +1,82 @@
+"""Pydantic models that *document* the API in OpenAPI (/docs).
+
+Requests are parsed by hand in `api` (size limit first, exact error numbers),
+so these models describe the wire shapes without sitting on the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Callback(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["https", "http"] = Field(
+        description="`https`; `http` only when CONVEYOR_CALLBACK_ALLOW_HTTP=1"
+    )
+    url: str = Field(max_length=2048, examples=["https://consumer.example/hook"])
+
+
+class CreateTask(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    body: dict[str, Any] = Field(
+        description="The function's input; checked against the service's JSON Schema"
+    )
+    callback: Callback | None = None
+
+
+class Created(BaseModel):
+    taskId: str
+    taskPosition: int = Field(description="1-based place among the service's PENDING tasks")
+
+
+class CreatedEnvelope(BaseModel):
+    status: Literal["success"]
+    data: Created
+
+
+class TaskData(BaseModel):
+    taskId: str
+    status: Literal["PENDING", "IN_PROGRESS", "SUCCESS", "FAILURE"]
+    submitionDate: str = Field(description="ISO-8601 UTC with milliseconds, seed spelling")
+    taskPosition: int | None = Field(None, description="PENDING only")
+    startDate: str | None = None
+    endDate: str | None = None
+    progress: float
+    response: Any = Field(None, description="SUCCESS only")
+    errorMessage: str | None = Field(None, description="FAILURE only")
+
+
+class TaskEnvelope(BaseModel):
+    status: Literal["success"]
+    data: TaskData
+
+
+class FieldError(BaseModel):
+    path: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    number: int = Field(examples=[404001])
+    description: str = Field(examples=["Service not found."])
+    errors: list[FieldError] | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    status: Literal["error"]
+    error: ErrorBody
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    descriptions = {
+        400: "400001 body fails the service's JSON Schema; 400002 invalid request",
+        403: "403001 bad or missing credentials, or no grant for this service",
+        404: "404001 unknown service; 404002 unknown task",
+        413: "413001 request too large",
+        429: "429001 service capacity reached; 429002 client capacity reached",
+        503: "503001 database unavailable",
+    }
+    return {c: {"model": ErrorEnvelope, "description": descriptions[c]} for c in codes}

@@ -1,0 +1,118 @@
+"""The FastAPI application: routes, the error envelope everywhere, health and metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from conveyor.settings import GatewaySettings
+from gateway import api, errors, metrics
+from gateway.responses import Json
+from gateway.runtime import Runtime
+
+log = logging.getLogger("conveyor.gateway.api")
+
+_AUTH_HEADERS = {"WWW-Authenticate": 'Basic realm="conveyor"'}
+
+
+def create_app(settings: GatewaySettings | None = None, background: bool = True) -> FastAPI:
+    settings = settings or GatewaySettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        rt = Runtime(settings)
+        app.state.runtime = rt
+        await rt.start(background=background)
+        try:
+            yield
+        finally:
+            await rt.stop()
+
+    app = FastAPI(
+        title="Conveyor gateway",
+        version="1",
+        description="Submit tasks to asynchronous functions and follow them. "
+        "Authentication: HTTP Basic with your clientId and clientSecret.",
+        lifespan=lifespan,
+        default_response_class=Json,
+    )
+    app.include_router(api.router)
+    _add_operations(app)
+    _add_error_handlers(app)
+    app.middleware("http")(_measure)
+    return app
+
+
+def _error_response(exc: errors.ApiError) -> Json:
+    headers = dict(exc.headers)
+    if exc.kind is errors.FORBIDDEN:
+        headers.update(_AUTH_HEADERS)
+    return Json(exc.envelope(), status_code=exc.kind.http_status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(errors.ApiError)
+    async def api_error(_: Request, exc: errors.ApiError) -> Json:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(_: Request, exc: RequestValidationError) -> Json:
+        found = [
+            {"path": "/".join(str(p) for p in e.get("loc", ())), "message": str(e.get("msg"))[:200]}
+            for e in exc.errors()[:20]
+        ]
+        return _error_response(errors.ApiError(errors.INVALID_REQUEST, found))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Json:
+        kind = {404: errors.NOT_FOUND, 405: errors.METHOD_NOT_ALLOWED}.get(
+            exc.status_code, errors.INVALID_REQUEST
+        )
+        return _error_response(errors.ApiError(kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Json:
+        if api.database_down(exc):
+            log.warning("database unavailable", extra={"error": exc.__class__.__name__})
+            return _error_response(
+                errors.ApiError(errors.UNAVAILABLE, headers={"Retry-After": "1"})
+            )
+        log.exception("unexpected error")
+        return _error_response(errors.ApiError(errors.INTERNAL))
+
+
+def _add_operations(app: FastAPI) -> None:
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz(request: Request) -> Json:
+        checks = await request.app.state.runtime.ready()
+        ok = all(checks.values())
+        return Json(
+            {"status": "ok" if ok else "unavailable", "checks": checks},
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _measure(request: Request, call_next):
+    started = time.perf_counter()
+    response = await call_next(request)
+    route = request.scope.get("route")
+    name = getattr(route, "path", "unmatched")
+    metrics.LATENCY.labels(route=name).observe(time.perf_counter() - started)
+    metrics.REQUESTS.labels(route=name, status=str(response.status_code)).inc()
+    return response

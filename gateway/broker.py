@@ -1,0 +1,86 @@
+"""The gateway's RabbitMQ connection: robust (aio-pika reconnects by itself) and
+publishing with confirms, `mandatory` so that a missing queue is an error
+rather than a silently dropped task."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+
+from conveyor.events import WireMessage
+
+log = logging.getLogger("conveyor.gateway.broker")
+
+
+class PublishError(RuntimeError):
+    """The broker did not confirm: the outbox keeps the task for the relay."""
+
+
+class Broker:
+    def __init__(self, url: str, publish_timeout: float = 5.0) -> None:
+        self.url = url
+        self.publish_timeout = publish_timeout
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._connect_lock = asyncio.Lock()
+
+    @property
+    def connected(self) -> bool:
+        return (
+            self._connection is not None
+            and not self._connection.is_closed
+            and self._channel is not None
+            and not self._channel.is_closed
+        )
+
+    async def connect(self) -> AbstractRobustConnection:
+        async with self._connect_lock:
+            if self._connection is None:
+                self._connection = await aio_pika.connect_robust(
+                    self.url, client_properties={"connection_name": "conveyor-gateway"}
+                )
+                self._channel = await self._connection.channel(
+                    publisher_confirms=True, on_return_raises=True
+                )
+            return self._connection
+
+    async def channel(self, prefetch: int | None = None) -> AbstractChannel:
+        """A new channel for a consumer (one per consumer keeps acks independent)."""
+        connection = await self.connect()
+        channel = await connection.channel()
+        if prefetch:
+            await channel.set_qos(prefetch_count=prefetch)
+        return channel
+
+    async def publish(self, message: WireMessage, routing_key: str) -> None:
+        if not self.connected:
+            try:
+                await asyncio.wait_for(self.connect(), self.publish_timeout)
+            except Exception as exc:
+                raise PublishError(f"broker unavailable: {exc.__class__.__name__}") from None
+        assert self._channel is not None
+        amqp_message = aio_pika.Message(
+            body=message.body,
+            headers=message.headers or None,
+            content_type=message.content_type,
+            message_id=message.message_id,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        try:
+            await asyncio.wait_for(
+                self._channel.default_exchange.publish(
+                    amqp_message, routing_key=routing_key, mandatory=True
+                ),
+                self.publish_timeout,
+            )
+        except Exception as exc:
+            raise PublishError(f"publish to {routing_key} not confirmed: {exc!r}") from None
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+            self._connection = None
+            self._channel = None

@@ -1,0 +1,123 @@
+"""Callback URLs: who may be called (SSRF guard) and how a call is signed.
+
+The gateway sits inside the cluster, so a callback URL is an attacker-chosen
+request from a privileged place. A URL is refused when any address its host
+resolves to is loopback, private, link-local (which includes cloud metadata
+endpoints), multicast, reserved or unspecified — at submission, and again at
+delivery, since DNS answers change. Redirects are never followed.
+
+Signatures follow Stripe's scheme so consumers can reuse known verifiers:
+`X-Conveyor-Signature: t=<unix>,v1=<hex hmac-sha256(secret, "<t>.<body>")>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import socket
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+SIGNATURE_HEADER = "X-Conveyor-Signature"
+
+
+class CallbackRefused(ValueError):
+    """The callback may not be called; the message says why, without secrets."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallbackPolicy:
+    allow_http: bool = False
+    allow_private: bool = False
+    allowed_hosts: tuple[str, ...] = ()
+
+
+def check_shape(callback: object, policy: CallbackPolicy) -> tuple[str, str]:
+    """Validates `{"type": "https", "url": ...}`; returns (url, host)."""
+    if not isinstance(callback, dict):
+        raise CallbackRefused("callback must be an object")
+    unknown = set(callback) - {"type", "url"}
+    if unknown:
+        raise CallbackRefused(f"unknown callback field: {sorted(unknown)[0]}")
+    kind = callback.get("type")
+    allowed_types = {"https", "http"} if policy.allow_http else {"https"}
+    if kind not in allowed_types:
+        raise CallbackRefused(f"callback type must be one of {sorted(allowed_types)}")
+    url = callback.get("url")
+    if not isinstance(url, str) or len(url) > 2048:
+        raise CallbackRefused("callback url must be a string of at most 2048 characters")
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises on a malformed port
+    except ValueError:
+        raise CallbackRefused("callback url is not a valid URL") from None
+    if parts.scheme != kind:
+        raise CallbackRefused("callback url scheme must match its type")
+    if not parts.hostname or parts.username or parts.password:
+        raise CallbackRefused("callback url needs a host and no credentials")
+    return url, parts.hostname.lower()
+
+
+def forbidden_address(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return (
+        ip.is_loopback
+        or ip.is_private
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+        or not ip.is_global
+    )
+
+
+async def resolve(host: str, port: int | None) -> list[str]:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(host, port or 443, type=socket.SOCK_STREAM), timeout=5
+        )
+    except (OSError, TimeoutError):
+        raise CallbackRefused("callback host does not resolve") from None
+    return sorted({info[4][0] for info in infos})
+
+
+async def check_destination(url: str, policy: CallbackPolicy) -> None:
+    """Raises CallbackRefused unless every address of the URL's host may be called."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if host in policy.allowed_hosts or policy.allow_private:
+        return
+    for address in await resolve(host, parts.port):
+        if forbidden_address(address):
+            raise CallbackRefused("callback host resolves to a forbidden address")
+
+
+async def check_callback(callback: object, policy: CallbackPolicy) -> dict[str, str]:
+    url, _ = check_shape(callback, policy)
+    await check_destination(url, policy)
+    return {"type": str(callback["type"]), "url": url}  # type: ignore[index]
+
+
+def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
+    t = int(time.time()) if timestamp is None else timestamp
+    mac = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={t},v1={mac}"
+
+
+def verify(secret: str, body: bytes, header: str, tolerance: float = 300.0) -> bool:
+    """What a consumer runs: the signature matches and is recent."""
+    try:
+        fields = dict(part.split("=", 1) for part in header.split(","))
+        t = int(fields["t"])
+    except (ValueError, KeyError):
+        return False
+    if abs(time.time() - t) > tolerance:
+        return False
+    expected = sign(secret, body, t).split(",", 1)[1].removeprefix("v1=")
+    return hmac.compare_digest(expected, fields.get("v1", ""))

@@ -1,0 +1,108 @@
+"""Services and grants as the API needs them, with compiled JSON Schemas.
+
+Service definitions change rarely (`conveyor admin apply`) but are read on
+every request, so a request costs one indexed lookup and never recompiles a
+schema: validators are cached by (service, updated_at).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import jsonschema
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from conveyor.events import MessageFormat
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    name: str
+    queue_name: str
+    capacity: int | None
+    json_schema: dict[str, Any] | None
+    message_format: MessageFormat
+    task_timeout: int
+    max_attempts: int
+    retention_seconds: int
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    service: Service
+    granted: bool
+    client_capacity: int | None
+
+
+_ACCESS = text(
+    """
+    SELECT s.name, s.queue_name, s.capacity, s.json_schema, s.message_format, s.task_timeout,
+           s.max_attempts, s.retention_seconds, s.updated_at,
+           a.client_id IS NOT NULL AS granted, a.capacity AS client_capacity
+    FROM services s
+    LEFT JOIN authorizations a ON a.service = s.name AND a.client_id = :client_id
+    WHERE s.name = :service
+    """
+)
+
+_ALL = text(
+    """
+    SELECT name, queue_name, capacity, json_schema, message_format, task_timeout,
+           max_attempts, retention_seconds, updated_at
+    FROM services ORDER BY name
+    """
+)
+
+
+def _service(row: Any) -> Service:
+    return Service(
+        name=row.name,
+        queue_name=row.queue_name,
+        capacity=row.capacity,
+        json_schema=row.json_schema,
+        message_format=MessageFormat(row.message_format),
+        task_timeout=row.task_timeout,
+        max_attempts=row.max_attempts,
+        retention_seconds=row.retention_seconds,
+        updated_at=row.updated_at,
+    )
+
+
+async def access(conn: AsyncConnection, client_id: str, service: str) -> Access | None:
+    row = (await conn.execute(_ACCESS, {"client_id": client_id, "service": service})).first()
+    if row is None:
+        return None
+    return Access(_service(row), row.granted, row.client_capacity)
+
+
+async def all_services(conn: AsyncConnection) -> list[Service]:
+    return [_service(row) for row in await conn.execute(_ALL)]
+
+
+class SchemaCache:
+    def __init__(self) -> None:
+        self._validators: dict[tuple[str, datetime], jsonschema.protocols.Validator] = {}
+
+    def errors(self, service: Service, body: Any) -> list[dict[str, str]]:
+        if not service.json_schema:
+            return []
+        validator = self._validator(service)
+        found = sorted(validator.iter_errors(body), key=lambda e: list(e.absolute_path))
+        return [
+            {"path": "body" + "".join(f"/{p}" for p in e.absolute_path), "message": e.message[:500]}
+            for e in found[:20]
+        ]
+
+    def _validator(self, service: Service) -> jsonschema.protocols.Validator:
+        key = (service.name, service.updated_at)
+        validator = self._validators.get(key)
+        if validator is None:
+            cls = jsonschema.validators.validator_for(service.json_schema)
+            validator = cls(service.json_schema, format_checker=cls.FORMAT_CHECKER)
+            self._validators = {k: v for k, v in self._validators.items() if k[0] != service.name}
+            self._validators[key] = validator
+        return validator

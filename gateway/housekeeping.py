@@ -1,0 +1,88 @@
+"""Housekeeping: the reaper (PENDING past its TTL → FAILURE) and the purge.
+
+The purge deletes in batches, each its own short transaction, so it never holds
+locks on millions of rows nor bloats one giant transaction; it runs daily as
+`conveyor purge` (a CronJob) and is safe to run concurrently with traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway import lifecycle, metrics
+
+log = logging.getLogger("conveyor.gateway.housekeeping")
+
+DEFAULT_RETENTION = 7 * 86400
+
+_PURGE_FINISHED = text(
+    """
+    DELETE FROM tasks WHERE id IN (
+        SELECT t.id FROM tasks t LEFT JOIN services s ON s.name = t.service
+         WHERE t.status IN ('SUCCESS', 'FAILURE')
+           AND t.end_date < now() - make_interval(
+                 secs => COALESCE(s.retention_seconds, :default_retention))
+         LIMIT :batch)
+    """
+)
+_PURGE_ANCIENT = text(
+    """
+    DELETE FROM tasks WHERE id IN (
+        SELECT id FROM tasks WHERE submission_date < now() - make_interval(secs => :max_age)
+         LIMIT :batch)
+    """
+)
+_PURGE_POISON = text(
+    "DELETE FROM poison_messages WHERE received_at < now() - make_interval(secs => :max_age)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeReport:
+    finished: int
+    ancient: int
+    poison: int
+    batches: int
+
+
+async def purge(engine: AsyncEngine, max_age: float, batch: int = 5000) -> PurgeReport:
+    params = {"default_retention": DEFAULT_RETENTION, "max_age": max_age, "batch": batch}
+    finished, n1 = await _delete_in_batches(engine, _PURGE_FINISHED, params, batch)
+    ancient, n2 = await _delete_in_batches(engine, _PURGE_ANCIENT, params, batch)
+    async with engine.begin() as conn:
+        poison = (await conn.execute(_PURGE_POISON, params)).rowcount
+    report = PurgeReport(finished, ancient, poison, n1 + n2)
+    log.info("purge done", extra=report.__dict__ if hasattr(report, "__dict__") else {})
+    return report
+
+
+async def _delete_in_batches(
+    engine: AsyncEngine, statement: object, params: dict, batch: int
+) -> tuple[int, int]:
+    total = batches = 0
+    while True:
+        async with engine.begin() as conn:
+            deleted = (await conn.execute(statement, params)).rowcount  # type: ignore[arg-type]
+        total += deleted
+        batches += 1
+        if deleted < batch:
+            return total, batches
+
+
+async def reaper_loop(engine: AsyncEngine, ttl: float, interval: float, on_expired) -> None:
+    while True:
+        try:
+            async with engine.begin() as conn:
+                expired = await lifecycle.expire_pending(conn, ttl)
+            if expired:
+                metrics.REAPED.inc(expired)
+                log.info("expired pending tasks", extra={"count": expired})
+                on_expired()
+        except Exception as exc:
+            log.warning("reaper pass failed", extra={"error": repr(exc)})
+        await asyncio.sleep(interval)

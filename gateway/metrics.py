@@ -1,0 +1,21 @@
+"""Prometheus metrics of the gateway, declared once and imported where counted."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+REQUESTS = Counter("conveyor_gateway_requests_total", "API answers", ["route", "status"])
+SUBMITTED = Counter("conveyor_gateway_tasks_submitted_total", "Tasks accepted", ["service"])
+PUBLISHED = Counter("conveyor_gateway_published_total", "Submissions confirmed", ["path"])
+EVENTS = Counter("conveyor_gateway_events_total", "Task events read from -out", ["kind", "outcome"])
+POISON = Counter("conveyor_gateway_poison_messages_total", "Messages set aside", ["queue_kind"])
+DEAD_LETTERED = Counter("conveyor_gateway_dead_lettered_total", "Submissions from -dlq")
+NOTIFICATIONS = Counter("conveyor_gateway_notifications_total", "Callbacks", ["outcome"])
+REAPED = Counter("conveyor_gateway_reaped_total", "PENDING tasks failed by the reaper")
+AUTH_FAILURES = Counter("conveyor_gateway_auth_failures_total", "403001 answers")
+LATENCY = Histogram(
+    "conveyor_gateway_request_seconds",
+    "API latency",
+    ["route"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)

@@ -1,0 +1,42 @@
+"""Schema management: Alembic, driven from code so that `conveyor db upgrade`
+needs no alembic.ini, and creates the database itself on a fresh machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psycopg
+from alembic import command
+from alembic.config import Config
+
+from conveyor.settings import normalize_database_url
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def alembic_config(database_url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", normalize_database_url(database_url))
+    return config
+
+
+def ensure_database(database_url: str) -> bool:
+    """Creates the database named in the URL if it does not exist; True if created."""
+    url = normalize_database_url(database_url).replace("postgresql+psycopg://", "postgresql://")
+    base, _, name = url.rpartition("/")
+    name = name.split("?")[0]
+    with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if exists:
+            return False
+        conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+        return True
+
+
+def upgrade(database_url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(database_url), revision)
+
+
+def downgrade(database_url: str, revision: str = "base") -> None:
+    command.downgrade(alembic_config(database_url), revision)

@@ -1,0 +1,197 @@
+"""The schema, as SQLAlchemy Core tables.
+
+Alembic migrations in `migrations/` are the only way the schema changes; this
+module describes the same tables for queries. The indexes are chosen for the
+three hot questions at millions of finished rows: "where is this task" (unique
+task_id), "how many PENDING before me / in total" (partial indexes on PENDING
+only, so their size follows the backlog, not the history), and "what is due for
+purge / notification" (partial indexes again).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+metadata = MetaData()
+
+
+class TaskStatus(enum.StrEnum):
+    PENDING = "PENDING"
+    IN_PROGRESS = "IN_PROGRESS"
+    SUCCESS = "SUCCESS"
+    FAILURE = "FAILURE"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TaskStatus.SUCCESS, TaskStatus.FAILURE)
+
+
+class NotificationStatus(enum.StrEnum):
+    PENDING = "PENDING"
+    SUCCESS = "SUCCESS"
+    FAILURE = "FAILURE"
+
+
+def _now() -> Column:
+    return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+def _updated() -> Column:
+    return Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+services = Table(
+    "services",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("queue_name", Text, nullable=False),
+    Column("capacity", Integer),
+    Column("json_schema", JSONB),
+    Column("message_format", Text, nullable=False, server_default="cloudevents"),
+    Column("task_timeout", Integer, nullable=False, server_default="300"),
+    Column("max_attempts", Integer, nullable=False, server_default="3"),
+    Column("retention_seconds", BigInteger, nullable=False, server_default=str(7 * 86400)),
+    _now(),
+    _updated(),
+    CheckConstraint("message_format IN ('cloudevents', 'legacy')", name="ck_services_format"),
+)
+
+clients = Table(
+    "clients",
+    metadata,
+    Column("client_id", Text, primary_key=True),
+    Column("secret_hash", Text, nullable=False),
+    _now(),
+    _updated(),
+)
+
+authorizations = Table(
+    "authorizations",
+    metadata,
+    Column("client_id", Text, ForeignKey("clients.client_id", ondelete="CASCADE"), nullable=False),
+    Column("service", Text, ForeignKey("services.name", ondelete="CASCADE"), nullable=False),
+    Column("capacity", Integer),
+    _now(),
+    PrimaryKeyConstraint("client_id", "service"),
+)
+
+tasks = Table(
+    "tasks",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("task_id", UUID(as_uuid=True), nullable=False, unique=True),
+    Column("client_id", Text, nullable=False),
+    Column("service", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default="PENDING"),
+    Column("request", JSONB, nullable=False),
+    Column("response", JSONB),
+    Column("error_message", Text),
+    Column("progress", Float, nullable=False, server_default="0"),
+    Column("callback", JSONB),
+    Column("submission_date", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("start_date", DateTime(timezone=True)),
+    Column("end_date", DateTime(timezone=True)),
+    Column("notification_status", Text),
+    Column("notification_attempts", Integer, nullable=False, server_default="0"),
+    Column("notify_claimed_until", DateTime(timezone=True)),
+    Column("worker_host", Text),
+    Column("attempt_id", Text),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("idempotency_key", Text),
+    _updated(),
+    CheckConstraint(
+        "status IN ('PENDING', 'IN_PROGRESS', 'SUCCESS', 'FAILURE')", name="ck_tasks_status"
+    ),
+    Index("ix_tasks_pending", "service", "id", postgresql_where=text("status = 'PENDING'")),
+    Index(
+        "ix_tasks_pending_client",
+        "service",
+        "client_id",
+        postgresql_where=text("status = 'PENDING'"),
+    ),
+    Index(
+        "ux_tasks_idempotency",
+        "client_id",
+        "service",
+        "idempotency_key",
+        unique=True,
+        postgresql_where=text("idempotency_key IS NOT NULL"),
+    ),
+    Index("ix_tasks_notify", "id", postgresql_where=text("notification_status = 'PENDING'")),
+    Index(
+        "ix_tasks_finished",
+        "service",
+        "end_date",
+        postgresql_where=text("status IN ('SUCCESS', 'FAILURE')"),
+    ),
+    Index("ix_tasks_submission_date", "submission_date"),
+)
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column(
+        "task_id",
+        UUID(as_uuid=True),
+        ForeignKey("tasks.task_id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("claimed_until", DateTime(timezone=True)),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("last_error", Text),
+)
+
+task_attempts = Table(
+    "task_attempts",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column(
+        "task_id",
+        UUID(as_uuid=True),
+        ForeignKey("tasks.task_id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("attempt_id", Text, nullable=False),
+    Column("worker_host", Text),
+    Column("start_date", DateTime(timezone=True), nullable=False),
+    Column("end_date", DateTime(timezone=True)),
+    Column("outcome", Text),
+    Column("error_message", Text),
+    UniqueConstraint("task_id", "attempt_id", name="ux_task_attempts_attempt"),
+)
+
+poison_messages = Table(
+    "poison_messages",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("queue", Text, nullable=False),
+    Column("received_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("reason", Text, nullable=False),
+    Column("headers", JSONB),
+    Column("body", LargeBinary),
+    Column("body_size", Integer, nullable=False),
+)

@@ -1,0 +1,175 @@
+"""Publishing without losing tasks: the transactional outbox.
+
+A submission commits its task row and an outbox row together, then publishes
+*after* the commit (nothing is ever published inside a transaction). Two paths
+empty the outbox:
+
+* the fast path: the API publishes at once and, once the broker confirms,
+  queues the outbox id for deletion; deletions are batched into one statement;
+* the relay: a background loop that claims rows older than a grace period
+  (their fast path failed, or the gateway died between commit and publish),
+  publishes them and deletes them. Claims are leases taken with
+  `FOR UPDATE SKIP LOCKED`, so several gateway replicas never publish the same
+  row at the same time, and a replica that dies mid-publish only delays a row
+  until its lease expires.
+
+At worst a task is published twice (confirm received, deletion lost): delivery
+is at-least-once end to end, and the state machine absorbs duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from sqlalchemy import bindparam, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from conveyor import topology
+from conveyor.events import MessageFormat, Submission, encode_submission
+from gateway import metrics
+from gateway.broker import Broker, PublishError
+from gateway.catalog import Service
+
+log = logging.getLogger("conveyor.gateway.outbox")
+
+_DELETE = text("DELETE FROM outbox WHERE id = ANY(:ids)").bindparams(bindparam("ids"))
+_CLAIM = text(
+    """
+    UPDATE outbox o
+       SET claimed_until = now() + make_interval(secs => :lease), attempts = o.attempts + 1
+      FROM tasks t JOIN services s ON s.name = t.service
+     WHERE o.id IN (
+             SELECT id FROM outbox
+              WHERE created_at < now() - make_interval(secs => :grace)
+                AND (claimed_until IS NULL OR claimed_until < now())
+              ORDER BY id LIMIT :limit
+              FOR UPDATE SKIP LOCKED)
+       AND t.task_id = o.task_id
+    RETURNING o.id, t.task_id, t.status, t.request, s.name AS service, s.queue_name,
+              s.message_format, s.max_attempts, s.task_timeout
+    """
+)
+_NOTE_ERROR = text("UPDATE outbox SET last_error = :error WHERE id = :id")
+
+
+def submission_for(
+    task_id: Any, service: Service, body: dict[str, Any], traceparent: str | None = None
+) -> Submission:
+    return Submission(
+        task_id=str(task_id),
+        service=service.name,
+        body=body,
+        message_format=service.message_format,
+        max_attempts=service.max_attempts,
+        timeout=float(service.task_timeout),
+        traceparent=traceparent,
+    )
+
+
+class Outbox:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        broker: Broker,
+        grace: float = 10.0,
+        interval: float = 1.0,
+        batch: int = 200,
+    ) -> None:
+        self.engine = engine
+        self.broker = broker
+        self.grace = grace
+        self.interval = interval
+        self.batch = batch
+        self._confirmed: list[int] = []
+        self._flush_wakeup = asyncio.Event()
+
+    # -- fast path ---------------------------------------------------------
+
+    async def publish_now(self, outbox_id: int, submission: Submission, queue_name: str) -> bool:
+        """Publishes right after the commit; False leaves the task to the relay."""
+        if not self.broker.connected:
+            return False
+        try:
+            await self.broker.publish(encode_submission(submission), topology.in_queue(queue_name))
+        except PublishError as exc:
+            log.warning("fast-path publish failed; relay will retry", extra={"error": str(exc)})
+            return False
+        metrics.PUBLISHED.labels(path="fast").inc()
+        self._confirmed.append(outbox_id)
+        if len(self._confirmed) >= self.batch:
+            self._flush_wakeup.set()
+        return True
+
+    async def flush_loop(self) -> None:
+        """Deletes confirmed outbox rows in batches: one statement, not one per task."""
+        while True:
+            try:
+                await asyncio.wait_for(self._flush_wakeup.wait(), 0.05)
+            except TimeoutError:
+                pass
+            self._flush_wakeup.clear()
+            await self.flush()
+
+    async def flush(self) -> None:
+        if not self._confirmed:
+            return
+        ids, self._confirmed = self._confirmed, []
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(_DELETE, {"ids": ids})
+        except Exception as exc:
+            # The rows stay; the relay republishes them later (a harmless duplicate).
+            log.warning("could not delete confirmed outbox rows", extra={"error": repr(exc)})
+
+    # -- relay -------------------------------------------------------------
+
+    async def relay_loop(self) -> None:
+        while True:
+            try:
+                while await self.relay_once() >= self.batch:
+                    pass
+            except Exception as exc:
+                log.warning("outbox relay pass failed", extra={"error": repr(exc)})
+            await asyncio.sleep(self.interval)
+
+    async def relay_once(self, grace: float | None = None) -> int:
+        """One pass; returns how many rows it claimed."""
+        params = {
+            "lease": 30.0,
+            "grace": self.grace if grace is None else grace,
+            "limit": self.batch,
+        }
+        async with self.engine.begin() as conn:
+            rows = (await conn.execute(_CLAIM, params)).all()
+        if not rows:
+            return 0
+        results = await asyncio.gather(*(self._relay_row(row) for row in rows))
+        done = [row.id for row, ok in zip(rows, results, strict=True) if ok]
+        if done:
+            async with self.engine.begin() as conn:
+                await conn.execute(_DELETE, {"ids": done})
+        return len(rows)
+
+    async def _relay_row(self, row: Any) -> bool:
+        if row.status != "PENDING":
+            return True  # finished or failed meanwhile (e.g. by the reaper): nothing to send
+        submission = Submission(
+            task_id=str(row.task_id),
+            service=row.service,
+            body=row.request,
+            message_format=MessageFormat(row.message_format),
+            max_attempts=row.max_attempts,
+            timeout=float(row.task_timeout),
+        )
+        try:
+            await self.broker.publish(
+                encode_submission(submission), topology.in_queue(row.queue_name)
+            )
+        except PublishError as exc:
+            async with self.engine.begin() as conn:
+                await conn.execute(_NOTE_ERROR, {"id": row.id, "error": str(exc)[:500]})
+            return False
+        metrics.PUBLISHED.labels(path="relay").inc()
+        return True

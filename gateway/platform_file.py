@@ -1,0 +1,134 @@
+"""The declarative platform file (`conveyor admin apply -f platform.yaml`, SPEC §4).
+
+Keys are exactly the SPEC's; an unknown key is an error that names it, so a
+typo never silently drops a setting.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jsonschema
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from conveyor.events import MessageFormat
+
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+class PlatformError(ValueError):
+    pass
+
+
+def parse_duration(value: Any) -> int:
+    """`7d`, `12h`, `30m`, `45s` or a number of seconds."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = _DURATION.match(str(value))
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError(f"not a duration: {value!r} (use e.g. 7d, 12h, 30m, 45s)")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _check_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError("use letters, digits, '.', '_' or '-' (at most 100)")
+    return value
+
+
+class ServiceSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    queueName: str | None = None
+    capacity: int | None = Field(None, ge=0)
+    jsonSchema: dict[str, Any] | None = None
+    messageFormat: MessageFormat = MessageFormat.CLOUDEVENTS
+    taskTimeout: int = Field(300, gt=0)
+    maxAttempts: int = Field(3, ge=1, le=100)
+    retention: int = 7 * 86400
+
+    _name = field_validator("name", "queueName")(lambda cls, v: v if v is None else _check_name(v))
+
+    @field_validator("retention", mode="before")
+    @classmethod
+    def _retention(cls, value: Any) -> int:
+        return parse_duration(value)
+
+    @field_validator("jsonSchema")
+    @classmethod
+    def _schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            try:
+                jsonschema.validators.validator_for(value).check_schema(value)
+            except jsonschema.SchemaError as exc:
+                raise ValueError(f"invalid JSON Schema: {exc.message}") from None
+        return value
+
+    @property
+    def queue(self) -> str:
+        return self.queueName or self.name
+
+
+class GrantSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    service: str
+    capacity: int | None = Field(None, ge=0)
+
+
+class ClientSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    secret: str | None = Field(None, min_length=8)
+    secretHash: str | None = None
+    grants: list[GrantSpec] = Field(default_factory=list)
+
+    _id = field_validator("id")(lambda cls, v: _check_name(v))
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> ClientSpec:
+        if (self.secret is None) == (self.secretHash is None):
+            raise ValueError("give exactly one of secret or secretHash")
+        if self.secretHash is not None and not self.secretHash.startswith("$2"):
+            raise ValueError("secretHash must be a bcrypt hash ($2b$...)")
+        return self
+
+
+class PlatformSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    services: list[ServiceSpec] = Field(default_factory=list)
+    clients: list[ClientSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _references(self) -> PlatformSpec:
+        names = [s.name for s in self.services]
+        if len(set(names)) != len(names):
+            raise ValueError("a service is declared twice")
+        return self
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{e['loc'][-1]}' at {where}")
+        else:
+            lines.append(f"{where}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def load(text: str) -> PlatformSpec:
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise PlatformError(f"not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise PlatformError("the platform file must be a mapping with services and clients")
+    try:
+        return PlatformSpec.model_validate(data)
+    except ValidationError as exc:
+        raise PlatformError(_describe(exc)) from None

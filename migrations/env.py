@@ -1,0 +1,38 @@
+"""Alembic environment: runs migrations on CONVEYOR_DATABASE_URL (or the URL the
+caller put in the config), synchronously through psycopg."""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+from conveyor.settings import GatewaySettings, normalize_database_url
+from gateway.models import metadata
+
+config = context.config
+
+
+def _url() -> str:
+    url = config.get_main_option("sqlalchemy.url")
+    return normalize_database_url(url) if url else GatewaySettings().database_url
+
+
+def run_offline() -> None:
+    context.configure(url=_url(), target_metadata=metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_online() -> None:
+    engine = create_engine(_url(), poolclass=pool.NullPool)
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=metadata)
+        with context.begin_transaction():
+            context.run_migrations()
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    run_offline()
+else:
+    run_online()

@@ -1,0 +1,80 @@
+"""Shared fixtures: a fresh database per test run, unique queue names per test,
+and real processes that are always stopped.
+
+PostgreSQL and RabbitMQ are real (`make test` ensures they run). Set
+CONVEYOR_DATABASE_URL / CONVEYOR_AMQP_URL to point the suite elsewhere; the
+database named in the URL is only used to create and drop the run's own one.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conveyor.settings import DEFAULT_AMQP_URL, normalize_database_url
+from tests.support.processes import Processes
+
+ADMIN_DB_URL = normalize_database_url(
+    os.environ.get("CONVEYOR_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+)
+AMQP_URL = os.environ.get("CONVEYOR_AMQP_URL", DEFAULT_AMQP_URL)
+
+
+def _replace_db(url: str, name: str) -> str:
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{name}"
+
+
+def _psycopg_url(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    return AMQP_URL
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    """A database created for this run, migrated to head, dropped at the end."""
+    import psycopg
+
+    name = f"conveyor_test_{uuid.uuid4().hex[:10]}"
+    admin = _psycopg_url(_replace_db(ADMIN_DB_URL, "postgres"))
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = _replace_db(ADMIN_DB_URL, name)
+    from gateway.migrate import upgrade
+
+    upgrade(url)
+    os.environ["CONVEYOR_TEST_DATABASE_URL"] = url
+    yield url
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def queue_name() -> str:
+    """Unique per test: tests never see each other's queues."""
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def procs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Processes]:
+    manager = Processes(tmp_path)
+    yield manager
+    failed = getattr(request.node, "rep_call", None)
+    manager.stop_all()
+    if failed is not None and failed.failed:
+        print(manager.dump())
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

@@ -1,0 +1,116 @@
+"""Real processes for end-to-end tests: started, signalled, and their logs kept.
+
+Each process writes to its own log file so a failing test can print it, and so a
+test can grep the logs (e.g. for leaked secrets).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], env: Mapping[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.args = args
+        self.log_path = log_dir / f"{name}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        self._log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(
+            args, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+        self._log.close()
+        return self.popen.returncode
+
+
+def wait_http(url: str, timeout: float = 30.0, proc: Proc | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited early:\n{proc.logs()[-4000:]}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    detail = proc.logs()[-4000:] if proc else ""
+    raise TimeoutError(f"{url} not ready after {timeout}s\n{detail}")
+
+
+class Processes:
+    """Starts processes for one test and stops every one of them afterwards."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+
+    def start(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> Proc:
+        proc = Proc(name, args, env or {}, self.log_dir)
+        self.procs.append(proc)
+        return proc
+
+    def conveyor(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> Proc:
+        return self.start(name, [PYTHON, "-m", "conveyor", *args], env)
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    def dump(self) -> str:
+        return "\n".join(f"==== {p.name} ====\n{p.logs()[-3000:]}" for p in self.procs)
+
+
+@contextmanager
+def processes(log_dir: Path) -> Iterator[Processes]:
+    procs = Processes(log_dir)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()

@@ -9,10 +9,10 @@ Kubernetes manifests conventionally spell them bare (`FUNCTION_URL`).
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import AliasChoices, Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/conveyor"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -58,7 +58,8 @@ class GatewaySettings(CommonSettings):
     callback_signing_secret: str = "change-me"
     callback_allow_http: bool = False
     callback_allow_private: bool = False
-    callback_allowed_hosts: list[str] = Field(default_factory=list)
+    # Comma-separated host names exempt from the SSRF guard.
+    callback_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     callback_timeout: float = 10.0
     callback_attempts: int = 3
     callback_backoff: float = 1.0

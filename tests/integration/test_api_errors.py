@@ -1,0 +1,267 @@
+"""Every row of SPEC §3's error tables, against a real gateway, PostgreSQL and RabbitMQ."""
+
+from __future__ import annotations
+
+import base64
+import re
+import uuid
+
+import httpx
+import pytest
+
+from tests.support.gateway import GatewayProcess, Platform
+
+DATE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+SCHEMA = {
+    "type": "object",
+    "required": ["sleep"],
+    "properties": {"sleep": {"type": "number"}},
+}
+
+
+def error_of(answer: httpx.Response) -> tuple[int, int]:
+    payload = answer.json()
+    assert payload["status"] == "error", payload
+    return answer.status_code, payload["error"]["number"]
+
+
+@pytest.fixture(scope="module")
+def svc(platform: Platform):
+    return platform.service(clients=2, jsonSchema=SCHEMA)
+
+
+def test_create_returns_task_id_and_position(gateway: GatewayProcess, svc) -> None:
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(svc.name), json={"body": {"sleep": 1}})
+        assert answer.status_code == 201, answer.text
+        data = answer.json()["data"]
+        assert answer.json()["status"] == "success"
+        uuid.UUID(data["taskId"])
+        assert isinstance(data["taskPosition"], int) and data["taskPosition"] >= 1
+        second = http.post(gateway.tasks_url(svc.name) + "/", json={"body": {"sleep": 1}})
+        assert second.status_code == 201  # the trailing-slash spelling of the seed
+        assert second.json()["data"]["taskPosition"] == data["taskPosition"] + 1
+
+
+def test_poll_pending_task_shape(gateway: GatewayProcess, svc) -> None:
+    with gateway.http(svc.clients[0]) as http:
+        task_id = http.post(gateway.tasks_url(svc.name), json={"body": {"sleep": 1}}).json()[
+            "data"
+        ]["taskId"]
+        answer = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+    assert answer.status_code == 200
+    data = answer.json()["data"]
+    assert data["status"] == "PENDING"
+    assert data["taskId"] == task_id
+    assert DATE.match(data["submitionDate"])
+    assert data["progress"] == 0.0
+    assert data["taskPosition"] >= 1
+    assert "startDate" not in data and "endDate" not in data
+
+
+@pytest.mark.parametrize(
+    "auth",
+    [
+        None,
+        "Bearer abc",
+        "Basic !!!notbase64",
+        "Basic " + base64.b64encode(b"no-colon").decode(),
+        "Basic " + base64.b64encode(b"unknown-client:whatever").decode(),
+    ],
+)
+def test_bad_credentials_are_403001(gateway: GatewayProcess, svc, auth: str | None) -> None:
+    headers = {"Authorization": auth} if auth else {}
+    with gateway.http() as http:
+        answer = http.post(
+            gateway.tasks_url(svc.name), json={"body": {"sleep": 1}}, headers=headers
+        )
+    assert error_of(answer) == (403, 403001)
+    assert answer.json()["error"]["description"] == "Forbidden."
+    assert answer.headers["www-authenticate"] == 'Basic realm="conveyor"'
+
+
+def test_wrong_secret_and_unknown_client_look_identical(gateway: GatewayProcess, svc) -> None:
+    client = svc.clients[0]
+    with gateway.http() as http:
+        wrong = http.post(
+            gateway.tasks_url(svc.name), json={"body": {}}, auth=(client.client_id, "nope")
+        )
+        unknown = http.post(gateway.tasks_url(svc.name), json={"body": {}}, auth=("ghost", "nope"))
+    assert wrong.status_code == unknown.status_code == 403
+    assert wrong.content == unknown.content
+    assert wrong.headers.get("www-authenticate") == unknown.headers.get("www-authenticate")
+
+
+def test_client_without_grant_is_403001(gateway: GatewayProcess, svc, platform: Platform) -> None:
+    other = platform.service()
+    with gateway.http(other.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(svc.name), json={"body": {"sleep": 1}})
+    assert error_of(answer) == (403, 403001)
+
+
+def test_unknown_service_is_404001(gateway: GatewayProcess, svc) -> None:
+    with gateway.http(svc.clients[0]) as http:
+        created = http.post("/v1/services/no-such-service/tasks", json={"body": {}})
+        polled = http.get(f"/v1/services/no-such-service/tasks/{uuid.uuid4()}")
+        unicode = http.post("/v1/services/s%C3%A9rvice-%E2%98%83/tasks", json={"body": {}})
+    assert error_of(created) == (404, 404001)
+    assert created.json()["error"]["description"] == "Service not found."
+    assert error_of(polled) == (404, 404001)
+    assert error_of(unicode) == (404, 404001)
+
+
+def test_schema_failure_is_400001_with_errors(gateway: GatewayProcess, svc) -> None:
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(svc.name), json={"body": {"sleep": "long"}})
+    assert error_of(answer) == (400, 400001)
+    error = answer.json()["error"]
+    assert (
+        error["description"] == "Error validating the body with the target service's json-schema."
+    )
+    assert error["errors"] == [{"path": "body/sleep", "message": "'long' is not of type 'number'"}]
+
+
+@pytest.mark.parametrize(
+    ("content", "field"),
+    [
+        (b"{not json", ""),
+        (b"[1, 2]", ""),
+        (b'{"callback": null}', "body"),
+        (b'{"body": [1]}', "body"),
+        (b'{"body": "text"}', "body"),
+        (b'{"body": {"sleep": 1}, "extra": 1}', "extra"),
+        (b'{"body": {"sleep": NaN}}', ""),
+        (b'{"body": {"sleep": 1}, "callback": {"type": "ftp", "url": "ftp://x"}}', "callback.url"),
+        (b'{"body": {"sleep": 1}, "callback": {"type": "https"}}', "callback.url"),
+        (b'{"body": {"sleep": 1}, "callback": "https://x"}', "callback.url"),
+        (b"\xff\xfe{}", ""),
+    ],
+)
+def test_malformed_requests_are_400002(
+    gateway: GatewayProcess, svc, content: bytes, field: str
+) -> None:
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(
+            gateway.tasks_url(svc.name),
+            content=content,
+            headers={"Content-Type": "application/json"},
+        )
+    assert error_of(answer) == (400, 400002), answer.text
+    error = answer.json()["error"]
+    assert error["description"] == "Invalid request."
+    assert error["errors"][0]["path"] == field
+
+
+def test_callback_to_private_address_is_refused(gateway: GatewayProcess, svc) -> None:
+    with gateway.http(svc.clients[0]) as http:
+        for url in ("http://127.0.0.1:9/hook", "http://169.254.169.254/latest", "http://10.0.0.1/"):
+            answer = http.post(
+                gateway.tasks_url(svc.name),
+                json={"body": {"sleep": 1}, "callback": {"type": "http", "url": url}},
+            )
+            assert error_of(answer) == (400, 400002), url
+            assert answer.json()["error"]["errors"][0]["path"] == "callback.url"
+
+
+def test_too_large_is_413001(gateway: GatewayProcess, svc) -> None:
+    big = b'{"body": {"sleep": 1, "pad": "' + b"x" * (1024 * 1024 + 10) + b'"}}'
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(
+            gateway.tasks_url(svc.name), content=big, headers={"Content-Type": "application/json"}
+        )
+    assert error_of(answer) == (413, 413001)
+    assert answer.json()["error"]["description"] == "Request too large."
+
+
+def test_service_capacity_is_429001(gateway: GatewayProcess, platform: Platform) -> None:
+    svc = platform.service(capacity=2)
+    with gateway.http(svc.clients[0]) as http:
+        codes = [
+            http.post(gateway.tasks_url(svc.name), json={"body": {}}).status_code for _ in range(3)
+        ]
+        answer = http.post(gateway.tasks_url(svc.name), json={"body": {}})
+    assert codes == [201, 201, 429]
+    assert error_of(answer) == (429, 429001)
+    assert answer.json()["error"]["description"] == "Too many service requests"
+
+
+def test_client_capacity_is_429002(gateway: GatewayProcess, platform: Platform) -> None:
+    svc = platform.service(clients=2, client_capacity=1)
+    first, second = svc.clients
+    with gateway.http(first) as http:
+        assert http.post(gateway.tasks_url(svc.name), json={"body": {}}).status_code == 201
+        answer = http.post(gateway.tasks_url(svc.name), json={"body": {}})
+    assert error_of(answer) == (429, 429002)
+    assert answer.json()["error"]["description"] == "Too many service requests for the clientId."
+    with gateway.http(second) as http:  # the other client's own capacity is untouched
+        assert http.post(gateway.tasks_url(svc.name), json={"body": {}}).status_code == 201
+
+
+def test_unknown_task_is_404002(gateway: GatewayProcess, svc) -> None:
+    with gateway.http(svc.clients[0]) as http:
+        unknown = http.get(f"{gateway.tasks_url(svc.name)}/{uuid.uuid4()}")
+        not_uuid = http.get(f"{gateway.tasks_url(svc.name)}/not-a-uuid")
+    assert error_of(unknown) == (404, 404002)
+    assert unknown.json()["error"]["description"] == "Task not found."
+    assert error_of(not_uuid) == (404, 404002)
+
+
+def test_tenant_isolation(gateway: GatewayProcess, svc, platform: Platform) -> None:
+    """Client B can neither read A's task nor tell it apart from a task that doesn't exist."""
+    a, b = svc.clients
+    with gateway.http(a) as http:
+        task_id = http.post(gateway.tasks_url(svc.name), json={"body": {"sleep": 1}}).json()[
+            "data"
+        ]["taskId"]
+    with gateway.http(b) as http:
+        theirs = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+        missing = http.get(f"{gateway.tasks_url(svc.name)}/{uuid.uuid4()}")
+    assert error_of(theirs) == (404, 404002)
+    assert theirs.content == missing.content
+    # Nor through another service the task does not belong to.
+    other = platform.service()
+    with gateway.http(other.clients[0]) as http:
+        assert error_of(http.get(f"{gateway.tasks_url(other.name)}/{task_id}")) == (404, 404002)
+
+
+def test_idempotency_key_returns_the_same_task(gateway: GatewayProcess, svc) -> None:
+    key = uuid.uuid4().hex
+    with gateway.http(svc.clients[0]) as http:
+        first = http.post(
+            gateway.tasks_url(svc.name),
+            json={"body": {"sleep": 1}},
+            headers={"Idempotency-Key": key},
+        )
+        repeat = http.post(
+            gateway.tasks_url(svc.name),
+            json={"body": {"sleep": 1}},
+            headers={"Idempotency-Key": key},
+        )
+    assert first.status_code == 201
+    assert repeat.status_code == 200
+    assert repeat.json()["data"]["taskId"] == first.json()["data"]["taskId"]
+    # The same key from another client is another task.
+    with gateway.http(svc.clients[1]) as http:
+        other = http.post(
+            gateway.tasks_url(svc.name),
+            json={"body": {"sleep": 1}},
+            headers={"Idempotency-Key": key},
+        )
+    assert other.status_code == 201
+    assert other.json()["data"]["taskId"] != first.json()["data"]["taskId"]
+
+
+def test_operations_endpoints(gateway: GatewayProcess) -> None:
+    with gateway.http() as http:
+        assert http.get("/healthz").status_code == 200
+        ready = http.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["checks"] == {
+            "database": True,
+            "broker": True,
+        }
+        assert "conveyor_gateway_requests_total" in http.get("/metrics").text
+        spec = http.get("/openapi.json").json()
+        post = spec["paths"]["/v1/services/{service}/tasks"]["post"]
+        assert {"201", "400", "403", "404", "413", "429"} <= set(post["responses"])
+        assert http.get("/docs").status_code == 200
+        assert error_of(http.get("/nope")) == (404, 404000)

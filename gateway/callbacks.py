@@ -54,8 +54,9 @@ def check_shape(callback: object, policy: CallbackPolicy) -> tuple[str, str]:
         _ = parts.port  # raises on a malformed port
     except ValueError:
         raise CallbackRefused("callback url is not a valid URL") from None
-    if parts.scheme != kind:
-        raise CallbackRefused("callback url scheme must match its type")
+    # `type` names the mechanism (an HTTP call); the URL's scheme says whether it is TLS.
+    if parts.scheme not in allowed_types:
+        raise CallbackRefused(f"callback url scheme must be one of {sorted(allowed_types)}")
     if not parts.hostname or parts.username or parts.password:
         raise CallbackRefused("callback url needs a host and no credentials")
     return url, parts.hostname.lower()

@@ -54,7 +54,8 @@ class Proc:
         return self.popen.wait(timeout=timeout)
 
     def logs(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # dump() runs after stop_all() closed it
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 10.0) -> int | None:

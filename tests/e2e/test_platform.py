@@ -1,0 +1,126 @@
+"""The platform end to end: gateway, dispatcher and the sleeper function as real
+processes, real PostgreSQL and RabbitMQ, real signals."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import CallbackSink, Stack, calls_of
+from tests.support.gateway import Platform
+from tests.integration.conftest import platform  # noqa: F401 - shared fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def db_row(platform: Platform, task_id: str) -> dict:  # noqa: F811
+    rows = platform.sql(
+        "SELECT worker_host, attempts, notification_status FROM tasks WHERE task_id = %(t)s",
+        {"t": task_id},
+    )
+    host, attempts, notification = rows[0]
+    return {"worker_host": host, "attempts": attempts, "notification_status": notification}
+
+
+def test_task_runs_through_every_state(stack: Stack, sink: CallbackSink, platform: Platform) -> None:  # noqa: F811
+    stack.dispatcher("pod-a")
+    task_id = stack.submit({"sleep": 2.5}, callback=sink.url)
+    states = stack.watch(task_id, lambda d: d["status"] == "SUCCESS", timeout=30)
+    statuses = [s["status"] for s in states]
+    assert statuses[-1] == "SUCCESS"
+    assert "IN_PROGRESS" in statuses
+    progress = [s["progress"] for s in states if s["status"] == "IN_PROGRESS"]
+    assert any(0 < p < 100 for p in progress), progress
+    assert progress == sorted(progress)
+    final = states[-1]
+    assert final["response"] == {"hello": "world"}
+    assert final["progress"] == 100.0
+    assert {"startDate", "endDate", "submitionDate"} <= set(final)
+    assert db_row(platform, task_id)["worker_host"] == "pod-a"
+    deadline = time.monotonic() + 10
+    while not sink.received and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [r["body"] for r in sink.received] == [final]
+    assert "X-Conveyor-Signature" in sink.received[0]["headers"]
+
+
+def test_failing_task_ends_in_failure_with_argh(stack: Stack) -> None:
+    stack.dispatcher("pod-a")
+    task_id = stack.submit({"sleep": 0, "mustSucceed": False})
+    final = stack.finish(task_id)
+    assert final["status"] == "FAILURE"
+    assert final["errorMessage"] == "Argh!"
+
+
+def test_5xx_then_2xx_succeeds_after_a_retry(stack: Stack, flaky_url: str) -> None:
+    stack.function_url = flaky_url
+    stack.dispatcher("pod-a")
+    task_id = stack.submit({"sleep": 0})
+    final = stack.finish(task_id)
+    assert final["status"] == "SUCCESS", final
+    assert final["response"] == {"hello": "world"}
+
+
+def test_sigterm_in_requeue_mode_hands_the_task_over(
+    stack: Stack, platform: Platform, call_log: Path  # noqa: F811
+) -> None:
+    first = stack.dispatcher("pod-first", SHUTDOWN_MODE="requeue")
+    task_id = stack.submit({"sleep": 4})
+    before = stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS" and d["progress"] > 0)[-1]
+    assert db_row(platform, task_id)["worker_host"] == "pod-first"
+
+    sent = time.monotonic()
+    first.signal(signal.SIGTERM)
+    assert first.wait(timeout=5) == 0
+    assert time.monotonic() - sent < 5
+
+    stack.dispatcher("pod-second", SHUTDOWN_MODE="requeue")
+    restarted = stack.watch(
+        task_id, lambda d: d["status"] != "IN_PROGRESS" or d["startDate"] != before["startDate"]
+    )[-1]
+    assert restarted["status"] == "IN_PROGRESS"
+    assert restarted["startDate"] > before["startDate"]
+    assert restarted["progress"] < before["progress"] or restarted["progress"] == 0.0
+    assert db_row(platform, task_id)["worker_host"] == "pod-second"
+    final = stack.finish(task_id)
+    assert final["status"] == "SUCCESS"
+    hosts = platform.sql(
+        "SELECT worker_host, outcome FROM task_attempts WHERE task_id = %(t)s ORDER BY start_date",
+        {"t": task_id},
+    )
+    assert hosts == [("pod-first", "interrupted"), ("pod-second", "success")]
+
+
+def test_sigkill_during_a_task_still_succeeds(stack: Stack, platform: Platform) -> None:  # noqa: F811
+    first = stack.dispatcher("pod-doomed")
+    task_id = stack.submit({"sleep": 2})
+    stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
+    first.signal(signal.SIGKILL)
+    first.wait(timeout=5)
+    stack.dispatcher("pod-rescue")
+    final = stack.finish(task_id)
+    assert final["status"] == "SUCCESS"
+    assert db_row(platform, task_id)["worker_host"] == "pod-rescue"
+
+
+def test_drain_mode_finishes_the_in_flight_task(stack: Stack) -> None:
+    proc = stack.dispatcher("pod-drain", SHUTDOWN_MODE="drain", DRAIN_TIMEOUT="20")
+    task_id = stack.submit({"sleep": 2})
+    stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    # Nothing else consumes this queue: the task finished before the dispatcher exited.
+    final = stack.poll(task_id)
+    assert final["status"] == "SUCCESS", final
+
+
+def test_one_shot_handles_one_task_then_exits(stack: Stack) -> None:
+    first = stack.submit({"sleep": 0})
+    second = stack.submit({"sleep": 0})
+    proc = stack.dispatcher("job-1", ONE_SHOT="1", IDLE_EXIT_SECONDS="5")
+    assert proc.wait(timeout=30) == 0
+    statuses = sorted(stack.poll(t)["status"] for t in (first, second))
+    assert statuses == ["PENDING", "SUCCESS"]

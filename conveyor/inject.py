@@ -250,7 +250,8 @@ def _classify(doc: Doc) -> str:
 
 
 def _is_generated_dispatcher(doc: Doc) -> bool:
-    labels = (doc.get("metadata") or {}).get("labels") or {}
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
     return (
         doc.get("apiVersion") == "apps/v1"
         and doc.get("kind") == "Deployment"
@@ -258,18 +259,21 @@ def _is_generated_dispatcher(doc: Doc) -> bool:
     )
 
 
-def _key(doc: Doc) -> tuple[str, str, str]:
-    meta = doc.get("metadata") or {}
+def _key(doc: Doc) -> Key:
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     return (doc["kind"], str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
 
 def _name_of(doc: Doc) -> str:
-    name = (doc.get("metadata") or {}).get("name")
+    meta = doc.get("metadata")
+    name = meta.get("name") if isinstance(meta, dict) else None
     return f"{doc.get('kind', 'object')} {name}" if name else f"a {doc.get('kind', 'object')}"
 
 
 def _workload_name(doc: Doc) -> str:
-    name = (doc.get("metadata") or {}).get("name")
+    if not isinstance(doc.get("metadata"), dict) or not isinstance(doc.get("spec", {}), dict):
+        raise InjectError(f"{_name_of(doc)}: metadata and spec must be mappings")
+    name = doc["metadata"].get("name")
     if not isinstance(name, str) or not name:
         raise InjectError(f"{_name_of(doc)} has no metadata.name")
     return name
@@ -300,11 +304,18 @@ def _inject_workload(
 ) -> list[Doc]:
     mode = _mode_for(doc, options.mode)
     name = _workload_name(doc)
-    if mode is Mode.KNATIVE:
-        return _inject_knative(doc, name, options, companions, warnings)
-    if mode is Mode.JOB:
-        return _inject_job(doc, name, options, companions, warnings)
-    return _inject_sidecar(doc, name, options, companions, warnings)
+    try:
+        if mode is Mode.KNATIVE:
+            return _inject_knative(doc, name, options, companions, warnings)
+        if mode is Mode.JOB:
+            return _inject_job(doc, name, options, companions, warnings)
+        return _inject_sidecar(doc, name, options, companions, warnings)
+    except (AttributeError, KeyError, TypeError) as exc:
+        # A field of the wrong type that the checks above did not anticipate.
+        raise InjectError(
+            f"{_name_of(doc)} is malformed ({type(exc).__name__}: {exc}); "
+            "`kubectl apply --dry-run=client -f` shows where"
+        ) from None
 
 
 # -------------------------------------------------------------- settings (Wiring)
@@ -373,7 +384,29 @@ def _resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None
 def _pod_spec(template: Any, owner: str) -> Doc:
     if not isinstance(template, dict) or not isinstance(template.get("spec"), dict):
         raise InjectError(f"{owner} has no pod template (spec.template.spec)")
-    return template["spec"]
+    if not isinstance(template.get("metadata", {}), dict):
+        raise InjectError(f"{owner}: spec.template.metadata is not a mapping")
+    pod = template["spec"]
+    for key in ("containers", "initContainers", "volumes"):
+        _check_list_of_mappings(pod.get(key), f"{owner}: {key}")
+    for key in ("labels", "annotations"):
+        if not isinstance(template.get("metadata", {}).get(key, {}), dict):
+            raise InjectError(f"{owner}: spec.template.metadata.{key} is not a mapping")
+    for container in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+        where = f"{owner}: container {container.get('name', '(unnamed)')}"
+        for key in ("env", "ports", "volumeMounts"):
+            _check_list_of_mappings(container.get(key), f"{where}: {key}")
+        if not all(isinstance(e.get("name"), str) for e in container.get("env") or []):
+            raise InjectError(f"{where}: every env entry needs a string name")
+    return pod
+
+
+def _check_list_of_mappings(value: Any, where: str) -> None:
+    """Malformed shapes become a clear error here rather than a traceback later."""
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise InjectError(f"{where} must be a list of mappings")
 
 
 def _find_dispatcher(pod: Doc) -> Doc | None:

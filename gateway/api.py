@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from gateway import api_models, catalog, errors, metrics
@@ -26,7 +27,14 @@ from gateway.store import NewTask, create_task, get_task
 router = APIRouter()
 MAX_SERVICE_NAME = 200
 MAX_IDEMPOTENCY_KEY = 200
+# Deeper documents overflow recursive JSON encoders downstream (json, orjson: 254).
+MAX_DEPTH = 128
 _JSON_TYPES = ("application/json", "application/cloudevents+json")
+
+
+class _DocumentedJson(JSONResponse):
+    """Documents the routes' bodies in OpenAPI: FastAPI describes a response class that is
+    not a JSONResponse as `type: string`. The handlers return `Json` themselves."""
 
 
 def runtime(request: Request) -> Runtime:
@@ -43,7 +51,7 @@ async def _client(request: Request, rt: Runtime) -> str:
 
 
 async def _access(rt: Runtime, client_id: str, service: str) -> catalog.Access | None:
-    if len(service) > MAX_SERVICE_NAME:
+    if len(service) > MAX_SERVICE_NAME or "\x00" in service:  # PostgreSQL text refuses NUL
         return None
     async with rt.engine.connect() as conn:
         return await catalog.access(conn, client_id, service)
@@ -76,12 +84,35 @@ def _parse(raw: bytes, content_type: str | None) -> dict[str, Any]:
         raise errors.invalid("", f"malformed JSON: {str(exc)[:200]}") from None
     if not isinstance(payload, dict):
         raise errors.invalid("", "the request must be a JSON object")
+    if b"\\u0000" in raw or raw.count(b"{") + raw.count(b"[") > MAX_DEPTH:
+        _check_storable(payload)
     unknown = sorted(set(payload) - {"body", "callback"})
     if unknown:
         raise errors.invalid(unknown[0][:100], "unknown field")
     if not isinstance(payload.get("body"), dict):
         raise errors.invalid("body", "required, and must be a JSON object")
     return payload
+
+
+def _check_storable(payload: dict[str, Any]) -> None:
+    """Refuses what cannot be stored or re-encoded: NUL characters (jsonb refuses them) and
+    nesting deeper than MAX_DEPTH. Iterative, so a hostile document cannot exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(payload, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise errors.invalid(path[:200], "text may not contain NUL (\\u0000)")
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_DEPTH:
+            raise errors.invalid(path[:200], f"nested deeper than {MAX_DEPTH} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str) and "\x00" in key:
+                raise errors.invalid(path[:200], "keys may not contain NUL (\\u0000)")
+            stack.append((item, f"{path}/{key}" if path else str(key), depth + 1))
 
 
 def _idempotency_key(request: Request) -> str | None:
@@ -97,20 +128,17 @@ def _ok(data: dict[str, Any], status: int) -> Json:
 
 _CREATE_DOC: dict[str, Any] = {
     "status_code": 201,
+    "response_class": _DocumentedJson,
     "response_model": api_models.CreatedEnvelope,
     "responses": {
         200: {"model": api_models.CreatedEnvelope, "description": "Idempotent repeat"},
-        **api_models.error_responses(400, 403, 404, 413, 429, 503),
+        **api_models.error_responses(400, 403, 404, 413, 429, 431, 503),
     },
     "openapi_extra": {
         "requestBody": {
             "required": True,
             "content": {
-                "application/json": {
-                    "schema": api_models.CreateTask.model_json_schema(
-                        ref_template="#/components/schemas/{model}"
-                    )
-                }
+                "application/json": {"schema": api_models.inline_schema(api_models.CreateTask)}
             },
         },
         "parameters": [
@@ -165,8 +193,9 @@ async def create(service: str, request: Request) -> Json:
 @router.get(
     "/v1/services/{service}/tasks/{task_id}",
     summary="Poll a task",
+    response_class=_DocumentedJson,
     response_model=api_models.TaskEnvelope,
-    responses=api_models.error_responses(403, 404, 503),
+    responses=api_models.error_responses(403, 404, 431, 503),
 )
 async def poll(service: str, task_id: str, request: Request) -> Json:
     rt = runtime(request)

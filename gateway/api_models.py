@@ -70,6 +70,29 @@ class ErrorEnvelope(BaseModel):
     error: ErrorBody
 
 
+def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The model's JSON Schema with its `$defs` inlined.
+
+    OpenAPI resolves a `$ref` from the document's root, so a nested model's
+    `#/$defs/...` (or a `#/components/schemas/...` that FastAPI never registered,
+    since the body is not a FastAPI parameter) would dangle.
+    """
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    return resolve(schema)
+
+
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
         400: "400001 body fails the service's JSON Schema; 400002 invalid request",
@@ -77,6 +100,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         404: "404001 unknown service; 404002 unknown task",
         413: "413001 request too large",
         429: "429001 service capacity reached; 429002 client capacity reached",
+        431: "431001 request headers too large",
         503: "503001 database unavailable",
     }
     return {c: {"model": ErrorEnvelope, "description": descriptions[c]} for c in codes}

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conveyor.settings import GatewaySettings
 from gateway import api, errors, metrics
@@ -21,6 +22,9 @@ from gateway.runtime import Runtime
 log = logging.getLogger("conveyor.gateway.api")
 
 _AUTH_HEADERS = {"WWW-Authenticate": 'Basic realm="conveyor"'}
+# The HTTP server (httptools) bounds neither a header's size nor their number.
+MAX_HEADER_BYTES = 64 * 1024
+HEADERS_TOO_LARGE = errors.ErrorKind(431, 431001, "Request header fields too large.")
 
 
 def create_app(settings: GatewaySettings | None = None, background: bool = True) -> FastAPI:
@@ -48,7 +52,23 @@ def create_app(settings: GatewaySettings | None = None, background: bool = True)
     _add_operations(app)
     _add_error_handlers(app)
     app.middleware("http")(_measure)
+    app.add_middleware(_HeaderLimit)
     return app
+
+
+class _HeaderLimit:
+    """Answers 431 in the error envelope when the request's headers exceed MAX_HEADER_BYTES."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(name) + len(value) for name, value in scope["headers"])
+            if size > MAX_HEADER_BYTES:
+                await _error_response(errors.ApiError(HEADERS_TOO_LARGE))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _error_response(exc: errors.ApiError) -> Json:

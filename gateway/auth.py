@@ -48,7 +48,7 @@ def parse_basic(header: str | None) -> tuple[str, str] | None:
     except (binascii.Error, UnicodeDecodeError, ValueError):
         return None
     client_id, sep, secret = decoded.partition(":")
-    if not sep or not client_id or not secret:
+    if not sep or not client_id or not secret or "\x00" in decoded:  # no NUL reaches SQL
         return None
     return client_id, secret
 

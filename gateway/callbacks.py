@@ -64,8 +64,17 @@ def check_shape(callback: object, policy: CallbackPolicy) -> tuple[str, str]:
 
 def forbidden_address(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.sixtofour is not None and _forbidden_ip(ip.sixtofour):
+            return True  # 6to4 (2002::/16): a relay would reach the IPv4 address it carries
+        if ip.is_site_local:
+            return True  # fec0::/10: deprecated, yet private wherever it is still routed
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+    return _forbidden_ip(ip)
+
+
+def _forbidden_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return (
         ip.is_loopback
         or ip.is_private
@@ -83,7 +92,7 @@ async def resolve(host: str, port: int | None) -> list[str]:
         infos = await asyncio.wait_for(
             loop.getaddrinfo(host, port or 443, type=socket.SOCK_STREAM), timeout=5
         )
-    except (OSError, TimeoutError):
+    except (OSError, TimeoutError, ValueError):  # ValueError: a name IDNA cannot encode
         raise CallbackRefused("callback host does not resolve") from None
     return sorted({info[4][0] for info in infos})
 

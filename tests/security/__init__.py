@@ -1,0 +1,1 @@
+"""Security tests: fuzzing, hostile input, authentication and SSRF against a real gateway."""

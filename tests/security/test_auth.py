@@ -1,0 +1,268 @@
+"""Authentication as an attacker sees it, against real gateway processes.
+
+* brute force is throttled: past the limit, attempts are refused without a bcrypt check;
+* "unknown client" and "wrong secret" take the same time (no client enumeration);
+* secrets, Authorization values, the signing secret and bodies never reach the logs,
+  and `conveyor admin client create` shows the secret once and stores only a hash;
+* a revoked grant, a changed secret or a deleted client stops working within the cache TTL.
+
+Timings are medians of interleaved attempts: this is a security property, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+import bcrypt
+import httpx
+import pytest
+
+from gateway.auth import hash_secret
+from gateway.callbacks import SIGNATURE_HEADER, verify
+from tests.security.helpers import Recorder, error_number, finish_through_rabbitmq, wait_until
+from tests.support.gateway import (
+    Client,
+    GatewayProcess,
+    Platform,
+    Service,
+    fast_hash,
+    gateway_env,
+)
+from tests.support.processes import REPO, Processes
+
+CACHE_TTL = 2.0  # gateway_env's CONVEYOR_AUTH_CACHE_TTL
+
+
+def start_gateway(procs: Processes, database_url: str, amqp_url: str, **env: str) -> GatewayProcess:
+    return GatewayProcess(procs, gateway_env(database_url, amqp_url, **env))
+
+
+def bcrypt_service(platform: Platform) -> Service:
+    """A service whose client has a production-cost (12) bcrypt hash."""
+    name = f"svc-{uuid.uuid4().hex[:10]}"
+    client = Client(f"client-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex)
+    platform.apply(
+        {
+            "services": [{"name": name, "queueName": name}],
+            "clients": [
+                {
+                    "id": client.client_id,
+                    "secretHash": hash_secret(client.secret),
+                    "grants": [{"service": name}],
+                }
+            ],
+        }
+    )
+    return Service(name, name, [client])
+
+
+def timed(call: Callable[[], httpx.Response]) -> tuple[httpx.Response, float]:
+    started = time.perf_counter()
+    answer = call()
+    return answer, time.perf_counter() - started
+
+
+def attempt(http: httpx.Client, svc: Service, client_id: str, secret: str) -> httpx.Response:
+    return http.post(f"/v1/services/{svc.name}/tasks", json={"body": {}}, auth=(client_id, secret))
+
+
+# --- brute force -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_brute_force_is_throttled_without_bcrypt(
+    procs: Processes, database_url: str, amqp_url: str, platform: Platform
+) -> None:
+    gateway = start_gateway(
+        procs,
+        database_url,
+        amqp_url,
+        CONVEYOR_AUTH_FAILURES_PER_MINUTE="5",
+        CONVEYOR_AUTH_CACHE_TTL="120",
+    )
+    svc = bcrypt_service(platform)
+    client = svc.clients[0]
+    with gateway.http() as http:
+        assert attempt(http, svc, client.client_id, client.secret).status_code == 201  # cached
+        checked, blocked = [], []
+        for samples in (checked, blocked, blocked):
+            for _ in range(5):
+                answer, seconds = timed(lambda: attempt(http, svc, client.client_id, "guess"))
+                assert error_number(answer) == (403, 403001)
+                samples.append(seconds)
+        # The credentials verified before the attack stay cached and keep working.
+        assert attempt(http, svc, client.client_id, client.secret).status_code == 201
+    print(
+        f"median checked={statistics.median(checked):.3f}s blocked={statistics.median(blocked):.4f}s"
+    )
+    assert statistics.median(checked) > 0.05, checked  # a real bcrypt check ran for these
+    assert statistics.median(blocked) < statistics.median(checked) / 3, (checked, blocked)
+
+
+# --- enumeration by timing ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_unknown_client_and_wrong_secret_take_the_same_time(
+    procs: Processes, database_url: str, amqp_url: str, platform: Platform
+) -> None:
+    gateway = start_gateway(procs, database_url, amqp_url, CONVEYOR_AUTH_FAILURES_PER_MINUTE="1000")
+    svc = bcrypt_service(platform)
+    known = svc.clients[0].client_id
+    unknown, wrong = [], []
+    with gateway.http() as http:
+        for round_ in range(17):
+            ghost = f"ghost-{uuid.uuid4().hex[:10]}"
+            a, ta = timed(lambda g=ghost: attempt(http, svc, g, "guess-secret"))
+            b, tb = timed(lambda: attempt(http, svc, known, "guess-secret"))
+            assert error_number(a) == error_number(b) == (403, 403001)
+            assert a.content == b.content
+            if round_ >= 2:  # the first rounds warm up connections and caches
+                unknown.append(ta)
+                wrong.append(tb)
+    ratio = statistics.median(unknown) / statistics.median(wrong)
+    print(f"median unknown={statistics.median(unknown):.3f}s wrong={statistics.median(wrong):.3f}s")
+    assert statistics.median(wrong) > 0.05, wrong  # a cost-12 bcrypt check really ran
+    assert 0.67 <= ratio <= 1.5, (ratio, unknown, wrong)
+
+
+# --- secrets in logs ------------------------------------------------------------------------
+
+
+def create_client_with_cli(database_url: str, client_id: str) -> str:
+    """`conveyor admin client create`: the secret is printed once; returns it."""
+    env = {**os.environ, "CONVEYOR_DATABASE_URL": database_url}
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "admin", "client", "create", client_id],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("clientSecret: ")]
+    secret = line.removeprefix("clientSecret: ").strip()
+    assert len(secret) >= 20
+    assert done.stdout.count(secret) == 1 and secret not in done.stderr
+    return secret
+
+
+def grant_with_cli(database_url: str, client_id: str, service: str) -> None:
+    env = {**os.environ, "CONVEYOR_DATABASE_URL": database_url}
+    subprocess.run(
+        [sys.executable, "-m", "conveyor", "admin", "grant", client_id, service],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+
+
+def test_cli_shows_the_secret_once_and_stores_only_a_bcrypt_hash(
+    database_url: str, platform: Platform
+) -> None:
+    client_id = f"cli-{uuid.uuid4().hex[:10]}"
+    secret = create_client_with_cli(database_url, client_id)
+    [(stored,)] = platform.sql(
+        "SELECT secret_hash FROM clients WHERE client_id = %(id)s", {"id": client_id}
+    )
+    assert stored.startswith("$2") and secret not in stored
+    assert bcrypt.checkpw(secret.encode(), stored.encode())
+    dumped = platform.sql("SELECT row_to_json(c)::text FROM clients c")
+    assert not any(secret in row for (row,) in dumped)
+
+
+@pytest.mark.timeout(90)
+def test_secrets_and_bodies_never_reach_the_logs(
+    procs: Processes, database_url: str, amqp_url: str, platform: Platform
+) -> None:
+    signing_secret = f"signing-{uuid.uuid4().hex}"
+    gateway = start_gateway(
+        procs,
+        database_url,
+        amqp_url,
+        CONVEYOR_LOG_LEVEL="DEBUG",
+        CONVEYOR_CALLBACK_SIGNING_SECRET=signing_secret,
+    )
+    svc = platform.service()
+    client_id = f"cli-{uuid.uuid4().hex[:10]}"
+    secret = create_client_with_cli(database_url, client_id)
+    grant_with_cli(database_url, client_id, svc.name)
+    body_marker, response_marker = f"body-{uuid.uuid4().hex}", f"response-{uuid.uuid4().hex}"
+    wrong_secret = f"wrong-{uuid.uuid4().hex}"
+    token = base64.b64encode(f"{client_id}:{secret}".encode()).decode()
+    with Recorder() as hook, gateway.http() as http:
+        callback = {"type": "http", "url": f"http://localhost:{hook.port}/hook"}
+        created = http.post(
+            gateway.tasks_url(svc.name),
+            json={"body": {"marker": body_marker}, "callback": callback},
+            auth=(client_id, secret),
+        )
+        assert created.status_code == 201, created.text
+        for creds in ((client_id, wrong_secret), (f"ghost-{client_id}", wrong_secret)):
+            assert attempt(http, svc, *creds).status_code == 403
+        bearer = http.get(
+            gateway.tasks_url(svc.name), headers={"Authorization": f"Bearer {secret}"}
+        )
+        assert bearer.status_code in (403, 405)
+        task_id = created.json()["data"]["taskId"]
+        polled = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}", auth=(client_id, secret))
+        assert polled.status_code == 200, polled.text
+        finish_through_rabbitmq(gateway, amqp_url, svc, task_id, {"marker": response_marker})
+        [delivered] = wait_until(lambda: hook.received, 15, "the callback")
+    assert verify(signing_secret, delivered.body, delivered.headers[SIGNATURE_HEADER])
+    assert response_marker in delivered.body.decode()  # the poll's data, not the request body
+    logs = gateway.proc.logs()
+    assert f'"service": "{svc.name}"' in logs  # the log did record this run
+    for needle in (secret, token, wrong_secret, signing_secret, body_marker, response_marker):
+        assert needle not in logs
+
+
+# --- revocation ----------------------------------------------------------------------------
+
+
+def until_refused(http: httpx.Client, svc: Service, client: Client, since: float) -> float:
+    """Seconds from `since` until the client's requests are refused with 403001."""
+    while True:
+        answer = attempt(http, svc, client.client_id, client.secret)
+        if answer.status_code == 403:
+            assert error_number(answer) == (403, 403001)
+            return time.monotonic() - since
+        assert answer.status_code == 201, answer.text
+        assert time.monotonic() - since < CACHE_TTL + 5, "still accepted long after the TTL"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_revocation_and_secret_changes_apply_within_the_cache_ttl(
+    procs: Processes, database_url: str, amqp_url: str, platform: Platform
+) -> None:
+    gateway = start_gateway(procs, database_url, amqp_url)  # CONVEYOR_AUTH_CACHE_TTL=2
+    svc = platform.service(clients=3)
+    revoked, changed, deleted = svc.clients
+    with gateway.http() as http:
+        for client in svc.clients:  # every one verified, hence cached
+            assert attempt(http, svc, client.client_id, client.secret).status_code == 201
+        platform.sql(
+            "DELETE FROM authorizations WHERE client_id = %(id)s", {"id": revoked.client_id}
+        )
+        assert until_refused(http, svc, revoked, time.monotonic()) < 1  # grants are not cached
+        new_secret = uuid.uuid4().hex
+        platform.sql(
+            "UPDATE clients SET secret_hash = %(h)s WHERE client_id = %(id)s",
+            {"h": fast_hash(new_secret), "id": changed.client_id},
+        )
+        platform.sql("DELETE FROM clients WHERE client_id = %(id)s", {"id": deleted.client_id})
+        changed_at = time.monotonic()
+        assert until_refused(http, svc, changed, changed_at) <= CACHE_TTL + 1
+        assert until_refused(http, svc, deleted, changed_at) <= CACHE_TTL + 1
+        assert attempt(http, svc, changed.client_id, new_secret).status_code == 201

@@ -1,0 +1,371 @@
+"""Hostile input against a real gateway: each gets a clean 4xx, and the gateway keeps serving.
+
+Huge, lying or endless bodies, pathological JSON, injection-looking strings,
+oversized headers and slow-loris clients. Raw sockets send what httpx refuses
+to. After each test a normal submission and /healthz must still succeed.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.security.helpers import (
+    auth_header,
+    basic,
+    error_number,
+    raw_exchange,
+    request_bytes,
+    still_serving,
+)
+from tests.support.gateway import GatewayProcess, Platform, Service
+
+TEN_MB = 10 * 1024 * 1024
+SQL_LIKE = ["' OR 1=1 --", '"; DROP TABLE tasks; --', "1; SELECT pg_sleep(5)", "%' --"]
+TABLES = ("services", "clients", "authorizations", "tasks", "outbox")
+
+
+@pytest.fixture(scope="module")
+def svc(platform: Platform) -> Service:
+    return platform.service(capacity=1_000_000)
+
+
+@pytest.fixture
+def http(gateway: GatewayProcess, svc: Service) -> Iterator[httpx.Client]:
+    """The granted client's connection; afterwards, proves the gateway still serves others."""
+    with gateway.http(svc.clients[0]) as client:
+        yield client
+    still_serving(gateway, svc)  # after every hostile request, others are still served
+
+
+def post_raw(http: httpx.Client, url: str, content: bytes, content_type: str) -> httpx.Response:
+    return http.post(url, content=content, headers={"Content-Type": content_type})
+
+
+# --- size ------------------------------------------------------------------------------
+
+
+def test_ten_megabyte_body_is_413001(gateway: GatewayProcess, svc: Service, http) -> None:
+    body = b'{"body": {"pad": "' + b"x" * TEN_MB + b'"}}'
+    answer = post_raw(http, gateway.tasks_url(svc.name), body, "application/json")
+    assert error_number(answer) == (413, 413001)
+
+
+def test_chunked_body_without_length_is_cut_at_the_limit(
+    gateway: GatewayProcess, svc: Service, http
+) -> None:
+    sent = 0
+
+    def endless() -> Iterator[bytes]:
+        nonlocal sent
+        yield b'{"body": {"pad": "'
+        while sent < TEN_MB:
+            sent += 65536
+            yield b"x" * 65536
+
+    answer = http.post(
+        gateway.tasks_url(svc.name), content=endless(), headers={"Content-Type": "application/json"}
+    )
+    assert answer.request.headers["transfer-encoding"] == "chunked"
+    assert "content-length" not in answer.request.headers
+    assert error_number(answer) == (413, 413001)
+
+
+def test_declared_huge_length_is_refused_before_reading(
+    gateway: GatewayProcess, svc: Service, http
+) -> None:
+    headers = {
+        "Authorization": auth_header(svc.clients[0]),
+        "Content-Type": "application/json",
+        "Content-Length": str(TEN_MB),
+    }
+    # Only a few bytes follow: the answer comes from the declaration, without waiting for more.
+    answer = raw_exchange(
+        gateway, request_bytes("POST", gateway.tasks_url(svc.name), headers, b'{"body":'), timeout=5
+    )
+    assert answer.status == 413 and answer.json_number() == 413001
+    assert answer.elapsed < 3
+
+
+def test_lying_small_length_never_reaches_the_app_as_one_body(
+    gateway: GatewayProcess, svc: Service, platform: Platform, http
+) -> None:
+    """11 bytes declared, 10 MB sent: the extra bytes are a malformed next request (h11/httptools
+    refuse it with a plain 400 and close); the 10 MB never become one body."""
+    headers = {
+        "Authorization": auth_header(svc.clients[0]),
+        "Content-Type": "application/json",
+        "Content-Length": "11",
+    }
+    request = request_bytes("POST", gateway.tasks_url(svc.name), headers, b'{"body":{}}')
+    answer = raw_exchange(gateway, request + b"x" * TEN_MB, timeout=10)
+    assert 200 <= answer.status < 500, answer.data[:300]  # the 11-byte request, or a clean 400
+    assert answer.elapsed < 8
+    [(largest,)] = platform.sql(
+        "SELECT coalesce(max(pg_column_size(request)), 0) FROM tasks WHERE service = %(s)s",
+        {"s": svc.name},
+    )
+    assert largest < 1024
+
+
+# --- malformed JSON ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(b'{"body": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", id="nested-10000"),
+        pytest.param(b'{"body": {"a": ' + b"[" * 1_000 + b"]" * 1_000 + b"}}", id="nested-1000"),
+        pytest.param(
+            b'{"body": {"a": ' + b'{"b":' * 200 + b"1" + b"}" * 200 + b"}}", id="nested-200"
+        ),
+        pytest.param(b'{"body": {"a": "\xff\xfe"}}', id="invalid-utf8"),
+        pytest.param(b'{"body": {"a": "\xc0\xaf"}}', id="overlong-utf8"),
+        pytest.param(b'{"body": {"a": "\xed\xa0\x80"}}', id="encoded-surrogate"),
+        pytest.param(b'{"body": {"a": "\\ud800"}}', id="escaped-lone-surrogate"),
+        pytest.param(b'{"body": {"a": NaN}}', id="nan"),
+        pytest.param(b'{"body": {"a": Infinity}}', id="infinity"),
+        pytest.param(b'{"body": {"a": -Infinity}}', id="minus-infinity"),
+        pytest.param(b'{"body": {"a": 1e400}}', id="overflowing-float"),
+        pytest.param(b'{"body": {"a": "nul \\u0000 inside"}}', id="nul-in-value"),
+        pytest.param(b'{"body": {"nul \\u0000 key": 1}}', id="nul-in-key"),
+        pytest.param(b"", id="empty"),
+        pytest.param(b"\xef\xbb\xbf{}", id="bom"),
+    ],
+)
+def test_malformed_or_unstorable_json_is_400002(
+    gateway: GatewayProcess, svc: Service, http, content
+) -> None:
+    answer = post_raw(http, gateway.tasks_url(svc.name), content, "application/json")
+    assert error_number(answer) == (400, 400002), answer.text
+
+
+def test_reasonable_nesting_is_accepted(gateway: GatewayProcess, svc: Service, http) -> None:
+    body = b'{"body": {"a": ' + b"[" * 100 + b"]" * 100 + b"}}"
+    answer = post_raw(http, gateway.tasks_url(svc.name), body, "application/json")
+    assert answer.status_code == 201, answer.text
+
+
+@pytest.mark.parametrize(
+    ("content_type", "content"),
+    [
+        ("text/plain", b'{"body": {}}'),
+        ("application/xml", b'{"body": {}}'),
+        ("application/x-www-form-urlencoded", b"body=%7B%7D"),
+        (
+            "multipart/form-data; boundary=x",
+            b'--x\r\nContent-Disposition: form-data; name="body"\r\n\r\n{}\r\n--x--\r\n',
+        ),
+        ("application/json", b"<task><body/></task>"),
+        ("application/json; charset=utf-16", "{}".encode("utf-16")),
+    ],
+)
+def test_content_type_that_lies_is_400002(
+    gateway: GatewayProcess, svc: Service, http, content_type: str, content: bytes
+) -> None:
+    answer = post_raw(http, gateway.tasks_url(svc.name), content, content_type)
+    assert error_number(answer) == (400, 400002), answer.text
+
+
+# --- paths and injection-looking strings --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "task_id",
+    [
+        "not-a-uuid",
+        "00000000-0000-0000-0000-00000000000g",
+        str(uuid.uuid4()) + "0",
+        "%00",
+        "x" * 5000,
+        "%E2%98%83",
+        *SQL_LIKE,
+    ],
+)
+def test_bad_task_ids_are_404002(gateway: GatewayProcess, svc: Service, http, task_id) -> None:
+    answer = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+    assert error_number(answer) == (404, 404002), answer.text
+
+
+@pytest.mark.parametrize(
+    "service",
+    [
+        *SQL_LIKE,
+        "sérvice-☃",
+        "\U0001d54a\U0001d556\U0001d563",  # mathematical double-struck letters
+        "svc\u202egnp.exe",
+        "zero\u200dwidth",
+        "%00",
+        "nul%00byte",
+        "é" * 300,
+    ],
+)
+def test_hostile_service_names_are_404001(
+    gateway: GatewayProcess, svc: Service, http, service: str
+) -> None:
+    created = http.post(gateway.tasks_url(service), json={"body": {}})
+    polled = http.get(f"{gateway.tasks_url(service)}/{uuid.uuid4()}")
+    assert error_number(created) == (404, 404001), created.text
+    assert error_number(polled) == (404, 404001), polled.text
+
+
+def test_injection_looking_values_are_stored_verbatim(
+    gateway: GatewayProcess, svc: Service, platform: Platform, http
+) -> None:
+    body = {"q": SQL_LIKE, SQL_LIKE[1]: SQL_LIKE[0]}
+    answer = http.post(
+        gateway.tasks_url(svc.name), json={"body": body}, headers={"Idempotency-Key": SQL_LIKE[1]}
+    )
+    assert answer.status_code == 201, answer.text
+    task_id = answer.json()["data"]["taskId"]
+    [(stored, key)] = platform.sql(
+        "SELECT request, idempotency_key FROM tasks WHERE task_id = %(id)s", {"id": task_id}
+    )
+    assert (stored, key) == (body, SQL_LIKE[1])
+    present = platform.sql(
+        "SELECT count(*) FROM pg_tables WHERE schemaname = 'public' AND tablename = ANY(%(t)s)",
+        {"t": list(TABLES)},
+    )
+    assert present == [(len(TABLES),)]
+
+
+def test_injection_looking_credentials_are_403001(gateway: GatewayProcess, svc: Service) -> None:
+    with gateway.http() as anonymous:
+        for value in SQL_LIKE:
+            answer = anonymous.post(
+                gateway.tasks_url(svc.name),
+                json={"body": {}},
+                headers={"Authorization": basic(value, value)},
+            )
+            assert error_number(answer) == (403, 403001)
+    still_serving(gateway, svc)
+
+
+def test_nul_in_credentials_is_403001(gateway: GatewayProcess, svc: Service) -> None:
+    client = svc.clients[0]
+    with gateway.http() as anonymous:
+        for client_id, secret in ((f"{client.client_id}\x00", client.secret), ("a\x00b", "x")):
+            answer = anonymous.post(
+                gateway.tasks_url(svc.name),
+                json={"body": {}},
+                headers={"Authorization": basic(client_id, secret)},
+            )
+            assert error_number(answer) == (403, 403001), answer.text
+    still_serving(gateway, svc)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://" + "a" * 64 + ".example/",  # a label IDNA cannot encode: no DNS query is sent
+        "https://a..example/",
+        "https://" + "\u2603" * 60 + ".example/",
+    ],
+)
+def test_callback_hosts_that_cannot_resolve_are_400002(
+    gateway: GatewayProcess, svc: Service, http, url: str
+) -> None:
+    answer = http.post(
+        gateway.tasks_url(svc.name), json={"body": {}, "callback": {"type": "https", "url": url}}
+    )
+    assert error_number(answer) == (400, 400002), answer.text
+    assert answer.json()["error"]["errors"][0]["path"] == "callback.url"
+
+
+# --- headers -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [100_000, 1_000_000])
+def test_huge_header_is_431(gateway: GatewayProcess, svc: Service, http, size: int) -> None:
+    headers = {
+        "Authorization": auth_header(svc.clients[0]),
+        "X-Padding": "a" * size,
+        "Content-Type": "application/json",
+        "Content-Length": "11",
+    }
+    answer = raw_exchange(
+        gateway, request_bytes("POST", gateway.tasks_url(svc.name), headers, b'{"body":{}}')
+    )
+    assert answer.status == 431, answer.data[:300]
+    assert answer.json_number() == 431001
+
+
+def test_ten_kilobyte_authorization_is_403001(gateway: GatewayProcess, svc: Service, http) -> None:
+    client = svc.clients[0]
+    long_secret = basic(client.client_id, client.secret + "x" * 10_000)
+    long_garbage = "Basic " + "A" * 10_000
+    with gateway.http() as anonymous:
+        for value in (long_secret, long_garbage):
+            answer = anonymous.post(
+                gateway.tasks_url(svc.name), json={"body": {}}, headers={"Authorization": value}
+            )
+            assert error_number(answer) == (403, 403001)
+
+
+def test_many_small_headers_are_served(gateway: GatewayProcess, svc: Service, http) -> None:
+    headers = [(f"X-H{i}", "v") for i in range(2000)]
+    headers += [
+        ("Authorization", auth_header(svc.clients[0])),
+        ("Content-Type", "application/json"),
+    ]
+    headers += [("Content-Length", "11")]
+    answer = raw_exchange(
+        gateway, request_bytes("POST", gateway.tasks_url(svc.name), headers, b'{"body":{}}')
+    )
+    assert answer.status == 201, answer.data[:300]
+
+
+# --- slow clients ----------------------------------------------------------------------------
+
+
+class SlowLoris:
+    """Sockets that send a request's headers one byte at a time, very slowly."""
+
+    def __init__(self, gateway: GatewayProcess, path: str, count: int) -> None:
+        self.head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ".encode() + b"a" * 4096
+        self.socks = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(count)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drip, daemon=True)
+
+    def _drip(self) -> None:
+        offset = 0
+        while not self._stop.wait(0.2):
+            for sock in list(self.socks):
+                try:
+                    sock.send(self.head[offset : offset + 1])
+                except OSError:  # the gateway dropped it: fine too
+                    self.socks.remove(sock)
+            offset = (offset + 1) % len(self.head)
+
+    def __enter__(self) -> SlowLoris:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        for sock in self.socks:
+            sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_slow_loris_does_not_starve_others(gateway: GatewayProcess, svc: Service, http) -> None:
+    latencies: list[float] = []
+    with SlowLoris(gateway, gateway.tasks_url(svc.name), count=50):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            answer = http.post(gateway.tasks_url(svc.name), json={"body": {}})
+            latencies.append(time.monotonic() - started)
+            assert answer.status_code == 201, answer.text
+            assert http.get("/healthz").status_code == 200
+            time.sleep(0.1)
+    assert len(latencies) >= 10
+    assert sorted(latencies)[len(latencies) // 2] < 0.5, latencies
+    assert max(latencies) < 2.0, latencies

@@ -60,6 +60,8 @@ def gateway_env(database_url: str, amqp_url: str, **extra: str) -> dict[str, str
         "CONVEYOR_OUTBOX_GRACE": "1",
         "CONVEYOR_REAPER_INTERVAL": "0.5",
         "CONVEYOR_AUTH_CACHE_TTL": "2",
+        # Every test connects from 127.0.0.1: a low limit would let one test lock out the others.
+        "CONVEYOR_AUTH_FAILURES_PER_MINUTE": "1000",
         "CONVEYOR_LOG_FORMAT": "json",
         **extra,
     }

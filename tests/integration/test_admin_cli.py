@@ -1,0 +1,265 @@
+"""The operator's CLI (SPEC §4), run as a real subprocess: `python -m conveyor admin ...`.
+
+Services, clients and grants are data: what the CLI writes must show at once
+on RabbitMQ (queues declared) and on a running gateway (who may submit).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiormq.exceptions
+import bcrypt
+import httpx
+import pytest
+import yaml
+
+from conveyor import topology
+from conveyor.events import MessageFormat
+from conveyor.settings import GatewaySettings
+from tests.support.amqp import (
+    declare_like_seed_worker,
+    message_count,
+    queues_of,
+    remove_service,
+    wait_for_queues,
+)
+from tests.support.gateway import GatewayProcess, Platform, Service, run_sync
+from tests.support.processes import REPO
+
+AUTH_CACHE_TTL = 2.0  # CONVEYOR_AUTH_CACHE_TTL in gateway_env
+
+
+@pytest.fixture
+def cli(database_url: str, amqp_url: str) -> Any:
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {
+            **os.environ,
+            "CONVEYOR_DATABASE_URL": database_url,
+            "CONVEYOR_AMQP_URL": amqp_url,
+            "CONVEYOR_LOG_FORMAT": "json",
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "conveyor", "admin", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if check:
+            assert done.returncode == 0, f"{args}: {done.stdout}{done.stderr}"
+        return done
+
+    return run
+
+
+@pytest.fixture
+def names(platform: Platform, amqp_url: str) -> Iterator[list[str]]:
+    """Service names a test creates through the CLI; removed with their queues afterwards."""
+    created: list[str] = []
+    yield created
+    for name in created:
+        remove_service(platform, amqp_url, Service(name, name))
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def _write(tmp_path: Path, spec: dict[str, Any]) -> Path:
+    path = tmp_path / f"platform-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _post(gateway: GatewayProcess, service: str, auth: tuple[str, str]) -> httpx.Response:
+    with gateway.http() as http:
+        return http.post(gateway.tasks_url(service), json={"body": {"n": 1}}, auth=auth)
+
+
+def _error_number(answer: httpx.Response) -> int | None:
+    return answer.json().get("error", {}).get("number")
+
+
+async def _declare(url: str, queue: str, arguments: dict[str, Any]) -> None:
+    import aio_pika
+
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.declare_queue(queue, durable=True, arguments=arguments)
+
+
+def _assert_quorum_in_queue(amqp_url: str, queue_name: str) -> None:
+    """`-in` accepts exactly the quorum declaration and refuses a plain one."""
+    delivery_limit = GatewaySettings().delivery_limit
+    spec = next(
+        q
+        for q in topology.service_queues(queue_name, MessageFormat.CLOUDEVENTS, delivery_limit)
+        if q.name == topology.in_queue(queue_name)
+    )
+    assert spec.arguments["x-queue-type"] == "quorum"
+    run_sync(_declare(amqp_url, spec.name, spec.arguments))
+    with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed):
+        declare_like_seed_worker(amqp_url, spec.name)
+
+
+# -- apply -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_apply_creates_declares_and_is_idempotent(
+    cli: Any, tmp_path: Path, platform: Platform, amqp_url: str, names: list[str]
+) -> None:
+    service, legacy, client = _unique("adm"), _unique("adm-legacy"), _unique("adm-client")
+    names += [service, legacy]
+    spec = {
+        "services": [
+            {
+                "name": service,
+                "queueName": service,
+                "capacity": 10,
+                "jsonSchema": {"type": "object", "required": ["sleep"]},
+                "messageFormat": "cloudevents",
+                "taskTimeout": 60,
+                "maxAttempts": 2,
+                "retention": "3d",
+            },
+            {"name": legacy, "messageFormat": "legacy"},
+        ],
+        "clients": [
+            {
+                "id": client,
+                "secret": "first-secret",
+                "grants": [{"service": service, "capacity": 3}],
+            }
+        ],
+    }
+    path = _write(tmp_path, spec)
+
+    first = cli("apply", "-f", str(path))
+
+    assert first.stdout.splitlines() == [
+        f"service {service}: created",
+        f"service {legacy}: created",
+        f"client {client}: created",
+    ]
+    for queue in queues_of(service) + queues_of(legacy):
+        assert message_count(amqp_url, queue) == 0, queue
+    _assert_quorum_in_queue(amqp_url, service)
+    declare_like_seed_worker(amqp_url, topology.in_queue(legacy))  # the seed's worker is welcome
+    stored = platform.sql(
+        "SELECT capacity, task_timeout, max_attempts, retention_seconds, message_format"
+        " FROM services WHERE name = %(n)s",
+        {"n": service},
+    )
+    assert stored == [(10, 60, 2, 3 * 86400, "cloudevents")]
+    grants = platform.sql(
+        "SELECT service, capacity FROM authorizations WHERE client_id = %(c)s", {"c": client}
+    )
+    assert grants == [(service, 3)]
+
+    again = cli("apply", "-f", str(path))
+
+    lines = again.stdout.splitlines()
+    assert len(lines) == 3 and all(line.endswith(": unchanged") for line in lines), lines
+
+
+def test_unknown_key_is_refused_by_name(cli: Any, tmp_path: Path, platform: Platform) -> None:
+    service = _unique("adm-typo")
+    path = _write(tmp_path, {"services": [{"name": service, "queueNmae": "oops"}]})
+
+    done = cli("apply", "-f", str(path), check=False)
+
+    assert done.returncode != 0
+    assert "queueNmae" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert platform.sql("SELECT 1 FROM services WHERE name = %(n)s", {"n": service}) == []
+
+
+# -- clients and grants ------------------------------------------------------------------
+
+
+def _created_secret(output: str) -> str:
+    match = re.search(r"^clientSecret: (\S+)$", output, re.M)
+    assert match, output
+    return match.group(1)
+
+
+@pytest.mark.timeout(90)
+def test_client_create_grant_list_revoke(
+    cli: Any,
+    gateway: GatewayProcess,
+    platform: Platform,
+    amqp_url: str,
+    names: list[str],
+) -> None:
+    service, client = _unique("adm-svc"), _unique("adm-client")
+    names.append(service)
+    cli("service", "create", service)
+    wait_for_queues(amqp_url, queues_of(service), timeout=2)
+
+    secret = _created_secret(cli("client", "create", client).stdout)
+
+    (stored,) = platform.sql(
+        "SELECT secret_hash FROM clients WHERE client_id = %(c)s", {"c": client}
+    )[0]
+    assert stored.startswith("$2") and secret not in stored
+    assert bcrypt.checkpw(secret.encode(), stored.encode())
+    again = cli("client", "create", client, check=False)
+    assert again.returncode != 0 and "already exists" in again.stderr
+
+    not_yet = _post(gateway, service, (client, secret))
+    assert (not_yet.status_code, _error_number(not_yet)) == (403, 403001)
+
+    cli("grant", client, service, "--capacity", "2")
+    assert _post(gateway, service, (client, secret)).status_code == 201
+    listing = cli("list").stdout
+    assert f'"client_id": "{client}"' in listing
+    assert f'"grants": "{service}(2)"' in listing
+
+    cli("revoke", client, service)
+    revoked = _post(gateway, service, (client, secret))  # grants are read on every request
+    assert (revoked.status_code, _error_number(revoked)) == (403, 403001)
+    twice = cli("revoke", client, service, check=False)
+    assert twice.returncode != 0 and "no grant" in twice.stderr
+
+
+@pytest.mark.timeout(90)
+def test_changed_secret_stops_the_old_one_within_the_cache_ttl(
+    cli: Any, tmp_path: Path, gateway: GatewayProcess, amqp_url: str, names: list[str]
+) -> None:
+    service, client = _unique("adm-rot"), _unique("adm-client")
+    names.append(service)
+
+    def platform_file(secret: str) -> Path:
+        return _write(
+            tmp_path,
+            {
+                "services": [{"name": service}],
+                "clients": [{"id": client, "secret": secret, "grants": [{"service": service}]}],
+            },
+        )
+
+    cli("apply", "-f", str(platform_file("old-secret-1")))
+    wait_for_queues(amqp_url, queues_of(service), timeout=2)
+    assert _post(gateway, service, (client, "old-secret-1")).status_code == 201
+    cached_at = time.monotonic()  # the old secret's verification is cached from here
+
+    rotated = cli("apply", "-f", str(platform_file("new-secret-2")))
+    assert f"client {client}: updated" in rotated.stdout.splitlines()
+
+    time.sleep(max(0.0, cached_at + AUTH_CACHE_TTL + 0.3 - time.monotonic()))
+    old = _post(gateway, service, (client, "old-secret-1"))
+    assert (old.status_code, _error_number(old)) == (403, 403001)
+    assert _post(gateway, service, (client, "new-secret-2")).status_code == 201

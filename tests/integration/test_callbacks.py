@@ -1,0 +1,264 @@
+"""Callbacks (SPEC §3.3) against a real HTTP server: retries, signature, outcome, restarts.
+
+The consumer's endpoint is a local server that records every request and
+answers from a script (e.g. 500, 500, then 200). It is addressed as
+`http://localhost:<port>` because the test gateways allow-list `localhost`
+and plain http; any other loopback spelling is refused by the SSRF guard.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from conveyor import topology
+from conveyor.events import EventKind, TaskEvent, encode_event
+from gateway.callbacks import SIGNATURE_HEADER, verify
+from tests.support.amqp import (
+    publish,
+    queues_of,
+    remove_service,
+    scratch_database,
+    wait_for_queues,
+    wait_until,
+)
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
+from tests.support.processes import Processes
+
+SECRET = "test-signing-secret"  # CONVEYOR_CALLBACK_SIGNING_SECRET in gateway_env
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Hook:
+    """A consumer's callback endpoint: answers `script` in turn, then its last answer."""
+
+    script: list[int]
+    location: str | None = None
+    received: list[Received] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def answer(self, request: Received) -> int:
+        with self.lock:
+            self.received.append(request)
+            return self.script[min(len(self.received), len(self.script)) - 1]
+
+    def requests(self) -> list[Received]:
+        with self.lock:
+            return list(self.received)
+
+
+def _handler(hook: Hook) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", 0))
+            request = Received(self.path, dict(self.headers.items()), self.rfile.read(length))
+            status = hook.answer(request)
+            self.send_response(status)
+            if hook.location and 300 <= status < 400:
+                self.send_header("Location", hook.location)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(*script: int, redirect_to: str | None = None) -> tuple[Hook, int]:
+        hook = Hook(list(script))
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hook))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        port = server.server_address[1]
+        if redirect_to is not None:
+            hook.location = f"http://localhost:{port}{redirect_to}"
+        return hook, port
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def svc(platform: Platform, amqp_url: str, gateway: GatewayProcess) -> Iterator[Service]:
+    service = platform.service()
+    wait_for_queues(amqp_url, queues_of(service.queue_name))
+    yield service
+    remove_service(platform, amqp_url, service)
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def _submit(gateway: GatewayProcess, svc: Service, url: str) -> str:
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(
+            gateway.tasks_url(svc.name),
+            json={"body": {"n": 1}, "callback": {"type": "http", "url": url}},
+        )
+    assert answer.status_code == 201, answer.text
+    return answer.json()["data"]["taskId"]
+
+
+def _succeed(amqp_url: str, svc: Service, task_id: str, response: Any) -> None:
+    """Drives the task to SUCCESS as a dispatcher would: started, then succeeded."""
+    attempt = str(uuid.uuid4())
+    events = [
+        TaskEvent(EventKind.STARTED, task_id, host="worker-1", attempt=attempt),
+        TaskEvent(EventKind.SUCCEEDED, task_id, response=response, attempt=attempt),
+    ]
+    for event in events:
+        publish(amqp_url, topology.out_queue(svc.queue_name), [encode_event(event, svc.name)])
+
+
+def _notification(platform: Platform, task_id: str) -> str | None:
+    rows = platform.sql(
+        "SELECT notification_status FROM tasks WHERE task_id = %(t)s", {"t": task_id}
+    )
+    return rows[0][0]
+
+
+def _wait_notified(platform: Platform, task_id: str, timeout: float = 15.0) -> str:
+    """Waits for the notifier to record an outcome; returns it."""
+    return wait_until(
+        lambda: (status := _notification(platform, task_id)) in ("SUCCESS", "FAILURE") and status,
+        timeout,
+        what=f"notification of {task_id} recorded",
+    )
+
+
+def _finish_by_sql(platform: Platform, task_id: str, callback_url: str | None = None) -> None:
+    """The row a crash leaves behind: finished, its notification still PENDING."""
+    platform.sql(
+        """
+        UPDATE tasks SET status = 'SUCCESS', start_date = now(), end_date = now(), progress = 100,
+               response = '{"done": true}', notification_status = 'PENDING',
+               callback = COALESCE(%(cb)s::jsonb, callback)
+         WHERE task_id = %(t)s
+        """,
+        {
+            "t": task_id,
+            "cb": json.dumps({"type": "http", "url": callback_url}) if callback_url else None,
+        },
+    )
+
+
+# -- tests ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_callback_retried_then_delivered_and_signed(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str, serve: Any
+) -> None:
+    hook, port = serve(500, 500, 200)
+    task_id = _submit(gateway, svc, f"http://localhost:{port}/hook?x=1")
+
+    _succeed(amqp_url, svc, task_id, {"thumbnail": "done"})
+
+    assert _wait_notified(platform, task_id) == "SUCCESS"
+    received = hook.requests()
+    assert len(received) == 3
+    assert {r.path for r in received} == {"/hook?x=1"}
+    with gateway.http(svc.clients[0]) as http:
+        polled = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}").json()["data"]
+    last = received[-1]
+    assert json.loads(last.body) == polled
+    assert polled["status"] == "SUCCESS" and polled["response"] == {"thumbnail": "done"}
+    assert last.headers["Content-Type"] == "application/json"
+    signature = last.headers[SIGNATURE_HEADER]
+    assert verify(SECRET, last.body, signature)
+    assert not verify(SECRET, last.body.replace(b"done", b"dona"), signature)
+    assert not verify("another-secret", last.body, signature)
+
+
+@pytest.mark.timeout(60)
+def test_callback_failing_every_time_is_recorded_after_three_attempts(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str, serve: Any
+) -> None:
+    hook, port = serve(500)
+    task_id = _submit(gateway, svc, f"http://localhost:{port}/hook")
+
+    _succeed(amqp_url, svc, task_id, {"n": 1})
+
+    assert _wait_notified(platform, task_id) == "FAILURE"
+    assert len(hook.requests()) == 3
+
+
+@pytest.mark.timeout(60)
+def test_redirect_is_not_followed(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str, serve: Any
+) -> None:
+    hook, port = serve(302, redirect_to="/elsewhere")
+    task_id = _submit(gateway, svc, f"http://localhost:{port}/hook")
+
+    _succeed(amqp_url, svc, task_id, {"n": 1})
+
+    assert _wait_notified(platform, task_id) == "FAILURE"
+    paths = [r.path for r in hook.requests()]
+    assert paths == ["/hook"] * 3  # never "/elsewhere"
+
+
+@pytest.mark.timeout(60)
+def test_address_forbidden_at_delivery_is_never_called(
+    gateway: GatewayProcess, svc: Service, platform: Platform, serve: Any
+) -> None:
+    """Accepted at submission as `localhost`; by delivery time it reads as a loopback address."""
+    hook, port = serve(200)
+    task_id = _submit(gateway, svc, f"http://localhost:{port}/hook")
+
+    _finish_by_sql(platform, task_id, callback_url=f"http://127.0.0.1:{port}/hook")
+
+    assert _wait_notified(platform, task_id) == "FAILURE"
+    assert hook.requests() == []
+
+
+@pytest.mark.timeout(90)
+def test_pending_notification_survives_a_restart(
+    database_url: str, amqp_url: str, procs: Processes, serve: Any
+) -> None:
+    """On a database of its own, so that no other gateway delivers it in the meantime."""
+    hook, port = serve(200)
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        env = gateway_env(url, amqp_url)
+        try:
+            first = GatewayProcess(procs, env, "gateway-before")
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            task_id = _submit(first, svc, f"http://localhost:{port}/hook")
+            first.proc.signal(signal.SIGKILL)
+            first.proc.wait(timeout=10)
+
+            _finish_by_sql(platform, task_id)
+            assert _notification(platform, task_id) == "PENDING"
+            assert hook.requests() == []
+
+            GatewayProcess(procs, env, "gateway-after")
+            assert _wait_notified(platform, task_id) == "SUCCESS"
+            (request,) = hook.requests()
+            assert json.loads(request.body)["taskId"] == task_id
+            assert verify(SECRET, request.body, request.headers[SIGNATURE_HEADER])
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)

@@ -1,0 +1,218 @@
+"""Housekeeping: the purge (`conveyor purge`, a CronJob) and the reaper of stale PENDING tasks.
+
+The purge runs as the real CLI on a database of its own holding over 100,000
+tasks, so that its exact counts are known and no other test's rows are touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any, NamedTuple
+
+import pytest
+
+from tests.support.amqp import remove_service, scratch_database, wait_until
+from tests.support.gateway import GatewayProcess, Platform, Service
+from tests.support.processes import REPO
+
+DAY = 86400
+MAX_AGE_DAYS = 30
+
+
+class Rows(NamedTuple):
+    """`count` tasks alike; `fate` is what the purge must do with them."""
+
+    label: str
+    service: str
+    status: str
+    count: int
+    submitted_days_ago: float
+    ended_days_ago: float | None
+    fate: str  # kept | finished (past its service's retention) | ancient (past the maximum)
+
+
+ROWS = [
+    Rows("old-a", "keep-week", "SUCCESS", 20_000, 9, 8, "finished"),
+    Rows("old-a-failed", "keep-week", "FAILURE", 10_000, 9, 8, "finished"),
+    Rows("old-b", "keep-day", "SUCCESS", 15_000, 3, 2, "finished"),
+    Rows("old-b-failed", "keep-day", "FAILURE", 15_000, 3, 2, "finished"),
+    Rows("old-orphan", "deleted-service", "SUCCESS", 1_000, 9, 8, "finished"),  # default: 7 d
+    Rows("recent-a", "keep-week", "SUCCESS", 15_000, 2, 1, "kept"),
+    Rows("recent-b", "keep-day", "FAILURE", 14_000, 0.2, 0.1, "kept"),
+    Rows("recent-orphan", "deleted-service", "SUCCESS", 1_000, 4, 3, "kept"),
+    Rows("pending", "keep-week", "PENDING", 8_000, 0.05, None, "kept"),
+    Rows("running", "keep-day", "IN_PROGRESS", 2_000, 0.05, None, "kept"),
+    Rows("ancient-pending", "keep-week", "PENDING", 500, MAX_AGE_DAYS + 5, None, "ancient"),
+    Rows("ancient-running", "keep-week", "IN_PROGRESS", 500, MAX_AGE_DAYS + 5, None, "ancient"),
+    Rows("ancient-finished", "keep-week", "SUCCESS", 500, MAX_AGE_DAYS + 5, 1, "ancient"),
+]
+
+
+def _total(fate: str) -> int:
+    return sum(r.count for r in ROWS if r.fate == fate)
+
+
+_INSERT = """
+    INSERT INTO tasks (task_id, client_id, service, status, request, submission_date,
+                       start_date, end_date, progress)
+    SELECT gen_random_uuid(), 'purge-client', %(service)s, %(status)s,
+           jsonb_build_object('label', %(label)s::text, 'n', n),
+           now() - make_interval(secs => %(submitted)s),
+           CASE WHEN %(status)s <> 'PENDING' THEN now() - make_interval(secs => %(submitted)s) END,
+           now() - make_interval(secs => %(ended)s::float8),
+           CASE WHEN %(status)s = 'SUCCESS' THEN 100 ELSE 0 END
+      FROM generate_series(1, %(count)s) n
+"""
+
+
+def _seed(platform: Platform) -> None:
+    platform.apply(
+        {
+            "services": [
+                {"name": "keep-week", "retention": "7d"},
+                {"name": "keep-day", "retention": "1d"},
+            ]
+        }
+    )
+    for rows in ROWS:
+        ended = rows.ended_days_ago
+        platform.sql(
+            _INSERT,
+            {
+                "label": rows.label,
+                "service": rows.service,
+                "status": rows.status,
+                "count": rows.count,
+                "submitted": rows.submitted_days_ago * DAY,
+                "ended": None if ended is None else ended * DAY,
+            },
+        )
+    # One attempt per task and an outbox entry per unpublished task: both must go with it.
+    platform.sql(
+        "INSERT INTO task_attempts (task_id, attempt_id, worker_host, start_date)"
+        " SELECT task_id, 'a1', 'host', submission_date FROM tasks WHERE status <> 'PENDING'"
+    )
+    platform.sql("INSERT INTO outbox (task_id) SELECT task_id FROM tasks WHERE status = 'PENDING'")
+    platform.sql(
+        "INSERT INTO poison_messages (queue, reason, body_size, received_at)"
+        " SELECT 'q-out', 'test', 0, now() - make_interval(days => d)"
+        "   FROM unnest(ARRAY[1, 2, %(old)s, %(old)s, %(old)s]) d",
+        {"old": MAX_AGE_DAYS + 1},
+    )
+
+
+def _counts(platform: Platform) -> dict[str, int]:
+    rows = platform.sql("SELECT request->>'label', count(*) FROM tasks GROUP BY 1")
+    return dict(rows)
+
+
+def _purge(database_url: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        "CONVEYOR_DATABASE_URL": database_url,
+        "CONVEYOR_PURGE_BATCH_SIZE": "5000",
+        "CONVEYOR_PURGE_MAX_AGE": str(MAX_AGE_DAYS * DAY),
+        "CONVEYOR_LOG_FORMAT": "json",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "conveyor", "purge"],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_purge_deletes_in_batches_exactly_what_is_due(database_url: str) -> None:
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        _seed(platform)
+        seeded = _counts(platform)
+        assert sum(seeded.values()) >= 100_000
+
+        done = _purge(url)
+
+        assert done.returncode == 0, done.stderr + done.stdout
+        expected = {r.label: r.count for r in ROWS if r.fate == "kept"}
+        assert _counts(platform) == expected
+        finished, ancient = _total("finished"), _total("ancient")
+        report = re.search(
+            r"purged (\d+) finished, (\d+) past the maximum age, (\d+) poison messages,"
+            r" in (\d+) batches",
+            done.stdout,
+        )
+        assert report, done.stdout
+        assert [int(g) for g in report.groups()[:3]] == [finished, ancient, 3]
+        assert int(report.group(4)) >= -(-finished // 5000)  # deleted in batches of 5000
+        logged = next(json.loads(line) for line in done.stdout.splitlines() if "purge done" in line)
+        assert (logged["message"], logged["finished"], logged["ancient"]) == (
+            "purge done",
+            finished,
+            ancient,
+        )
+        _assert_dependents_gone(platform)
+
+
+def _assert_dependents_gone(platform: Platform) -> None:
+    remaining = platform.sql(
+        "SELECT (SELECT count(*) FROM task_attempts a WHERE NOT EXISTS"
+        "          (SELECT 1 FROM tasks t WHERE t.task_id = a.task_id)),"
+        "       (SELECT count(*) FROM outbox o WHERE NOT EXISTS"
+        "          (SELECT 1 FROM tasks t WHERE t.task_id = o.task_id)),"
+        "       (SELECT count(*) FROM task_attempts),"
+        "       (SELECT count(*) FROM outbox),"
+        "       (SELECT count(*) FROM poison_messages)"
+    )
+    kept = [r for r in ROWS if r.fate == "kept"]
+    kept_attempts = sum(r.count for r in kept if r.status != "PENDING")
+    kept_outbox = sum(r.count for r in kept if r.status == "PENDING")
+    assert remaining == [(0, 0, kept_attempts, kept_outbox, 2)]
+
+
+# -- the reaper --------------------------------------------------------------------
+
+
+def _submit(gateway: GatewayProcess, svc: Service) -> str:
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(svc.name), json={"body": {}})
+    assert answer.status_code == 201, answer.text
+    return answer.json()["data"]["taskId"]
+
+
+def _poll(gateway: GatewayProcess, svc: Service, task_id: str) -> dict[str, Any]:
+    with gateway.http(svc.clients[0]) as http:
+        return http.get(f"{gateway.tasks_url(svc.name)}/{task_id}").json()["data"]
+
+
+@pytest.mark.timeout(60)
+def test_reaper_fails_pending_tasks_past_their_ttl(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    svc = platform.service()
+    try:
+        _reap(gateway, platform, svc)
+    finally:
+        remove_service(platform, amqp_url, svc)
+
+
+def _reap(gateway: GatewayProcess, platform: Platform, svc: Service) -> None:
+    stale, fresh = _submit(gateway, svc), _submit(gateway, svc)
+    platform.sql(
+        "UPDATE tasks SET submission_date = now() - interval '2 days' WHERE task_id = %(t)s",
+        {"t": stale},
+    )
+
+    data = wait_until(
+        lambda: (d := _poll(gateway, svc, stale))["status"] == "FAILURE" and d,
+        timeout=10,
+        what="stale task reaped",
+    )
+    assert "expired" in data["errorMessage"]
+    assert "endDate" in data
+    assert _poll(gateway, svc, fresh)["status"] == "PENDING"

@@ -1,0 +1,206 @@
+"""The transactional outbox: no accepted task is lost, none is published twice by the relays.
+
+* a broker outage: tasks are still accepted (201), wait in `outbox`, and reach
+  `<queue>-in` once the broker is back;
+* a crash between commit and publish: the relay of another gateway publishes
+  what a dead gateway left in the outbox;
+* two relays at once never publish the same row twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from conveyor import topology
+from conveyor.events import WireMessage, decode_submission
+from tests.support.amqp import (
+    collect,
+    message_count,
+    queues_of,
+    remove_service,
+    scratch_database,
+    take_all,
+    wait_for_queues,
+    wait_until,
+)
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
+from tests.support.processes import Processes
+from tests.support.tcpproxy import TcpProxy
+
+
+@pytest.fixture
+def svc(platform: Platform, amqp_url: str) -> Iterator[Service]:
+    service = platform.service()
+    yield service
+    remove_service(platform, amqp_url, service)
+
+
+def _through(proxy: TcpProxy, amqp_url: str) -> str:
+    parts = urlsplit(amqp_url)
+    netloc = parts.netloc.rpartition("@")
+    auth = f"{netloc[0]}@" if netloc[1] else ""
+    return urlunsplit(parts._replace(netloc=f"{auth}127.0.0.1:{proxy.port}"))
+
+
+def _outbox_tasks(platform: Platform, service: str) -> set[str]:
+    rows = platform.sql(
+        "SELECT o.task_id FROM outbox o JOIN tasks t USING (task_id) WHERE t.service = %(s)s",
+        {"s": service},
+    )
+    return {str(r[0]) for r in rows}
+
+
+def _failed_relay_attempts(platform: Platform, service: str) -> int:
+    rows = platform.sql(
+        "SELECT count(*) FROM outbox o JOIN tasks t USING (task_id)"
+        " WHERE t.service = %(s)s AND o.attempts > 0 AND o.last_error IS NOT NULL",
+        {"s": service},
+    )
+    return rows[0][0]
+
+
+def _task_ids(messages: list[WireMessage]) -> list[str]:
+    return [decode_submission(m).task_id for m in messages]
+
+
+def _relayed(gateway: GatewayProcess) -> float:
+    """How many submissions this gateway's relay has had confirmed so far."""
+    with gateway.http() as http:
+        metrics = http.get("/metrics").text
+    match = re.search(r'^conveyor_gateway_published_total\{path="relay"\} (\S+)$', metrics, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def _seed_stranded_tasks(platform: Platform, svc: Service, count: int) -> set[str]:
+    """Rows as a gateway that died between its commit and its publish leaves them."""
+    rows = platform.sql(
+        """
+        WITH t AS (
+            INSERT INTO tasks (task_id, client_id, service, request, submission_date)
+            SELECT gen_random_uuid(), %(c)s, %(s)s, jsonb_build_object('n', n),
+                   now() - interval '1 minute'
+              FROM generate_series(1, %(count)s) n
+            RETURNING task_id
+        ), o AS (
+            INSERT INTO outbox (task_id, created_at)
+            SELECT task_id, now() - interval '1 minute' FROM t
+        )
+        SELECT task_id FROM t
+        """,
+        {"c": svc.clients[0].client_id, "s": svc.name, "count": count},
+    )
+    return {str(r[0]) for r in rows}
+
+
+@pytest.fixture
+def proxy(amqp_url: str) -> Iterator[TcpProxy]:
+    """RabbitMQ behind a TCP proxy the test can sever."""
+    upstream = urlsplit(amqp_url)
+    severable = TcpProxy(upstream.hostname or "127.0.0.1", upstream.port or 5672)
+    yield severable
+    severable.close()
+
+
+def _submit_during_outage(gw: GatewayProcess, svc: Service, count: int) -> list[str]:
+    accepted = []
+    with gw.http(svc.clients[0]) as http:
+        for n in range(count):
+            answer = http.post(gw.tasks_url(svc.name), json={"body": {"n": n}})
+            assert answer.status_code == 201, answer.text  # durably stored: accepted
+            accepted.append(answer.json()["data"]["taskId"])
+    return accepted
+
+
+@pytest.mark.timeout(90)
+def test_broker_outage_keeps_accepting_and_publishes_later(
+    proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    # A database of its own: no gateway but this one, cut off from the broker, may relay.
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        try:
+            gw = GatewayProcess(procs, gateway_env(url, _through(proxy, amqp_url)))
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            with gw.http() as http:
+                wait_until(lambda: http.get("/readyz").status_code == 200, what="gateway ready")
+            _outage(proxy, gw, svc, platform, amqp_url)
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
+def _outage(
+    proxy: TcpProxy, gw: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    in_queue = topology.in_queue(svc.queue_name)
+    proxy.sever()
+    accepted = _submit_during_outage(gw, svc, 5)
+    assert _outbox_tasks(platform, svc.name) == set(accepted)
+    # The relay tries during the outage, fails, and keeps every row.
+    wait_until(lambda: _failed_relay_attempts(platform, svc.name) == 5, what="relay tried")
+    assert _outbox_tasks(platform, svc.name) == set(accepted)
+    assert message_count(amqp_url, in_queue) == 0
+
+    proxy.restore()
+    messages = collect(amqp_url, in_queue, expected=5, timeout=15)
+    assert sorted(_task_ids(messages)) == sorted(accepted)
+    wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox emptied")
+
+
+@pytest.mark.timeout(60)
+def test_relay_publishes_what_a_dead_gateway_left(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    wait_for_queues(amqp_url, queues_of(svc.queue_name))
+    (task_id,) = _seed_stranded_tasks(platform, svc, 1)
+
+    messages = collect(amqp_url, topology.in_queue(svc.queue_name), expected=1, timeout=15)
+
+    assert len(messages) == 1
+    submission = decode_submission(messages[0])
+    assert submission.task_id == task_id
+    assert submission.body == {"n": 1}
+    assert json.loads(messages[0].body) == {"n": 1}  # binary mode: the body is the data
+    wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox row deleted")
+
+
+@pytest.mark.timeout(90)
+def test_concurrent_relays_publish_each_row_once(
+    gateway: GatewayProcess,
+    svc: Service,
+    platform: Platform,
+    database_url: str,
+    amqp_url: str,
+    tmp_path: Path,
+) -> None:
+    count = 600
+    wait_for_queues(amqp_url, queues_of(svc.queue_name))
+    procs = Processes(tmp_path)
+    try:
+        env = gateway_env(database_url, amqp_url)
+        relays = [gateway] + [  # the shared gateway and two more: three relays at once
+            GatewayProcess(procs, env, name, "--only-background") for name in ("relay-a", "relay-b")
+        ]
+        before = [_relayed(g) for g in relays]
+        seeded = _seed_stranded_tasks(platform, svc, count)
+
+        messages = collect(
+            amqp_url, topology.in_queue(svc.queue_name), expected=count, timeout=30, settle=2
+        )
+        relayed = [_relayed(g) - b for g, b in zip(relays, before, strict=True)]
+    finally:
+        procs.stop_all()
+
+    ids = _task_ids(messages)
+    assert len(ids) == count, f"{len(ids) - len(set(ids))} duplicates"
+    assert sum(relayed) == count  # each row confirmed by exactly one relay
+    assert set(ids) == seeded
+    wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox emptied")
+    assert take_all(amqp_url, topology.in_queue(svc.queue_name)) == []

@@ -1,0 +1,479 @@
+"""What the gateway reads back from RabbitMQ: task events on `-out`, dead letters on `-dlq`.
+
+* replay: a realistic life of each task (two attempts, progress, one terminal
+  event), shuffled and with duplicates, consumed by two gateways at once, ends
+  in exactly the terminal state; replaying it all again changes nothing;
+* a redelivery resets worker host, progress and start date;
+* the seed's own JSON, in both spellings, drives a legacy service;
+* messages nobody can read are set aside in `poison_messages`, never retried,
+  and never stop the consumer;
+* dead-lettered submissions fail their task with a clear message;
+* a legacy service's `-in` carries the seed's submission JSON and accepts the
+  seed worker's own queue declaration.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import aiormq.exceptions
+import pytest
+
+from conveyor import topology
+from conveyor.events import (
+    EventKind,
+    Submission,
+    TaskEvent,
+    WireMessage,
+    encode_event,
+    encode_submission,
+)
+from conveyor.settings import GatewaySettings
+from gateway.store import iso
+from tests.support.amqp import (
+    declare_like_seed_worker,
+    message_count,
+    publish,
+    queues_of,
+    raw_json,
+    reject_until_dead_lettered,
+    remove_service,
+    take_all,
+    unacked,
+    wait_for_queues,
+    wait_until,
+)
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
+from tests.support.processes import Processes
+
+TASKS_PER_SEED = 30
+
+
+@pytest.fixture(scope="module")
+def second_gateway(
+    database_url: str, amqp_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """Another replica consuming `-out` next to the shared `gateway`."""
+    procs = Processes(tmp_path_factory.mktemp("second-gateway"))
+    try:
+        yield GatewayProcess(
+            procs, gateway_env(database_url, amqp_url), "gateway-2", "--only-background"
+        )
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture
+def replicas(gateway: GatewayProcess, second_gateway: GatewayProcess) -> list[GatewayProcess]:
+    return [gateway, second_gateway]
+
+
+def _service(platform: Platform, amqp_url: str, **options: Any) -> Service:
+    service = platform.service(**options)
+    wait_for_queues(amqp_url, queues_of(service.queue_name))
+    return service
+
+
+@pytest.fixture
+def svc(platform: Platform, amqp_url: str, replicas: list[GatewayProcess]) -> Iterator[Service]:
+    service = _service(platform, amqp_url)
+    yield service
+    remove_service(platform, amqp_url, service)
+
+
+@pytest.fixture
+def legacy_svc(
+    platform: Platform, amqp_url: str, replicas: list[GatewayProcess]
+) -> Iterator[Service]:
+    service = _service(platform, amqp_url, messageFormat="legacy")
+    yield service
+    remove_service(platform, amqp_url, service)
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def _submit_all(gateway: GatewayProcess, svc: Service, bodies: list[dict[str, Any]]) -> list[str]:
+    task_ids = []
+    with gateway.http(svc.clients[0]) as http:
+        for body in bodies:
+            answer = http.post(gateway.tasks_url(svc.name), json={"body": body})
+            assert answer.status_code == 201, answer.text
+            task_ids.append(answer.json()["data"]["taskId"])
+    return task_ids
+
+
+def _submit(gateway: GatewayProcess, svc: Service, body: dict[str, Any]) -> str:
+    return _submit_all(gateway, svc, [body])[0]
+
+
+def _poll_all(gateway: GatewayProcess, svc: Service, task_ids: list[str]) -> dict[str, Any]:
+    polled = {}
+    with gateway.http(svc.clients[0]) as http:
+        for task_id in task_ids:
+            answer = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+            assert answer.status_code == 200, answer.text
+            polled[task_id] = answer.json()["data"]
+    return polled
+
+
+def _poll(gateway: GatewayProcess, svc: Service, task_id: str) -> dict[str, Any]:
+    return _poll_all(gateway, svc, [task_id])[task_id]
+
+
+def _poll_until(
+    gateway: GatewayProcess, svc: Service, task_id: str, timeout: float = 10.0, **expected: Any
+) -> dict[str, Any]:
+    def matches() -> dict[str, Any] | None:
+        data = _poll(gateway, svc, task_id)
+        return data if all(data.get(k) == v for k, v in expected.items()) else None
+
+    return wait_until(matches, timeout, what=f"task {task_id} with {expected}")
+
+
+def _column(platform: Platform, task_id: str, column: str) -> Any:
+    return platform.sql(f"SELECT {column} FROM tasks WHERE task_id = %(t)s", {"t": task_id})[0][0]
+
+
+def _ms(moment: datetime) -> datetime:
+    """Rounded to the millisecond, the precision of the API's dates."""
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
+
+
+def _event(svc: Service, kind: EventKind, task_id: str, **fields: Any) -> WireMessage:
+    return encode_event(TaskEvent(kind=kind, task_id=task_id, **fields), svc.name)
+
+
+def _publish_events(amqp_url: str, svc: Service, *messages: WireMessage) -> None:
+    publish(amqp_url, topology.out_queue(svc.queue_name), messages)
+
+
+def _drained(amqp_url: str, queue: str) -> bool:
+    return message_count(amqp_url, queue) == 0
+
+
+def _unfinished(platform: Platform, task_ids: list[str]) -> int:
+    rows = platform.sql(
+        "SELECT count(*) FROM tasks WHERE task_id = ANY(%(ids)s::uuid[])"
+        " AND status NOT IN ('SUCCESS', 'FAILURE')",
+        {"ids": task_ids},
+    )
+    return rows[0][0]
+
+
+# -- replay: order, duplicates and replicas change nothing ---------------------
+
+
+def _life(svc: Service, task_id: str, index: int, start: datetime) -> tuple[list, dict]:
+    """The events of one task with a redelivery, and the terminal state they must produce."""
+    a, b = f"{task_id}/a", f"{task_id}/b"
+    at = [_ms(start + timedelta(seconds=s)) for s in range(7)]
+    events = [
+        _event(svc, EventKind.STARTED, task_id, host="host-a", attempt=a, time=at[0]),
+        _event(svc, EventKind.PROGRESS, task_id, progress=10.0, attempt=a, time=at[1]),
+        _event(svc, EventKind.PROGRESS, task_id, progress=20.0, attempt=a, time=at[2]),
+        _event(svc, EventKind.STARTED, task_id, host="host-b", attempt=b, time=at[3]),
+        _event(svc, EventKind.PROGRESS, task_id, progress=5.0, attempt=b, time=at[4]),
+        _event(svc, EventKind.PROGRESS, task_id, progress=50.0, attempt=b, time=at[5]),
+    ]
+    if index % 2:
+        response = {"index": index, "items": [1, "two", None]}
+        events.append(
+            _event(svc, EventKind.SUCCEEDED, task_id, response=response, attempt=b, time=at[6])
+        )
+        expected = {"status": "SUCCESS", "response": response, "progress": 100.0}
+    else:
+        message = f"boom {index}"
+        events.append(
+            _event(svc, EventKind.FAILED, task_id, error_message=message, attempt=b, time=at[6])
+        )
+        expected = {"status": "FAILURE", "errorMessage": message}
+    expected["endDate"] = iso(at[6])
+    return events, expected
+
+
+def _shuffled_with_duplicates(events: list[WireMessage], rng: random.Random) -> list[WireMessage]:
+    stream = events + [e for e in events if rng.random() < 0.3]
+    rng.shuffle(stream)
+    return stream
+
+
+def _snapshot(platform: Platform, svc: Service) -> tuple[list, list]:
+    tasks = platform.sql("SELECT * FROM tasks WHERE service = %(s)s ORDER BY id", {"s": svc.name})
+    attempts = platform.sql(
+        "SELECT a.* FROM task_attempts a JOIN tasks t USING (task_id)"
+        " WHERE t.service = %(s)s ORDER BY a.id",
+        {"s": svc.name},
+    )
+    return tasks, attempts
+
+
+def _settled(platform: Platform, svc: Service, amqp_url: str) -> tuple[list, list]:
+    """Waits until `-out` is drained and the rows stop changing; returns them."""
+    out = topology.out_queue(svc.queue_name)
+    previous = None
+    while True:
+        wait_until(lambda: _drained(amqp_url, out), 20, what="-out drained")
+        current = _snapshot(platform, svc)
+        if current == previous:
+            return current
+        previous = current
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("seed", [11, 22, 33])
+def test_shuffled_duplicated_replay_ends_in_the_terminal_state(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str, seed: int
+) -> None:
+    rng = random.Random(seed)
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    expected: dict[str, dict[str, Any]] = {}
+    events: list[WireMessage] = []
+    task_ids = _submit_all(gateway, svc, [{"index": i} for i in range(TASKS_PER_SEED)])
+    for index, task_id in enumerate(task_ids):
+        life, expected[task_id] = _life(svc, task_id, index, start)
+        events += life
+
+    _publish_events(amqp_url, svc, *_shuffled_with_duplicates(events, rng))
+    wait_until(lambda: _unfinished(platform, list(expected)) == 0, 20, what="all finished")
+    before = _settled(platform, svc, amqp_url)
+
+    polled = _poll_all(gateway, svc, list(expected))
+    for task_id, wanted in expected.items():
+        data = polled[task_id]
+        assert {k: data.get(k) for k in wanted} == wanted, task_id
+        if wanted["status"] == "FAILURE":
+            assert data["progress"] in (0.0, 5.0, 10.0, 20.0, 50.0)
+            assert "response" not in data
+        else:
+            assert "errorMessage" not in data
+
+    _publish_events(amqp_url, svc, *_shuffled_with_duplicates(events, rng))
+    assert _settled(platform, svc, amqp_url) == before
+
+
+@pytest.mark.timeout(60)
+def test_redelivery_resets_host_progress_and_start_date(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    task_id = _submit(gateway, svc, {"n": 1})
+    first = _ms(datetime.now(UTC) - timedelta(seconds=30))
+    second = first + timedelta(seconds=10)
+    a, b = "attempt-a", "attempt-b"
+
+    _publish_events(
+        amqp_url, svc, _event(svc, EventKind.STARTED, task_id, host="host-a", attempt=a, time=first)
+    )
+    data = _poll_until(gateway, svc, task_id, status="IN_PROGRESS")
+    assert data["startDate"] == iso(first) and data["progress"] == 0.0
+    assert _column(platform, task_id, "worker_host") == "host-a"
+    for value in (10.0, 20.0):
+        _publish_events(
+            amqp_url, svc, _event(svc, EventKind.PROGRESS, task_id, progress=value, attempt=a)
+        )
+        _poll_until(gateway, svc, task_id, progress=value)
+
+    _publish_events(
+        amqp_url,
+        svc,
+        _event(svc, EventKind.STARTED, task_id, host="host-b", attempt=b, time=second),
+    )
+    data = _poll_until(gateway, svc, task_id, startDate=iso(second))
+    assert data["status"] == "IN_PROGRESS" and data["progress"] == 0.0
+    assert _column(platform, task_id, "worker_host") == "host-b"
+
+    # The killed worker's late progress belongs to an attempt that is over.
+    _publish_events(
+        amqp_url,
+        svc,
+        _event(svc, EventKind.PROGRESS, task_id, progress=90.0, attempt=a),
+        _event(svc, EventKind.PROGRESS, task_id, progress=50.0, attempt=b),
+    )
+    _poll_until(gateway, svc, task_id, progress=50.0)
+    wait_until(lambda: _drained(amqp_url, topology.out_queue(svc.queue_name)), what="drained")
+    assert _poll(gateway, svc, task_id)["progress"] == 50.0
+
+    _publish_events(
+        amqp_url, svc, _event(svc, EventKind.SUCCEEDED, task_id, response={"ok": 1}, attempt=b)
+    )
+    data = _poll_until(gateway, svc, task_id, status="SUCCESS")
+    assert data["progress"] == 100.0 and data["response"] == {"ok": 1}
+    history = platform.sql(
+        "SELECT attempt_id, worker_host, outcome, end_date IS NOT NULL FROM task_attempts"
+        " WHERE task_id = %(t)s ORDER BY start_date",
+        {"t": task_id},
+    )
+    assert history == [(a, "host-a", "interrupted", True), (b, "host-b", "success", True)]
+
+
+# -- the seed's own messages ---------------------------------------------------
+
+
+def _legacy(amqp_url: str, svc: Service, payload: dict[str, Any]) -> None:
+    """One message exactly as the seed's worker writes it: JSON, no headers."""
+    publish(amqp_url, topology.out_queue(svc.queue_name), [raw_json(payload)])
+
+
+@pytest.mark.timeout(60)
+def test_legacy_messages_in_both_spellings(
+    gateway: GatewayProcess, legacy_svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    winner = _submit(gateway, legacy_svc, {"sleep": 1})
+    loser = _submit(gateway, legacy_svc, {"sleep": 2})
+
+    started = {"message_type": "started", "hostname": "myjob-d49t6"}
+    _legacy(amqp_url, legacy_svc, {"task_id": winner, "data": started})
+    _poll_until(gateway, legacy_svc, winner, status="IN_PROGRESS", progress=0.0)
+    assert _column(platform, winner, "worker_host") == "myjob-d49t6"
+
+    progress = {"messageType": "progress", "progress": 10.0}
+    _legacy(amqp_url, legacy_svc, {"taskId": winner, "data": progress})
+    _poll_until(gateway, legacy_svc, winner, progress=10.0)
+
+    response = {"thumbnail": "s3://bucket/key.png"}
+    success = {"messageType": "success", "response": response}
+    _legacy(amqp_url, legacy_svc, {"taskId": winner, "data": success})
+    data = _poll_until(gateway, legacy_svc, winner, status="SUCCESS")
+    assert data["response"] == response and data["progress"] == 100.0
+
+    started = {"messageType": "started", "host_name": "myjob-x"}
+    _legacy(amqp_url, legacy_svc, {"taskId": loser, "data": started})
+    _poll_until(gateway, legacy_svc, loser, status="IN_PROGRESS")
+    assert _column(platform, loser, "worker_host") == "myjob-x"
+
+    failure = {"message_type": "failure", "error_message": "Argh!"}
+    _legacy(amqp_url, legacy_svc, {"task_id": loser, "data": failure})
+    data = _poll_until(gateway, legacy_svc, loser, status="FAILURE")
+    assert data["errorMessage"] == "Argh!"
+
+
+@pytest.mark.timeout(60)
+def test_legacy_service_in_queue_is_the_seeds(
+    gateway: GatewayProcess, legacy_svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    body = {"sleep": 3, "name": "é"}
+    task_id = _submit(gateway, legacy_svc, body)
+    in_queue = topology.in_queue(legacy_svc.queue_name)
+
+    (message,) = wait_until(lambda: take_all(amqp_url, in_queue), what="submission on -in")
+    assert not any(k.startswith("ce-") for k in message.headers)
+    assert json.loads(message.body) == {
+        "taskId": task_id,
+        "task_id": task_id,
+        "data": {"messageType": "submission", "message_type": "submission", "body": body},
+    }
+    # The seed's worker declares both queues itself, durable and without arguments.
+    declare_like_seed_worker(amqp_url, in_queue)
+    declare_like_seed_worker(amqp_url, topology.out_queue(legacy_svc.queue_name))
+
+
+def test_cloudevents_in_queue_refuses_a_plain_declaration(svc: Service, amqp_url: str) -> None:
+    """The contrast that makes the legacy check meaningful: quorum `-in` has arguments."""
+    with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed):
+        declare_like_seed_worker(amqp_url, topology.in_queue(svc.queue_name))
+
+
+# -- poison ----------------------------------------------------------------------
+
+
+def _poison(platform: Platform, queue: str) -> list[tuple[str, bytes]]:
+    rows = platform.sql(
+        "SELECT reason, body FROM poison_messages WHERE queue = %(q)s ORDER BY id", {"q": queue}
+    )
+    return [(reason, bytes(body)) for reason, body in rows]
+
+
+def _malformed_events(svc: Service) -> list[WireMessage]:
+    progress = _event(svc, EventKind.PROGRESS, str(uuid.uuid4()), progress=1.0)
+    unknown_type = {**progress.headers, "ce-type": "io.conveyor.task.exploded"}
+    return [
+        raw_json(b"this is not JSON {"),
+        raw_json({"data": {"messageType": "progress", "progress": 1.0}}),
+        raw_json({"taskId": str(uuid.uuid4()), "data": {"messageType": "exploded"}}),
+        WireMessage(b'"a string, not an object"', progress.headers, "application/json"),
+        WireMessage(progress.body, unknown_type, "application/json"),
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_malformed_events_are_set_aside_and_acked(
+    replicas: list[GatewayProcess], svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    gateway = replicas[0]
+    out = topology.out_queue(svc.queue_name)
+    task_id = _submit(gateway, svc, {})
+    malformed = _malformed_events(svc)
+    unknown_task = _event(svc, EventKind.STARTED, str(uuid.uuid4()), host="nobody")
+    valid = _event(svc, EventKind.STARTED, task_id, host="host-ok")
+
+    publish(amqp_url, out, [*malformed, unknown_task, valid])
+
+    _poll_until(gateway, svc, task_id, status="IN_PROGRESS")
+    wait_until(lambda: len(_poison(platform, out)) >= len(malformed), what="poison stored")
+    wait_until(lambda: _drained(amqp_url, out), what="-out drained")
+    assert unacked(out) in (0, None)  # acked, not held back by a stuck consumer
+    poison = _poison(platform, out)
+    assert sorted(body for _, body in poison) == sorted(m.body for m in malformed)
+    assert all(reason for reason, _ in poison)
+    # The unknown task's event is ignored: not poison, and no task is invented for it.
+    invented = platform.sql("SELECT count(*) FROM tasks WHERE worker_host = 'nobody'")
+    assert invented == [(0,)]
+    for replica in replicas:
+        with replica.http() as http:
+            assert http.get("/healthz").status_code == 200
+
+
+# -- dead letters ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_crashing_workers_dead_letter_the_task(
+    gateway: GatewayProcess, svc: Service, amqp_url: str
+) -> None:
+    task_id = _submit(gateway, svc, {"poison": True})
+    in_queue = topology.in_queue(svc.queue_name)
+    wait_until(lambda: message_count(amqp_url, in_queue) == 1, what="submission on -in")
+
+    deliveries = reject_until_dead_lettered(amqp_url, in_queue)
+
+    assert deliveries == GatewaySettings().delivery_limit + 1  # the queue's x-delivery-limit
+    data = _poll_until(gateway, svc, task_id, status="FAILURE")
+    assert "dead-lettered" in data["errorMessage"]
+    assert "delivery limit" in data["errorMessage"]
+    assert message_count(amqp_url, in_queue) == 0
+
+
+@pytest.mark.timeout(60)
+def test_dead_lettered_submission_with_x_death_fails_its_task(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    task_id = _submit(gateway, svc, {"n": 7})
+    dlq = topology.dead_letter_queue(svc.queue_name)
+    submission = encode_submission(Submission(task_id=task_id, service=svc.name, body={"n": 7}))
+    x_death = [
+        {
+            "count": 1,
+            "reason": "rejected",
+            "queue": topology.in_queue(svc.queue_name),
+            "exchange": "",
+            "routing-keys": [topology.in_queue(svc.queue_name)],
+        }
+    ]
+    dead = WireMessage(
+        submission.body, {**submission.headers, "x-death": x_death}, "application/json", task_id
+    )
+
+    publish(amqp_url, dlq, [dead, raw_json(b"\x00garbage")])
+
+    data = _poll_until(gateway, svc, task_id, status="FAILURE")
+    assert "dead-lettered" in data["errorMessage"] and "rejected" in data["errorMessage"]
+    wait_until(lambda: _poison(platform, dlq), what="garbage set aside")
+    assert _poison(platform, dlq)[0][1] == b"\x00garbage"
+    wait_until(lambda: _drained(amqp_url, dlq), what="-dlq drained")

@@ -1,0 +1,295 @@
+"""Helpers shared by the integration tests that look at RabbitMQ and PostgreSQL directly.
+
+* publishing raw messages (CloudEvents or hand-written JSON) with publisher
+  confirms, as a worker would;
+* looking at a queue without consuming it (`message_count`), taking what it
+  holds (`take_all`, `collect`), and deleting a test's queues;
+* `wait_until`, the polling loop every eventually-consistent check uses;
+* `scratch_database`, a database of its own for a test that must not share
+  the session's (migrations, purge, a gateway restarted on its own data).
+
+Everything is synchronous from the caller's side: each call runs its own event
+loop in a thread (`run_sync`), so sync and async tests use it alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import aio_pika
+import aiormq.exceptions
+from aio_pika.abc import AbstractIncomingMessage
+
+from conveyor import topology
+from conveyor.events import WireMessage
+from tests.support.gateway import Platform, Service, run_sync
+
+T = TypeVar("T")
+
+
+# -- polling -------------------------------------------------------------------
+
+
+def wait_until(
+    check: Callable[[], T], timeout: float = 10.0, interval: float = 0.1, what: str = ""
+) -> T:
+    """Calls `check` until it returns something truthy; returns it, or fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: T = check()
+    while not last:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true after {timeout}s: {what or check!r} (last: {last!r})")
+        time.sleep(interval)
+        last = check()
+    return last
+
+
+# -- publishing ----------------------------------------------------------------
+
+
+def raw_json(payload: Any, message_id: str | None = None) -> WireMessage:
+    """A message with a JSON body and no headers at all: what the seed's workers send."""
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return WireMessage(body, {}, "application/json", message_id)
+
+
+async def _publish(url: str, queue: str, messages: Sequence[WireMessage]) -> None:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        exchange = channel.default_exchange
+        # Confirmed together rather than one round trip each (the order on the queue may vary).
+        await asyncio.gather(
+            *(
+                exchange.publish(
+                    aio_pika.Message(
+                        body=message.body,
+                        headers=message.headers or None,
+                        content_type=message.content_type,
+                        message_id=message.message_id,
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    ),
+                    routing_key=queue,
+                    mandatory=True,  # a missing queue fails the test, not a lost message
+                )
+                for message in messages
+            )
+        )
+
+
+def publish(url: str, queue: str, messages: Iterable[WireMessage]) -> None:
+    """Publishes to `queue` through the default exchange; returns once the broker confirmed."""
+    run_sync(_publish(url, queue, list(messages)))
+
+
+# -- looking at queues ---------------------------------------------------------
+
+
+def queues_of(queue_name: str) -> list[str]:
+    return [
+        topology.in_queue(queue_name),
+        topology.out_queue(queue_name),
+        topology.dead_letter_queue(queue_name),
+    ]
+
+
+async def _message_count(url: str, queue: str) -> int | None:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        try:
+            declared = await channel.declare_queue(queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return None
+        return declared.declaration_result.message_count
+
+
+def message_count(url: str, queue: str) -> int | None:
+    """Ready messages in `queue` (a passive declare), or None if it does not exist."""
+    return run_sync(_message_count(url, queue))
+
+
+def wait_for_queues(url: str, names: Iterable[str], timeout: float = 10.0) -> None:
+    """Waits until every queue exists (e.g. declared by the gateway's result consumer)."""
+    for name in names:
+        wait_until(lambda n=name: message_count(url, n) is not None, timeout, what=f"queue {name}")
+
+
+def _wire(message: AbstractIncomingMessage) -> WireMessage:
+    return WireMessage(
+        message.body, dict(message.headers or {}), message.content_type, message.message_id
+    )
+
+
+async def _take_all(url: str, queue: str) -> list[WireMessage]:
+    connection = await aio_pika.connect(url)
+    taken: list[WireMessage] = []
+    async with connection:
+        channel = await connection.channel()
+        declared = await channel.get_queue(queue, ensure=True)
+        while (message := await declared.get(no_ack=False, fail=False)) is not None:
+            taken.append(_wire(message))
+            await message.ack()
+    return taken
+
+
+def take_all(url: str, queue: str) -> list[WireMessage]:
+    """Consumes (and acks) every message ready in `queue` now."""
+    return run_sync(_take_all(url, queue))
+
+
+def collect(
+    url: str, queue: str, expected: int, timeout: float = 15.0, settle: float = 1.0
+) -> list[WireMessage]:
+    """Consumes `queue` until `expected` messages arrived, then `settle` seconds more.
+
+    The extra wait lets duplicates show up: a test about "exactly once within a
+    window" must see what arrives after the count was first reached.
+    """
+    taken: list[WireMessage] = []
+    deadline = time.monotonic() + timeout
+    while len(taken) < expected and time.monotonic() < deadline:
+        taken += take_all(url, queue)
+        if len(taken) < expected:
+            time.sleep(0.2)
+    time.sleep(settle)
+    return taken + take_all(url, queue)
+
+
+async def _delete(url: str, names: Iterable[str]) -> None:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        for name in names:
+            channel = await connection.channel()
+            try:
+                await channel.queue_delete(name)
+            except aiormq.exceptions.AMQPError:
+                pass
+
+
+def delete_queues(url: str, names: Iterable[str]) -> None:
+    run_sync(_delete(url, list(names)))
+
+
+async def _declare_plain(url: str, queue: str) -> None:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.declare_queue(queue, durable=True)
+
+
+def declare_like_seed_worker(url: str, queue: str) -> None:
+    """`channel.assertQueue(queue, {durable: true})`, as the seed's JS worker does it.
+
+    Raises `aiormq.exceptions.ChannelPreconditionFailed` if the queue exists
+    with other arguments.
+    """
+    run_sync(_declare_plain(url, queue))
+
+
+async def _reject_until_dead_lettered(url: str, queue: str, rounds: int) -> int:
+    connection = await aio_pika.connect(url)
+    deliveries = 0
+    async with connection:
+        channel = await connection.channel()
+        declared = await channel.get_queue(queue, ensure=True)
+        for _ in range(rounds):
+            message = await declared.get(no_ack=False, fail=False)
+            if message is None:
+                break
+            deliveries += 1
+            await message.nack(requeue=True)
+    return deliveries
+
+
+def reject_until_dead_lettered(url: str, queue: str, rounds: int = 50) -> int:
+    """Takes the queue's message and gives it back (`basic.nack(requeue=true)`), as a crashing
+    worker does, until the broker dead-letters it; returns how many deliveries that took."""
+    return run_sync(_reject_until_dead_lettered(url, queue, rounds))
+
+
+def unacked(queue: str) -> int | None:
+    """Messages delivered but not acknowledged, from `rabbitmqctl` (None if it is not here).
+
+    A passive declare only counts ready messages; a consumer that never acks
+    would go unnoticed by it.
+    """
+    if shutil.which("rabbitmqctl") is None:
+        return None
+    listing = subprocess.run(
+        [
+            "rabbitmqctl",
+            "list_queues",
+            "-q",
+            "--no-table-headers",
+            "name",
+            "messages_unacknowledged",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    for line in listing.stdout.splitlines():
+        name, _, count = line.rpartition("\t")
+        if name == queue:
+            return int(count)
+    return None
+
+
+def remove_service(platform: Platform, url: str, service: Service) -> None:
+    """A test's cleanup: the service row (gateways stop consuming it), then its queues."""
+    platform.sql("DELETE FROM services WHERE name = %(n)s", {"n": service.name})
+    delete_queues(url, queues_of(service.queue_name))
+
+
+# -- databases -----------------------------------------------------------------
+
+
+def psycopg_url(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def _sibling(url: str, name: str) -> str:
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{name}"
+
+
+def create_database(like_url: str, prefix: str = "conveyor_scratch") -> str:
+    """Creates an empty database on the server of `like_url`; returns its URL."""
+    import psycopg
+
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(psycopg_url(_sibling(like_url, "postgres")), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return _sibling(like_url, name)
+
+
+def drop_database(url: str) -> None:
+    import psycopg
+
+    name = url.rpartition("/")[2]
+    with psycopg.connect(psycopg_url(_sibling(url, "postgres")), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def scratch_database(like_url: str, migrate: bool = True) -> Iterator[str]:
+    """A database of its own, migrated to head unless told otherwise, dropped afterwards."""
+    url = create_database(like_url)
+    try:
+        if migrate:
+            from gateway.migrate import upgrade
+
+            upgrade(url)
+        yield url
+    finally:
+        drop_database(url)

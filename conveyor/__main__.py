@@ -1,6 +1,6 @@
 """`python -m conveyor ...` is the same as the `conveyor` console script."""
 
-from conveyor.cli import main
+from conveyor.entry import main
 
 if __name__ == "__main__":
     main()

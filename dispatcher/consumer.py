@@ -1,0 +1,260 @@
+"""The AMQP side: one robust connection, the wait for `-in`, and deliveries.
+
+Reconnection is aio-pika's job (`connect_robust`): after a broker restart or a
+network cut it reconnects, reopens the channels, re-applies the prefetch and
+restores the consumer. What it cannot do is make old delivery tags valid
+again: a tag only means something on the channel that delivered it, and the
+broker has already requeued every message that channel held unacked. So a
+`Delivery` remembers the exact channel it came from, and `ack()` refuses to
+act once that channel is gone (the message will be, or already was, delivered
+again); it never acks on the new channel with an old tag.
+
+The dispatcher never declares `-in`: the gateway owns the topology and a
+declaration with other arguments would be refused. It waits for the queues
+with passive declarations, once a second, on a short-lived plain connection.
+
+Deliveries are handed to the dispatcher's own tasks at once: aio-pika runs the
+consumer callback in a task that is cancelled when its channel closes, and an
+in-flight call must survive a reconnection to still publish its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustConnection
+
+from conveyor.events import WireMessage
+
+log = logging.getLogger(__name__)
+
+REQUEUES_HEADER = "x-conveyor-requeues"
+DELIVERY_COUNT_HEADER = "x-delivery-count"
+RECONNECT_INTERVAL = 1.0
+# What a broker outage looks like to a caller (ChannelInvalidStateError is a RuntimeError).
+BROKER_ERRORS = (*aio_pika.exceptions.CONNECTION_EXCEPTIONS, TimeoutError)
+
+
+def _int_header(headers: dict[str, Any], name: str) -> int:
+    value = headers.get(name)
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return max(0, value)
+    if isinstance(value, bytes | str):
+        try:
+            return max(0, int(value))
+        except ValueError:
+            return 0
+    return 0
+
+
+@dataclass(eq=False, slots=True)
+class Delivery:
+    """One message taken from `-in`, bound to the channel that delivered it."""
+
+    message: AbstractIncomingMessage
+    channel: aiormq.abc.AbstractChannel
+    received: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, message: AbstractIncomingMessage) -> Delivery:
+        return cls(message, message.channel)
+
+    @property
+    def tag(self) -> int | None:
+        return self.message.delivery_tag
+
+    @property
+    def message_id(self) -> str | None:
+        return self.message.message_id
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        return dict(self.message.headers or {})
+
+    @property
+    def valid(self) -> bool:
+        """False once the delivering channel is closed: the tag means nothing any more."""
+        return not self.channel.is_closed
+
+    @property
+    def settled(self) -> bool:
+        return self.message.processed
+
+    def wire(self) -> WireMessage:
+        return WireMessage(
+            body=self.message.body,
+            headers=self.headers,
+            content_type=self.message.content_type,
+            message_id=self.message_id,
+        )
+
+    def previous_deliveries(self) -> int:
+        """Deliveries of this task before this one.
+
+        `x-delivery-count` is the broker's count of returns of this copy
+        (crashes, connection losses); `x-conveyor-requeues` carries what
+        earlier copies used before a graceful requeue republished the message.
+        A classic queue has no delivery count: its `redelivered` flag counts one.
+        """
+        headers = self.message.headers or {}
+        count = _int_header(headers, DELIVERY_COUNT_HEADER)
+        if not count and DELIVERY_COUNT_HEADER not in headers and self.message.redelivered:
+            count = 1
+        return _int_header(headers, REQUEUES_HEADER) + count
+
+    async def ack(self) -> bool:
+        return await self._settle("ack", self.message.ack)
+
+    async def reject(self) -> bool:
+        """Without requeue: a quorum `-in` dead-letters it to `-dlq`."""
+        return await self._settle("reject", lambda: self.message.nack(requeue=False))
+
+    async def nack_requeue(self) -> bool:
+        return await self._settle("nack", lambda: self.message.nack(requeue=True))
+
+    async def _settle(self, what: str, action: Callable[[], Any]) -> bool:
+        if self.settled:
+            return False
+        if not self.valid:
+            log.info(
+                "%s skipped: channel closed, the broker has requeued the message",
+                what,
+                extra={"delivery_tag": self.tag, "message_id": self.message_id},
+            )
+            return False
+        try:
+            await action()
+        except BROKER_ERRORS as exc:
+            log.warning("%s failed", what, extra={"delivery_tag": self.tag, "error": repr(exc)})
+            return False
+        return True
+
+
+class Broker:
+    """The robust connection, its consume channel and its publish channel."""
+
+    def __init__(self, url: str, in_queue: str, out_queue: str, prefetch: int, name: str) -> None:
+        self.url = url
+        self.in_queue = in_queue
+        self.out_queue = out_queue
+        self.prefetch = prefetch
+        self.name = name
+        self.connection: AbstractRobustConnection | None = None
+        self.publish_channel: AbstractRobustChannel | None = None
+        self._consume_channel: AbstractRobustChannel | None = None
+        self._queue: aio_pika.abc.AbstractRobustQueue | None = None
+        self._consumer_tag: str | None = None
+
+    @property
+    def consuming(self) -> bool:
+        return self._consumer_tag is not None
+
+    @property
+    def connected(self) -> bool:
+        conn = self.connection
+        channel = self._consume_channel
+        return (
+            conn is not None
+            and not conn.is_closed
+            and conn.connected.is_set()
+            and channel is not None
+            and not channel.is_closed
+        )
+
+    async def wait_for_queues(self, stop: asyncio.Event) -> bool:
+        """Passive declarations every second until both queues exist; False if stopped."""
+        attempt = 0
+        while not stop.is_set():
+            try:
+                missing = await self._missing_queues()
+            except BROKER_ERRORS as exc:
+                missing = None
+                if attempt % 10 == 0:
+                    log.warning("broker unreachable; retrying", extra={"error": repr(exc)})
+            else:
+                if not missing:
+                    return True
+                if attempt % 10 == 0:
+                    log.info("waiting for the gateway to declare %s", ", ".join(missing))
+            attempt += 1
+            await _sleep_unless(stop, 1.0)
+        return False
+
+    async def _missing_queues(self) -> list[str]:
+        connection = await aio_pika.connect(self.url, timeout=5)
+        try:
+            missing = []
+            for name in (self.in_queue, self.out_queue):
+                channel = await connection.channel(publisher_confirms=False)
+                try:
+                    await channel.declare_queue(name, passive=True)
+                except aio_pika.exceptions.ChannelNotFoundEntity:
+                    missing.append(name)
+                finally:
+                    if not channel.is_closed:
+                        await channel.close()
+            return missing
+        finally:
+            await connection.close()
+
+    async def connect(self, stop: asyncio.Event) -> bool:
+        """The robust connection; retried every second until it works or `stop`."""
+        while not stop.is_set():
+            try:
+                self.connection = await aio_pika.connect_robust(
+                    self.url,
+                    reconnect_interval=RECONNECT_INTERVAL,
+                    client_properties={"connection_name": self.name},
+                    timeout=5,
+                )
+            except BROKER_ERRORS as exc:
+                log.warning("cannot connect to the broker; retrying", extra={"error": repr(exc)})
+                await _sleep_unless(stop, 1.0)
+                continue
+            self.publish_channel = await self.connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
+            return True
+        return False
+
+    async def consume(self, callback: Callable[[AbstractIncomingMessage], Any]) -> None:
+        assert self.connection is not None
+        channel = await self.connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=self.prefetch)
+        self._consume_channel = channel
+        self._queue = await channel.declare_queue(self.in_queue, passive=True)
+        self._consumer_tag = await self._queue.consume(callback, no_ack=False)
+        log.info("consuming", extra={"queue": self.in_queue, "prefetch": self.prefetch})
+
+    async def stop_consuming(self) -> None:
+        """basic.cancel: the broker sends nothing more; deliveries in flight stay ours."""
+        tag, self._consumer_tag = self._consumer_tag, None
+        if tag is None or self._queue is None:
+            return
+        try:
+            await asyncio.wait_for(self._queue.cancel(tag), timeout=2)
+        except Exception as exc:  # broker gone: it stops delivering anyway
+            log.info("consumer cancel did not complete", extra={"error": repr(exc)})
+
+    async def close(self) -> None:
+        if self.connection is not None and not self.connection.is_closed:
+            try:
+                await asyncio.wait_for(self.connection.close(), timeout=3)
+            except Exception as exc:
+                log.info("connection close did not complete", extra={"error": repr(exc)})
+
+
+async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass

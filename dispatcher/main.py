@@ -1,0 +1,186 @@
+"""The dispatcher process, from start to exit code.
+
+    bind the local API           (a busy port is exit code 1, at once)
+    connect + wait for the function, concurrently
+                                 (consume nothing before the function answers)
+    consume `<q>-in`             each delivery -> its own task (worker.py)
+    wait for                     SIGTERM/SIGINT, or in ONE_SHOT mode the one
+                                 task done, or IDLE_EXIT_SECONDS without one
+    stop consuming, settle in-flight work (shutdown.py), close, exit 0
+
+Exit codes: 0 for every orderly stop (Kubernetes and KEDA read anything else
+as a failure), 1 when the function never became reachable within
+FUNCTION_WAIT_TIMEOUT or the local port is taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from conveyor import logs
+from conveyor.settings import DispatcherSettings
+from conveyor.topology import in_queue, out_queue
+from dispatcher.api import ApiServer, Endpoints
+from dispatcher.consumer import Broker, Delivery
+from dispatcher.inflight import InFlight
+from dispatcher.invoker import Invoker
+from dispatcher.metrics import Metrics
+from dispatcher.progress import ProgressBoard
+from dispatcher.publisher import Publisher
+from dispatcher.readiness import FunctionProbe
+from dispatcher.shutdown import Shutdown, settle
+from dispatcher.worker import Worker
+
+log = logging.getLogger("dispatcher")
+
+
+def run(settings: DispatcherSettings) -> int:
+    """Runs the dispatcher until it stops; returns the process exit code."""
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(Dispatcher(settings).run())
+    return uvloop.run(Dispatcher(settings).run())
+
+
+class Dispatcher:
+    def __init__(self, settings: DispatcherSettings) -> None:
+        self.settings = settings
+        self.shutdown = Shutdown()
+        self.metrics = Metrics()
+        self.board = ProgressBoard()
+        self.in_flight = InFlight(self.metrics)
+        self.broker = Broker(
+            settings.amqp_url,
+            in_queue(settings.queue),
+            out_queue(settings.queue),
+            prefetch=1 if settings.one_shot else settings.concurrency,
+            name=f"conveyor-dispatcher {settings.hostname}",
+        )
+        self.probe = FunctionProbe(settings.function_url, settings.function_ready_url)
+        self.invoker = Invoker(settings.function_url, settings.concurrency)
+        self.endpoints = Endpoints(self.board, self.metrics, self.readiness)
+        self.servers: list[ApiServer] = []
+        self.worker: Worker | None = None
+        self.accepting = False
+        self.taken = asyncio.Event()  # ONE_SHOT: the one message has arrived
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> int:
+        self.shutdown.install()
+        try:
+            try:
+                self._start_api()
+            except OSError as exc:
+                log.error("cannot listen", extra={"error": repr(exc)})
+                return 1
+            return await self._lifecycle()
+        finally:
+            await self._close()
+
+    async def _lifecycle(self) -> int:
+        stop = self.shutdown.requested
+        connecting = asyncio.create_task(self._connect(stop))
+        function_ready = await self.probe.wait(self.settings.function_wait_timeout, stop)
+        if not function_ready and not stop.is_set():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            log.error(
+                "function not reachable; giving up",
+                extra={"timeout": self.settings.function_wait_timeout},
+            )
+            return 1
+        connected = await connecting
+        if stop.is_set() or not connected:
+            return 0
+        assert self.broker.publish_channel is not None
+        publisher = Publisher(
+            self.broker.publish_channel,
+            self.broker.in_queue,
+            self.broker.out_queue,
+            self.settings.queue,
+        )
+        self.worker = Worker(
+            self.settings, publisher, self.invoker, self.board, self.metrics, self.in_flight
+        )
+        self.accepting = True
+        await self.broker.consume(self._on_message)
+        log.info("ready", extra={"queue": self.broker.in_queue, "one_shot": self.settings.one_shot})
+        await self._wait_for_the_end()
+        self.accepting = False
+        await self.broker.stop_consuming()
+        await settle(self.in_flight, self.settings.shutdown_mode, self.settings.drain_timeout)
+        return 0
+
+    async def _connect(self, stop: asyncio.Event) -> bool:
+        return await self.broker.wait_for_queues(stop) and await self.broker.connect(stop)
+
+    async def _wait_for_the_end(self) -> None:
+        waiters = [asyncio.ensure_future(self.shutdown.requested.wait())]
+        if self.settings.one_shot:
+            waiters.append(asyncio.ensure_future(self._one_shot()))
+        _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in pending:
+            waiter.cancel()
+
+    async def _one_shot(self) -> None:
+        try:
+            await asyncio.wait_for(self.taken.wait(), self.settings.idle_exit_seconds)
+        except TimeoutError:
+            log.info("no message; exiting", extra={"idle_seconds": self.settings.idle_exit_seconds})
+            return
+        await self.in_flight.wait_idle(None)
+
+    def _on_message(self, message: AbstractIncomingMessage) -> None:
+        """Consumer callback: hands the delivery to a task of ours and returns."""
+        assert self.worker is not None
+        delivery = Delivery.of(message)
+        if not self.accepting:
+            self.in_flight.spawn(self.worker.hand_back(delivery))
+            return
+        if self.settings.one_shot:
+            self.accepting = False
+            self.taken.set()
+            self._run_in_background(self.broker.stop_consuming())
+        self.metrics.received.inc()
+        self.in_flight.spawn(self.worker.handle(delivery))
+
+    async def readiness(self) -> dict[str, bool]:
+        return {
+            "broker": self.broker.connected and self.broker.consuming,
+            "function": await self.probe.reachable(),
+            "accepting": self.accepting and not self.shutdown.requested.is_set(),
+        }
+
+    def _start_api(self) -> None:
+        self.servers.append(
+            ApiServer(self.endpoints.local_app(), "127.0.0.1", self.settings.dispatcher_port)
+        )
+        if self.settings.metrics_port:
+            self.servers.append(
+                ApiServer(self.endpoints.probe_app(), "0.0.0.0", self.settings.metrics_port)
+            )
+        for server in self.servers:
+            server.start()
+
+    def _run_in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _close(self) -> None:
+        await self.broker.close()
+        await asyncio.gather(
+            self.invoker.close(),
+            self.probe.close(),
+            *(server.stop() for server in self.servers),
+            return_exceptions=True,
+        )
+        self.shutdown.uninstall()
+        log.info("stopped")

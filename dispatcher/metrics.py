@@ -1,0 +1,61 @@
+"""Prometheus metrics of one dispatcher process, served on `/metrics`.
+
+A registry of its own (with the process collector for RSS and CPU) rather than
+the global one, so that two dispatchers in one test process do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+_PREFIX = "conveyor_dispatcher"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        r = self.registry
+        self.received = Counter(
+            f"{_PREFIX}_tasks_received", "Deliveries taken from -in.", registry=r
+        )
+        self.succeeded = Counter(
+            f"{_PREFIX}_tasks_succeeded",
+            "Tasks ended with a confirmed succeeded event.",
+            registry=r,
+        )
+        self.failed = Counter(
+            f"{_PREFIX}_tasks_failed", "Tasks ended with a confirmed failed event.", registry=r
+        )
+        self.retried = Counter(
+            f"{_PREFIX}_function_retries",
+            "Function calls retried after a retryable answer.",
+            registry=r,
+        )
+        self.requeued = Counter(
+            f"{_PREFIX}_tasks_requeued", "Deliveries handed back to -in on shutdown.", registry=r
+        )
+        self.poison = Counter(
+            f"{_PREFIX}_poison_messages", "Unreadable messages dead-lettered from -in.", registry=r
+        )
+        self.in_flight = Gauge(
+            f"{_PREFIX}_tasks_in_flight", "Deliveries being handled.", registry=r
+        )
+        self.call_seconds = Histogram(
+            f"{_PREFIX}_function_call_seconds",
+            "Duration of one HTTP call to the function.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,117 @@
+"""Confirmed, persistent publishes: task events to `-out`, graceful requeues to `-in`.
+
+Events go out in the format of the submission they answer: CloudEvents (binary
+binding) for CloudEvents submissions, the seed's JSON for legacy ones, so that
+a legacy service keeps a legacy `-out`.
+
+Every publish waits for the broker's confirm (and `mandatory` turns an
+unroutable message, e.g. a deleted `-out`, into an error rather than a silent
+loss). Publishes from concurrent tasks share one channel and are pipelined:
+each task awaits only its own confirm. The terminal event is retried through a
+reconnection (`publish_reliably`), because the message is acked only once that
+event is confirmed; a lost confirm may mean a duplicate event, which the
+gateway ignores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aio_pika
+from aio_pika.abc import AbstractRobustChannel
+
+from conveyor.events import MessageFormat, TaskEvent, WireMessage, encode_event
+from dispatcher.consumer import BROKER_ERRORS, DELIVERY_COUNT_HEADER, REQUEUES_HEADER, Delivery
+
+log = logging.getLogger(__name__)
+
+_PERSISTENT = aio_pika.DeliveryMode.PERSISTENT
+
+
+class Publisher:
+    def __init__(
+        self, channel: AbstractRobustChannel, in_queue: str, out_queue: str, service: str
+    ) -> None:
+        self.channel = channel
+        self.in_queue = in_queue
+        self.out_queue = out_queue
+        self.service = service
+
+    async def publish_event(self, event: TaskEvent, fmt: MessageFormat) -> None:
+        """One attempt; raises one of BROKER_ERRORS when it is not confirmed."""
+        await self._publish(_message(encode_event(event, self.service, fmt)), self.out_queue)
+
+    async def publish_reliably(self, event: TaskEvent, fmt: MessageFormat, patience: float) -> bool:
+        """Retries through reconnections for up to `patience` seconds."""
+        message = _message(encode_event(event, self.service, fmt))
+        give_up = time.monotonic() + patience
+        pause = 0.1
+        while True:
+            try:
+                await asyncio.wait_for(
+                    self._publish(message, self.out_queue), max(0.1, give_up - time.monotonic())
+                )
+                return True
+            except BROKER_ERRORS as exc:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    log.warning(
+                        "event not confirmed; giving up",
+                        extra={
+                            "task_id": event.task_id,
+                            "kind": event.kind.value,
+                            "error": repr(exc),
+                        },
+                    )
+                    return False
+                log.info(
+                    "event not confirmed; retrying",
+                    extra={"task_id": event.task_id, "kind": event.kind.value, "error": repr(exc)},
+                )
+            await asyncio.sleep(min(pause, max(0.0, give_up - time.monotonic())))
+            pause = min(pause * 2, 1.0)
+            try:
+                await asyncio.wait_for(self.channel.ready(), max(0.1, give_up - time.monotonic()))
+            except (TimeoutError, *BROKER_ERRORS):
+                continue
+
+    async def republish(self, delivery: Delivery, previous_deliveries: int) -> None:
+        """A copy of the delivered message at the tail of `-in`, counted in a header.
+
+        The broker's own `x-delivery-count` is dropped from the copy (it restarts
+        from zero for a new message); what it counted is folded into
+        `x-conveyor-requeues`, so X-Conveyor-Attempt keeps increasing.
+        """
+        original = delivery.message
+        headers = {k: v for k, v in (original.headers or {}).items() if k != DELIVERY_COUNT_HEADER}
+        headers[REQUEUES_HEADER] = previous_deliveries
+        copy = aio_pika.Message(
+            body=original.body,
+            headers=headers,
+            content_type=original.content_type,
+            content_encoding=original.content_encoding,
+            message_id=original.message_id,
+            correlation_id=original.correlation_id,
+            reply_to=original.reply_to,
+            timestamp=original.timestamp,
+            type=original.type,
+            app_id=original.app_id,
+            priority=original.priority,
+            delivery_mode=_PERSISTENT,
+        )
+        await self._publish(copy, self.in_queue)
+
+    async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
+        await self.channel.default_exchange.publish(message, routing_key, mandatory=True)
+
+
+def _message(wire: WireMessage) -> aio_pika.Message:
+    return aio_pika.Message(
+        body=wire.body,
+        headers=wire.headers,
+        content_type=wire.content_type,
+        message_id=wire.message_id,
+        delivery_mode=_PERSISTENT,
+    )

@@ -1,0 +1,88 @@
+"""Is the function there? Checked before consuming anything, and by `/readyz`.
+
+A function that is still starting must not turn tasks into failures, so the
+dispatcher takes no message until the function answers: a GET on
+`FUNCTION_READY_URL` that is not a 5xx, or, without one, a TCP connection to
+`FUNCTION_URL`'s host and port. It gives up after `FUNCTION_WAIT_TIMEOUT`
+(0 means: do not wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from urllib.parse import urlsplit
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = 1.0
+
+
+class FunctionProbe:
+    """One cheap reachability check, on a client of its own.
+
+    The invoker's connection pool may be fully busy with long calls; a probe
+    must not queue behind them.
+    """
+
+    def __init__(self, function_url: str, ready_url: str | None) -> None:
+        self.ready_url = ready_url
+        parts = urlsplit(function_url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._client: httpx.AsyncClient | None = None
+        if ready_url:
+            verify = ready_url.startswith("https:")  # CA certificates only when needed
+            self._client = httpx.AsyncClient(timeout=PROBE_TIMEOUT, trust_env=False, verify=verify)
+
+    async def reachable(self) -> bool:
+        try:
+            if self._client is not None and self.ready_url:
+                answer = await self._client.get(self.ready_url)
+                return answer.status_code < 500
+            return await self._tcp_connect()
+        except (OSError, httpx.HTTPError, TimeoutError):
+            return False
+
+    async def _tcp_connect(self) -> bool:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(self.host, self.port), PROBE_TIMEOUT
+        )
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+        return True
+
+    async def wait(self, timeout: float, stop: asyncio.Event) -> bool:
+        """True once reachable; False after `timeout` seconds or when `stop` is set."""
+        if timeout <= 0:
+            return True
+        give_up = time.monotonic() + timeout
+        pause = 0.05
+        announced = False
+        while not stop.is_set():
+            if await self.reachable():
+                if announced:
+                    log.info("function is reachable")
+                return True
+            if not announced:
+                log.info("waiting for the function", extra={"timeout": timeout})
+                announced = True
+            left = give_up - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(stop.wait(), min(pause, left))
+            except TimeoutError:
+                pass
+            pause = min(pause * 2, 0.5)
+        return False
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()

@@ -1,0 +1,317 @@
+"""What happens to one message taken from `<q>-in`, top to bottom (SPEC §7).
+
+    decode            unreadable -> reject without requeue: `-dlq` (poison)
+    started           published concurrently with the start of the call
+    call the function with retries (retry.py), progress coalesced meanwhile
+    terminal event    succeeded / failed, confirmed by the broker
+    ack               only now, and only on the channel that delivered it
+
+A shutdown aborts the call instead (shutdown.py). The message is then handed
+back: republished to `<q>-in` with confirms, with `x-conveyor-requeues` set to
+the number of deliveries used so far, and only then acked. Not a
+`basic.nack(requeue=true)`: on a quorum queue that would count toward
+`x-delivery-limit`, and a long task interrupted by repeated scale-ins would be
+dead-lettered as poison. A crash, on the other hand, leaves the message
+unacked; the broker returns it and increments `x-delivery-count`, so only
+crashes spend the delivery limit. X-Conveyor-Attempt = requeues header +
+`x-delivery-count` + 1 counts both.
+
+Trade-offs of the republish: the copy goes to the tail of the queue, and a
+crash between the confirm and the ack leaves two copies (at least once; the
+gateway ignores duplicate events). Delivery is at least once in any case: the
+function may be called again for a task after a crash or a broker outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from functools import partial
+from typing import Any
+
+from conveyor.events import (
+    SUBMITTED,
+    EventKind,
+    MessageFormat,
+    Submission,
+    TaskEvent,
+    WireError,
+    decode_submission,
+)
+from conveyor.settings import DispatcherSettings
+from dispatcher.consumer import BROKER_ERRORS, Delivery
+from dispatcher.inflight import InFlight, Orphans
+from dispatcher.invoker import Failure, Invocation, Invoker, Outcome, Success
+from dispatcher.metrics import Metrics
+from dispatcher.progress import ProgressBoard, ProgressReporter
+from dispatcher.publisher import Publisher
+from dispatcher.retry import Budget, RetryPolicy, call_with_retries
+from dispatcher.shutdown import Aborted, AbortToken
+
+log = logging.getLogger(__name__)
+
+# How long the terminal event may wait for the broker (e.g. through a restart)
+# before the message is handed back for another delivery instead.
+TERMINAL_PATIENCE = 30.0
+REPUBLISH_TIMEOUT = 3.0
+# `started` and progress are informative: bounded, never retried.
+EVENT_TIMEOUT = 10.0
+
+
+@dataclass(eq=False, slots=True)
+class Attempt:
+    """One delivery of one task to this dispatcher."""
+
+    delivery: Delivery
+    submission: Submission
+    attempt_id: str  # fresh per delivery: the `conveyorattempt` extension of its events
+    invocation: Invocation
+    budget: Budget
+    abort: AbortToken
+    started_at: float
+    confirmed: bool = False  # its terminal event was confirmed by the broker
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def task_id(self) -> str:
+        return self.submission.task_id
+
+    def event(self, kind: EventKind, **fields: Any) -> TaskEvent:
+        return TaskEvent(
+            kind=kind,
+            task_id=self.task_id,
+            attempt=self.attempt_id,
+            traceparent=self.submission.traceparent,
+            **fields,
+        )
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: DispatcherSettings,
+        publisher: Publisher,
+        invoker: Invoker,
+        board: ProgressBoard,
+        metrics: Metrics,
+        in_flight: InFlight,
+    ) -> None:
+        self.settings = settings
+        self.publisher = publisher
+        self.invoker = invoker
+        self.board = board
+        self.metrics = metrics
+        self.in_flight = in_flight
+        self.orphans = Orphans()
+        self.policy = RetryPolicy(settings.retry_backoff, settings.retry_backoff_max)
+        self.progress_base = f"http://127.0.0.1:{settings.dispatcher_port}/tasks"
+
+    # -- the pipeline ---------------------------------------------------------
+
+    async def handle(self, delivery: Delivery) -> None:
+        try:
+            try:
+                submission = decode_submission(delivery.wire(), self.settings.queue)
+            except WireError as exc:
+                await self._reject_poison(delivery, str(exc))
+                return
+            if await self.orphans.finished_here(submission.task_id):
+                await self._ack_finished_redelivery(delivery)
+                return
+            attempt = self._begin(submission, delivery)
+            self.orphans.started(attempt)
+            try:
+                await self._run(attempt)
+            finally:
+                self.in_flight.forget(attempt.abort)
+                self.orphans.ended(attempt)
+        except Exception:
+            # A bug, not a bad message: hand it back; the delivery limit ends a loop.
+            log.exception("unexpected error", extra={"delivery_tag": delivery.tag})
+            await delivery.nack_requeue()
+
+    async def _run(self, attempt: Attempt) -> None:
+        started = asyncio.create_task(self._publish_started(attempt))
+        reporter = ProgressReporter(
+            partial(self._publish_progress, attempt, started), self.settings.progress_interval
+        )
+        self.board.open(attempt.task_id, reporter)
+        try:
+            outcome = await call_with_retries(
+                partial(self._call, attempt),
+                self.policy,
+                attempt.budget,
+                attempt.abort,
+                on_retry=partial(self._on_retry, attempt),
+            )
+        except Aborted:
+            await reporter.close(flush=False)
+            await asyncio.wait((started,))
+            await self._requeue(attempt.delivery, attempted=True)
+            return
+        finally:
+            self.board.remove(attempt.task_id, reporter)
+        await reporter.close(flush=True)
+        await asyncio.wait((started,))
+        await self._finish(attempt, outcome)
+
+    async def _call(self, attempt: Attempt, number: int, time_left: float) -> Outcome:
+        began = time.perf_counter()
+        try:
+            return await self.invoker.call(attempt.invocation, number - 1, time_left)
+        finally:
+            self.metrics.call_seconds.observe(time.perf_counter() - began)
+
+    async def _finish(self, attempt: Attempt, outcome: Outcome) -> None:
+        if isinstance(outcome, Success):
+            event = attempt.event(EventKind.SUCCEEDED, response=outcome.response)
+        else:
+            event = attempt.event(EventKind.FAILED, error_message=outcome.error)
+        fmt = attempt.submission.message_format
+        delivery = attempt.delivery
+        if not await self.publisher.publish_reliably(event, fmt, TERMINAL_PATIENCE):
+            # Never ack without a confirmed terminal event: let it come back.
+            await delivery.nack_requeue()
+            return
+        attempt.confirmed = True
+        (self.metrics.succeeded if isinstance(outcome, Success) else self.metrics.failed).inc()
+        acked = await delivery.ack()
+        # One line per task costs throughput; successes are for debugging only
+        # (the gateway keeps the attempt history in its database).
+        level = logging.DEBUG if isinstance(outcome, Success) and acked else logging.INFO
+        log.log(
+            level,
+            "task %s",
+            event.kind.value,
+            extra={
+                "task_id": attempt.task_id,
+                "attempt": attempt.invocation.attempt,
+                "duration_ms": round((time.monotonic() - attempt.started_at) * 1000, 1),
+                "acked": acked,
+            },
+        )
+
+    # -- set-up ---------------------------------------------------------------
+
+    def _begin(self, submission: Submission, delivery: Delivery) -> Attempt:
+        timeout = submission.timeout or self.settings.task_timeout
+        max_attempts = max(1, submission.max_attempts or self.settings.max_attempts)
+        deadline = delivery.received + timeout
+        wall_deadline = datetime.now(UTC) + timedelta(seconds=deadline - time.monotonic())
+        headers = delivery.headers
+        legacy = submission.message_format is MessageFormat.LEGACY
+        invocation = Invocation(
+            task_id=submission.task_id,
+            attempt=delivery.previous_deliveries() + 1,
+            deadline=wall_deadline,
+            body=json.dumps(submission.body).encode() if legacy else delivery.message.body,
+            ce_type=_text(headers.get("ce-type")) or SUBMITTED,
+            ce_source=_text(headers.get("ce-source")) or f"/v1/services/{self.settings.queue}",
+            ce_time=_text(headers.get("ce-time")),
+            progress_url=f"{self.progress_base}/{submission.task_id}/progress",
+            traceparent=submission.traceparent,
+        )
+        log.debug("task received", extra={"task_id": submission.task_id, "tag": delivery.tag})
+        return Attempt(
+            delivery=delivery,
+            submission=submission,
+            attempt_id=str(uuid.uuid4()),
+            invocation=invocation,
+            budget=Budget(max_attempts, deadline),
+            abort=self.in_flight.token(),
+            started_at=delivery.received,
+        )
+
+    # -- events ---------------------------------------------------------------
+
+    async def _publish_started(self, attempt: Attempt) -> None:
+        event = attempt.event(EventKind.STARTED, host=self.settings.hostname)
+        try:
+            await asyncio.wait_for(
+                self.publisher.publish_event(event, attempt.submission.message_format),
+                EVENT_TIMEOUT,
+            )
+        except BROKER_ERRORS as exc:  # not fatal: the terminal event still ends the task
+            log.warning(
+                "started event not confirmed",
+                extra={"task_id": attempt.task_id, "error": repr(exc)},
+            )
+
+    async def _publish_progress(
+        self, attempt: Attempt, started: asyncio.Task[None], value: float
+    ) -> None:
+        await asyncio.wait((started,))  # `started` first, always
+        event = attempt.event(EventKind.PROGRESS, progress=value)
+        await asyncio.wait_for(
+            self.publisher.publish_event(event, attempt.submission.message_format), EVENT_TIMEOUT
+        )
+
+    def _on_retry(self, attempt: Attempt, failure: Failure, pause: float) -> None:
+        self.metrics.retried.inc()
+        log.info(
+            "function call failed; retrying",
+            extra={
+                "task_id": attempt.task_id,
+                "cause": failure.error[:200],
+                "pause": round(pause, 3),
+            },
+        )
+
+    # -- the unhappy paths ----------------------------------------------------
+
+    async def _reject_poison(self, delivery: Delivery, reason: str) -> None:
+        # Never the body: it may be huge, or carry personal data.
+        self.metrics.poison.inc()
+        log.warning(
+            "poison message dead-lettered",
+            extra={
+                "delivery_tag": delivery.tag,
+                "message_id": delivery.message_id,
+                "reason": reason,
+            },
+        )
+        await delivery.reject()
+
+    async def _ack_finished_redelivery(self, delivery: Delivery) -> None:
+        if await delivery.ack():
+            log.info(
+                "redelivered task already finished here before a reconnection: acked",
+                extra={"message_id": delivery.message_id},
+            )
+
+    async def hand_back(self, delivery: Delivery) -> None:
+        """A delivery that arrived while stopping: back to the queue, never started."""
+        await self._requeue(delivery, attempted=False)
+
+    async def _requeue(self, delivery: Delivery, attempted: bool) -> None:
+        if not delivery.valid:
+            return  # its channel is gone: the broker has already requeued it
+        previous = delivery.previous_deliveries() + (1 if attempted else 0)
+        try:
+            await asyncio.wait_for(self.publisher.republish(delivery, previous), REPUBLISH_TIMEOUT)
+        except BROKER_ERRORS as exc:
+            log.warning(
+                "republish failed; nack-requeue instead",
+                extra={"delivery_tag": delivery.tag, "error": repr(exc)},
+            )
+            await delivery.nack_requeue()
+            return
+        if await delivery.ack():
+            self.metrics.requeued.inc()
+            log.info(
+                "task requeued",
+                extra={"message_id": delivery.message_id, "previous_deliveries": previous},
+            )
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)

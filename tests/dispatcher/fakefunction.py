@@ -1,0 +1,153 @@
+"""A configurable HTTP function for the dispatcher's tests (stdlib only).
+
+    python -m tests.dispatcher.fakefunction --port 8080 --log calls.jsonl [--start-delay 2]
+
+Each task's body says how the function behaves for it, so one process serves
+every scenario of a test:
+
+    {"statuses": [503, 200],        # answer per call of this ce-id (last one repeats)
+     "retryAfter": "1",             # Retry-After header on non-2xx answers
+     "error": {...} | "text",       # body of non-2xx answers
+     "sleep": 2.5,                  # seconds before answering ...
+     "sleepOnAttempts": [1],        # ... only for these X-Conveyor-Attempt values
+     "progress": [10, 50],          # POSTed to X-Conveyor-Progress-Url first
+     "progressPause": 0.1,
+     "response": {...},             # 2xx JSON body (default: {"echo": <body>})
+     "rawResponse": "text"}         # 2xx raw body instead
+
+Every call is logged twice to the JSON-lines file: `"phase": "start"` with its
+headers and body when it arrives, `"phase": "end"` with the answer (and the
+progress endpoint's answers) when it is sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+
+class Journal:
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._calls: dict[str, int] = {}
+
+    def next_call(self, task_id: str) -> int:
+        with self._lock:
+            self._calls[task_id] = self._calls.get(task_id, 0) + 1
+            return self._calls[task_id]
+
+    def write(self, entry: dict[str, Any]) -> None:
+        line = json.dumps({"time": time.time(), **entry}) + "\n"
+        with self._lock, self._path.open("a") as out:
+            out.write(line)
+
+
+def post_progress(url: str, value: Any) -> int:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps({"progress": value}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return -1
+
+
+class Handler(BaseHTTPRequestHandler):
+    journal: Journal
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._answer(200, b'{"ok": true}', {})
+
+    def do_POST(self) -> None:
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            body = {}
+        spec = body if isinstance(body, dict) else {}
+        task_id = headers.get("ce-id", "")
+        call = self.journal.next_call(task_id)
+        self.journal.write(
+            {"phase": "start", "id": task_id, "call": call, "headers": headers, "body": body}
+        )
+
+        attempt = int(headers.get("x-conveyor-attempt", "0") or 0)
+        if spec.get("sleep") and attempt in spec.get("sleepOnAttempts", [attempt]):
+            time.sleep(float(spec["sleep"]))
+        progress_answers = []
+        for value in spec.get("progress", []):
+            progress_answers.append(post_progress(headers["x-conveyor-progress-url"], value))
+            time.sleep(float(spec.get("progressPause", 0)))
+
+        statuses = spec.get("statuses") or [200]
+        status = int(statuses[min(call, len(statuses)) - 1])
+        extra: dict[str, str] = {}
+        if 200 <= status < 300:
+            if "rawResponse" in spec:
+                payload = str(spec["rawResponse"]).encode()
+            else:
+                payload = json.dumps(spec.get("response", {"echo": body})).encode()
+        else:
+            error = spec.get("error", {"errorMessage": "failed on purpose"})
+            payload = error.encode() if isinstance(error, str) else json.dumps(error).encode()
+            if "retryAfter" in spec:
+                extra["Retry-After"] = str(spec["retryAfter"])
+        self.journal.write(
+            {
+                "phase": "end",
+                "id": task_id,
+                "call": call,
+                "status": status,
+                "progress": progress_answers,
+            }
+        )
+        self._answer(status, payload, extra)
+
+    def _answer(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(payload)
+        except OSError:
+            pass  # the dispatcher gave up on this call (abort on shutdown)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--start-delay", type=float, default=0.0)
+    args = parser.parse_args()
+    time.sleep(args.start_delay)  # a function that is slow to start
+    Handler.journal = Journal(args.log)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    server.daemon_threads = True
+    print(f"listening on {args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

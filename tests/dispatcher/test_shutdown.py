@@ -1,0 +1,120 @@
+"""SIGTERM, SIGINT and SIGKILL with a task in flight (SPEC §7.1), with real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from conveyor.events import EventKind
+from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit
+
+pytestmark = pytest.mark.timeout(90)
+
+# Long on the first delivery only, so that a redelivery finishes at once.
+LONG_FIRST = {"sleep": 30, "sleepOnAttempts": [1]}
+
+
+async def test_sigterm_requeues_the_task_and_a_second_dispatcher_finishes_it(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    first = launch(function.url)
+    await first.wait_ready()
+    task_id = await rabbit.submit(LONG_FIRST)
+    await function.wait_calls(task_id)
+
+    began = time.monotonic()
+    first.signal(signal.SIGTERM)
+    await asyncio.sleep(0.05)
+    first.signal(signal.SIGTERM)  # a second signal is harmless
+    assert await first.exit_code(10) == 0
+    assert time.monotonic() - began < 5
+    assert rabbit.kinds(task_id) == [EventKind.STARTED]  # no terminal event when requeued
+    assert await rabbit.depth(rabbit.in_q) == 1  # back in -in
+
+    second = launch(function.url)
+    done = await rabbit.wait_terminal(task_id)
+    assert done.kind is EventKind.SUCCEEDED
+    hosts = [e.host for e in rabbit.of(task_id) if e.kind is EventKind.STARTED]
+    assert hosts == ["pod-1", "pod-2"]
+    attempts = [c["headers"]["x-conveyor-attempt"] for c in function.calls(task_id)]
+    assert attempts == ["1", "2"]
+    second.signal(signal.SIGINT)
+    assert await second.exit_code(10) == 0
+    assert await rabbit.depth(rabbit.in_q) == 0
+
+
+@pytest.mark.topology(delivery_limit=1)
+async def test_graceful_requeues_beyond_the_delivery_limit_do_not_dead_letter(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """With nack(requeue=true) the task would reach -dlq at the second requeue."""
+    task_id = await rabbit.submit({"sleep": 30, "sleepOnAttempts": [1, 2, 3, 4]})
+    for n in range(1, 5):
+        dispatcher = launch(function.url)
+        await function.wait_calls(task_id, count=n)
+        dispatcher.signal(signal.SIGTERM)
+        assert await dispatcher.exit_code(10) == 0
+        assert await rabbit.depth(rabbit.dlq) == 0
+        assert await rabbit.depth(rabbit.in_q) == 1
+
+    last = launch(function.url)
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+    attempts = [c["headers"]["x-conveyor-attempt"] for c in function.calls(task_id)]
+    assert attempts == ["1", "2", "3", "4", "5"]
+    last.signal()
+    assert await last.exit_code(10) == 0
+    assert await rabbit.depth(rabbit.dlq) == 0 and await rabbit.depth(rabbit.in_q) == 0
+
+
+async def test_sigkill_leaves_the_message_to_the_broker(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    doomed = launch(function.url)
+    await doomed.wait_ready()
+    task_id = await rabbit.submit(LONG_FIRST)
+    await function.wait_calls(task_id)
+    doomed.signal(signal.SIGKILL)
+    assert await doomed.exit_code(5) == -signal.SIGKILL
+
+    survivor = launch(function.url)
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+    attempts = [c["headers"]["x-conveyor-attempt"] for c in function.calls(task_id)]
+    assert attempts == ["1", "2"]  # the broker's x-delivery-count, plus one
+    survivor.signal()
+    assert await survivor.exit_code(10) == 0
+    assert await rabbit.depth(rabbit.in_q) == 0
+
+
+async def test_drain_mode_finishes_the_task_in_flight(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(function.url, shutdown_mode="drain", drain_timeout=10)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"sleep": 2})
+    await function.wait_calls(task_id)
+
+    dispatcher.signal(signal.SIGTERM)
+    await asyncio.sleep(0.3)
+    late = await rabbit.submit({})  # while draining: not taken
+    assert await dispatcher.exit_code(10) == 0
+    assert (await rabbit.wait_terminal(task_id, timeout=2)).kind is EventKind.SUCCEEDED
+    assert function.calls(late) == []
+    assert await rabbit.depth(rabbit.in_q) == 1  # only the late task: the other was acked
+
+
+async def test_drain_timeout_requeues_what_is_left(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(function.url, shutdown_mode="drain", drain_timeout=1)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit(LONG_FIRST)
+    await function.wait_calls(task_id)
+    began = time.monotonic()
+    dispatcher.signal(signal.SIGTERM)
+    assert await dispatcher.exit_code(10) == 0
+    assert 1 <= time.monotonic() - began < 5
+    assert rabbit.terminal(task_id) is None
+    assert await rabbit.depth(rabbit.in_q) == 1

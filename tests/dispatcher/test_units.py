@@ -1,0 +1,283 @@
+"""The dispatcher's pure parts, without a broker: answers, retries, progress."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import pytest
+
+from dispatcher.api import parse_progress
+from dispatcher.invoker import ERROR_LIMIT, Failure, Outcome, Success, classify, truncate
+from dispatcher.progress import ProgressBoard, ProgressReporter
+from dispatcher.retry import Budget, RetryPolicy, call_with_retries, parse_retry_after
+from dispatcher.shutdown import Aborted, AbortToken
+
+# ---------------------------------------------------------------------------
+# answer -> outcome
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "response"),
+    [
+        (200, b'{"a": [1, 2]}', {"a": [1, 2]}),
+        (201, b"[1]", [1]),
+        (200, b"plain text", "plain text"),
+        (200, b"", None),
+        (204, b"", None),
+        (200, b"  \n", None),
+        (200, b'{"x": NaN}', '{"x": NaN}'),  # not JSON: kept as a string
+        (200, b'"quoted"', "quoted"),
+    ],
+)
+def test_2xx_is_success(status: int, body: bytes, response: object) -> None:
+    assert classify(status, body) == Success(response)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"errorMessage": "Argh!", "error": "no", "detail": "no"}', "Argh!"),
+        (b'{"error": "bad input"}', "bad input"),
+        (
+            b'{"detail": [{"loc": ["body"], "msg": "missing"}]}',
+            '[{"loc": ["body"], "msg": "missing"}]',
+        ),
+        (b'{"other": 1}', '{"other": 1}'),
+        (b"not json at all", "not json at all"),
+        (b"", "HTTP 404"),
+    ],
+)
+def test_4xx_fails_without_retry(body: bytes, message: str) -> None:
+    assert classify(404, body) == Failure(message, retryable=False)
+
+
+def test_error_message_is_truncated_to_4_kib_on_a_character_boundary() -> None:
+    outcome = classify(400, ("é" * 5000).encode())
+    assert isinstance(outcome, Failure)
+    assert len(outcome.error.encode()) <= ERROR_LIMIT
+    assert outcome.error == "é" * (ERROR_LIMIT // 2)
+    assert truncate("short") == "short"
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504])
+def test_408_429_5xx_are_retryable_and_carry_retry_after(status: int) -> None:
+    outcome = classify(status, b'{"errorMessage": "busy"}', {"retry-after": "7"})
+    assert outcome == Failure(f"HTTP {status}: busy", retryable=True, retry_after="7")
+
+
+def test_redirects_are_final_failures() -> None:
+    outcome = classify(302, b"")
+    assert isinstance(outcome, Failure) and not outcome.retryable
+
+
+# ---------------------------------------------------------------------------
+# backoff and Retry-After
+
+
+def test_retry_after_seconds_and_http_date() -> None:
+    now = datetime(2025, 4, 23, 18, 25, 43, tzinfo=UTC)
+    assert parse_retry_after("3") == 3.0
+    assert parse_retry_after(" 120 ") == 120.0
+    in_ten = format_datetime(now + timedelta(seconds=10), usegmt=True)
+    assert parse_retry_after(in_ten, now) == 10.0
+    past = format_datetime(now - timedelta(seconds=10), usegmt=True)
+    assert parse_retry_after(past, now) == 0.0
+    assert parse_retry_after("soon", now) is None
+    assert parse_retry_after("-5", now) is None
+    assert parse_retry_after(None) is None
+
+
+def test_backoff_is_exponential_capped_and_jittered() -> None:
+    policy = RetryPolicy(base=0.5, cap=4.0)
+    assert [policy.delay(n, rand=lambda: 1.0) for n in range(1, 6)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert [policy.delay(n, rand=lambda: 0.0) for n in range(1, 4)] == [0.25, 0.5, 1.0]
+    assert policy.delay(2, rand=lambda: 0.5) == 0.75  # half fixed, half random
+
+
+def test_retry_after_is_never_shortened() -> None:
+    policy = RetryPolicy(base=0.5, cap=4.0)
+    assert policy.delay(1, retry_after=10.0, rand=lambda: 1.0) == 10.0
+    assert policy.delay(3, retry_after=0.0, rand=lambda: 1.0) == 2.0
+
+
+class Script:
+    """A function that answers from a list, recording when it was called."""
+
+    def __init__(self, *outcomes: Outcome) -> None:
+        self.outcomes = list(outcomes)
+        self.calls: list[tuple[int, float]] = []
+
+    async def __call__(self, number: int, time_left: float) -> Outcome:
+        self.calls.append((number, time_left))
+        return self.outcomes[min(len(self.calls), len(self.outcomes)) - 1]
+
+
+FAST = RetryPolicy(base=0.01, cap=0.02)
+BUSY = Failure("HTTP 503: busy", retryable=True)
+
+
+async def test_retries_until_success() -> None:
+    script = Script(BUSY, BUSY, Success({"ok": 1}))
+    outcome = await call_with_retries(script, FAST, Budget(5, time.monotonic() + 10), AbortToken())
+    assert outcome == Success({"ok": 1})
+    assert [n for n, _ in script.calls] == [1, 2, 3]
+
+
+async def test_gives_up_after_max_attempts_with_the_last_cause() -> None:
+    script = Script(Failure("HTTP 500: one", True), Failure("HTTP 502: two", True))
+    outcome = await call_with_retries(script, FAST, Budget(2, time.monotonic() + 10), AbortToken())
+    assert outcome == Failure("HTTP 502: two", retryable=False)
+
+
+async def test_final_failure_is_not_retried() -> None:
+    script = Script(Failure("bad input", retryable=False), Success(None))
+    outcome = await call_with_retries(script, FAST, Budget(5, time.monotonic() + 10), AbortToken())
+    assert outcome == Failure("bad input", retryable=False)
+    assert len(script.calls) == 1
+
+
+async def test_no_retry_when_retry_after_crosses_the_deadline() -> None:
+    script = Script(Failure("HTTP 429", retryable=True, retry_after="60"), Success(None))
+    began = time.monotonic()
+    outcome = await call_with_retries(script, FAST, Budget(5, time.monotonic() + 2), AbortToken())
+    assert isinstance(outcome, Failure) and "HTTP 429" in outcome.error and not outcome.retryable
+    assert time.monotonic() - began < 1
+
+
+async def test_each_call_gets_the_time_left() -> None:
+    script = Script(BUSY, Success(None))
+    await call_with_retries(script, FAST, Budget(3, time.monotonic() + 5), AbortToken())
+    (_, first), (_, second) = script.calls
+    assert 4 < second < first <= 5
+
+
+async def test_abort_interrupts_the_backoff_pause() -> None:
+    script = Script(Failure("HTTP 503", retryable=True, retry_after="30"))
+    token = AbortToken()
+    asyncio.get_running_loop().call_later(0.05, token.abort)
+    began = time.monotonic()
+    with pytest.raises(Aborted):
+        await call_with_retries(script, FAST, Budget(3, time.monotonic() + 60), token)
+    assert time.monotonic() - began < 1
+
+
+async def test_abort_cancels_the_call_in_progress() -> None:
+    cancelled = asyncio.Event()
+
+    async def hangs(number: int, time_left: float) -> Outcome:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return Success(None)
+
+    token = AbortToken()
+    asyncio.get_running_loop().call_later(0.05, token.abort)
+    with pytest.raises(Aborted):
+        await call_with_retries(hangs, FAST, Budget(3, time.monotonic() + 60), token)
+    assert cancelled.is_set()
+
+
+# ---------------------------------------------------------------------------
+# progress
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    async def __call__(self, value: float) -> None:
+        self.values.append(value)
+
+
+async def test_progress_is_coalesced_last_value_wins() -> None:
+    sink = Sink()
+    reporter = ProgressReporter(sink, interval=0.2)
+    for value in (10, 20, 30, 40):
+        assert reporter.offer(value)
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.05)
+    assert sink.values == [10]  # the first goes out at once
+    await asyncio.sleep(0.3)
+    assert sink.values == [10, 40]  # one more after the interval: the last value
+    await reporter.close(flush=True)
+    assert sink.values == [10, 40]
+
+
+async def test_progress_is_rate_limited() -> None:
+    sink = Sink()
+    reporter = ProgressReporter(sink, interval=0.1)
+    began = time.monotonic()
+    value = 0.0
+    while time.monotonic() - began < 0.55:
+        value += 1
+        reporter.offer(value)
+        await asyncio.sleep(0.005)
+    await reporter.close(flush=False)
+    assert 4 <= len(sink.values) <= 7  # ~one per 100 ms, not ~100
+    assert sink.values == sorted(sink.values)
+
+
+async def test_progress_is_monotonic() -> None:
+    sink = Sink()
+    reporter = ProgressReporter(sink, interval=0)
+    for value in (50, 40, 50, 60):
+        reporter.offer(value)
+        await asyncio.sleep(0.01)
+    await reporter.close(flush=True)
+    assert sink.values == [50, 60]
+
+
+async def test_close_flushes_the_pending_value_or_drops_it() -> None:
+    flushed, dropped = Sink(), Sink()
+    for sink, flush in ((flushed, True), (dropped, False)):
+        reporter = ProgressReporter(sink, interval=10)
+        reporter.offer(1)
+        await asyncio.sleep(0.01)
+        reporter.offer(99)
+        await reporter.close(flush=flush)
+        assert not reporter.offer(100)  # never after the terminal event
+    assert flushed.values == [1, 99]
+    assert dropped.values == [1]
+
+
+async def test_board_routes_reports_to_the_task_in_flight() -> None:
+    board = ProgressBoard()
+    sink = Sink()
+    reporter = ProgressReporter(sink, interval=0)
+    assert not board.report("t1", 5)
+    board.open("t1", reporter)
+    assert board.report("t1", 5)
+    board.remove("t1", reporter)
+    assert not board.report("t1", 6)
+    await reporter.close(flush=True)
+    assert sink.values == [5]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b'{"progress": 42.5}', 42.5),
+        (b'{"progress": 0}', 0.0),
+        (b'{"progress": 100}', 100.0),
+        (b'{"progress": 250}', str),
+        (b'{"progress": -0.1}', str),
+        (b'{"progress": "abc"}', str),
+        (b'{"progress": true}', str),
+        (b'{"progress": NaN}', str),
+        (b'{"progress": 1e999}', str),
+        (b"[42]", str),
+        (b"{", str),
+        (b"", str),
+    ],
+)
+def test_progress_body_validation(raw: bytes, expected: object) -> None:
+    value = parse_progress(raw)
+    if expected is str:
+        assert isinstance(value, str)
+    else:
+        assert value == expected

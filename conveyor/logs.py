@@ -12,7 +12,8 @@ from datetime import UTC, datetime
 
 from conveyor.settings import LogFormat
 
-_RESERVED = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+# Standard record attributes, and uvicorn's ANSI duplicate of its message.
+_RESERVED = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message"}
 
 
 class JsonFormatter(logging.Formatter):

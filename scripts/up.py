@@ -133,7 +133,8 @@ async def spawn(argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Proc
     return await asyncio.create_subprocess_exec(
         *argv,
         cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        # Children write to a pipe, where logs default to JSON: a person reads these.
+        env={"CONVEYOR_LOG_FORMAT": "text", **os.environ, "PYTHONUNBUFFERED": "1", **env},
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

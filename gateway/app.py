@@ -6,13 +6,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.settings import GatewaySettings
 from gateway import api, errors, metrics
@@ -51,9 +52,28 @@ def create_app(settings: GatewaySettings | None = None, background: bool = True)
     app.include_router(api.router)
     _add_operations(app)
     _add_error_handlers(app)
-    app.middleware("http")(_measure)
+    app.add_middleware(_Measure)
     app.add_middleware(_HeaderLimit)
+    app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI documents a 422 on every route with parameters; this API answers 400002
+    instead and never sends a 422, so the documented responses are the real ones."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class _HeaderLimit:
@@ -128,11 +148,46 @@ def _add_operations(app: FastAPI) -> None:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _measure(request: Request, call_next):
-    started = time.perf_counter()
-    response = await call_next(request)
-    route = request.scope.get("route")
-    name = getattr(route, "path", "unmatched")
-    metrics.LATENCY.labels(route=name).observe(time.perf_counter() - started)
-    metrics.REQUESTS.labels(route=name, status=str(response.status_code)).inc()
-    return response
+class _Measure:
+    """Latency and answer counts per route, as a plain ASGI middleware.
+
+    Starlette's `BaseHTTPMiddleware` (`app.middleware("http")`) runs the rest of
+    the app in a task group with memory streams for every request; this only
+    watches `http.response.start` go by. Label children are cached per
+    (route, status), as `labels()` takes a lock and builds a key on every call.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._latency: dict[str, Any] = {}
+        self._requests: dict[tuple[str, int], Any] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # unless a response starts: an exception escaped the app
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            self._observe(getattr(scope.get("route"), "path", "unmatched"), status, started)
+
+    def _observe(self, route: str, status: int, started: float) -> None:
+        latency = self._latency.get(route)
+        if latency is None:
+            latency = self._latency[route] = metrics.LATENCY.labels(route=route)
+        latency.observe(time.perf_counter() - started)
+        counter = self._requests.get((route, status))
+        if counter is None:
+            counter = self._requests[(route, status)] = metrics.REQUESTS.labels(
+                route=route, status=str(status)
+            )
+        counter.inc()

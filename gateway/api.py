@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from gateway import api_models, catalog, errors, metrics
+from gateway import api_models, catalog, errors, metrics, pgpool
 from gateway.callbacks import CallbackRefused, check_callback
 from gateway.outbox import submission_for
 from gateway.responses import Json
@@ -53,7 +53,7 @@ async def _client(request: Request, rt: Runtime) -> str:
 async def _access(rt: Runtime, client_id: str, service: str) -> catalog.Access | None:
     if len(service) > MAX_SERVICE_NAME or "\x00" in service:  # PostgreSQL text refuses NUL
         return None
-    async with rt.engine.connect() as conn:
+    async with rt.pool.connection() as conn:
         return await catalog.access(conn, client_id, service)
 
 
@@ -178,7 +178,7 @@ async def create(service: str, request: Request) -> Json:
     if schema_errors:
         raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
     accepted = await create_task(
-        rt.engine, NewTask(client_id, access, payload["body"], callback, key)
+        rt.pool, NewTask(client_id, access, payload["body"], callback, key)
     )
     if accepted.created and accepted.outbox_id is not None:
         metrics.SUBMITTED.labels(service=service).inc()
@@ -206,10 +206,10 @@ async def poll(service: str, task_id: str, request: Request) -> Json:
         parsed = uuid.UUID(task_id)
     except ValueError:
         raise errors.ApiError(errors.TASK_NOT_FOUND) from None
-    return _ok(await get_task(rt.engine, client_id, service, parsed), 200)
+    return _ok(await get_task(rt.pool, client_id, service, parsed), 200)
 
 
 def database_down(exc: Exception) -> bool:
-    return isinstance(exc, OperationalError) or (
+    return isinstance(exc, (OperationalError, *pgpool.CONNECTION_ERRORS)) or (
         isinstance(exc, DBAPIError) and exc.connection_invalidated
     )

@@ -2,7 +2,9 @@
 
 Service definitions change rarely (`conveyor admin apply`) but are read on
 every request, so a request costs one indexed lookup and never recompiles a
-schema: validators are cached by (service, updated_at).
+schema: validators are cached by (service, updated_at). The API's lookup runs
+on a raw psycopg connection (`gateway.pgpool`); the background loops list
+services through SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 import jsonschema
+import psycopg
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -38,16 +41,14 @@ class Access:
     client_capacity: int | None
 
 
-_ACCESS = text(
-    """
+_ACCESS = """
     SELECT s.name, s.queue_name, s.capacity, s.json_schema, s.message_format, s.task_timeout,
            s.max_attempts, s.retention_seconds, s.updated_at,
            a.client_id IS NOT NULL AS granted, a.capacity AS client_capacity
     FROM services s
-    LEFT JOIN authorizations a ON a.service = s.name AND a.client_id = :client_id
-    WHERE s.name = :service
+    LEFT JOIN authorizations a ON a.service = s.name AND a.client_id = %(client_id)s
+    WHERE s.name = %(service)s
     """
-)
 
 _ALL = text(
     """
@@ -72,8 +73,9 @@ def _service(row: Any) -> Service:
     )
 
 
-async def access(conn: AsyncConnection, client_id: str, service: str) -> Access | None:
-    row = (await conn.execute(_ACCESS, {"client_id": client_id, "service": service})).first()
+async def access(conn: psycopg.AsyncConnection[Any], client_id: str, service: str) -> Access | None:
+    cursor = await conn.execute(_ACCESS, {"client_id": client_id, "service": service})
+    row = await cursor.fetchone()
     if row is None:
         return None
     return Access(_service(row), row.granted, row.client_capacity)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -57,7 +57,7 @@ async def purge(engine: AsyncEngine, max_age: float, batch: int = 5000) -> Purge
     async with engine.begin() as conn:
         poison = (await conn.execute(_PURGE_POISON, params)).rowcount
     report = PurgeReport(finished, ancient, poison, n1 + n2)
-    log.info("purge done", extra=report.__dict__ if hasattr(report, "__dict__") else {})
+    log.info("purge done", extra=asdict(report))  # a slots dataclass has no __dict__
     return report
 
 

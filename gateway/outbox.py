@@ -51,7 +51,15 @@ _CLAIM = text(
               s.message_format, s.max_attempts, s.task_timeout
     """
 )
-_NOTE_ERROR = text("UPDATE outbox SET last_error = :error WHERE id = :id")
+# A failed publish gives its lease back after a short, growing pause (capped at 10 s): the
+# row must not wait out the whole 30 s lease, meant for a relay that died mid-publish.
+_NOTE_ERROR = text(
+    """
+    UPDATE outbox SET last_error = :error,
+           claimed_until = now() + make_interval(secs => LEAST(attempts, 10))
+     WHERE id = :id
+    """
+)
 
 
 def submission_for(

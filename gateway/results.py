@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
@@ -83,7 +83,7 @@ class ResultConsumer:
         self.on_finished = on_finished
         self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
         self._channel: AbstractChannel | None = None
-        self._subscribed: dict[str, list[str]] = {}  # service -> consumer tags
+        self._subscribed: dict[str, list[tuple[AbstractQueue, str]]] = {}  # service -> consumers
 
     # -- subscriptions -----------------------------------------------------
 
@@ -99,11 +99,15 @@ class ResultConsumer:
         async with self.engine.connect() as conn:
             services = {s.name: s for s in await catalog.all_services(conn)}
         if self._channel is None or self._channel.is_closed:
-            self._channel = await self.broker.channel(prefetch=BATCH_SIZE * 2)
+            old, self._channel = self._channel, await self.broker.channel(prefetch=BATCH_SIZE * 2)
             self._subscribed.clear()
+            if old is not None:
+                # A robust channel comes back with its consumers after a reconnection:
+                # closed for good, it cannot double the new channel's.
+                await _close_quietly(old)
         for name in set(self._subscribed) - set(services):
-            for tag in self._subscribed.pop(name):
-                await self._channel.basic_cancel(tag)
+            for queue, tag in self._subscribed.pop(name):
+                await queue.cancel(tag)
         for service in services.values():
             if service.name not in self._subscribed:
                 await self._subscribe(self._channel, service)
@@ -117,8 +121,12 @@ class ResultConsumer:
             (topology.out_queue(service.queue_name), False),
             (topology.dead_letter_queue(service.queue_name), True),
         ):
-            queue = await channel.get_queue(name, ensure=False)
-            tags.append(await queue.consume(self._receiver(name, dead)))
+            # The queue object the robust channel registered when declaring it: its consumers
+            # are restored with the channel after a reconnection. (`get_queue(ensure=False)`
+            # gave an unregistered one: the channel came back without consumers, and every
+            # task stayed PENDING or IN_PROGRESS until the gateway restarted.)
+            queue = await channel.declare_queue(name, passive=True)
+            tags.append((queue, await queue.consume(self._receiver(name, dead))))
         self._subscribed[service.name] = tags
         log.info("consuming results", extra={"service": service.name})
 
@@ -206,25 +214,34 @@ class ResultConsumer:
             task_id = decode_submission(wire).task_id
         except WireError as exc:
             raise Poison(f"dead-lettered message is not a submission: {exc}") from None
-        deliveries = _delivery_count(wire.headers)
-        message = (
-            f"The task was dead-lettered after {deliveries} deliveries: its worker crashed or"
-            " rejected it every time (x-delivery-limit reached)."
-            if deliveries
-            else "The task was dead-lettered: its worker rejected the message."
-        )
         metrics.DEAD_LETTERED.inc()
-        return await lifecycle.fail(conn, uuid.UUID(task_id), message)
+        return await lifecycle.fail(conn, uuid.UUID(task_id), _dead_letter_message(wire.headers))
 
 
-def _delivery_count(headers: dict[str, Any]) -> int | None:
-    count = headers.get("x-delivery-count")
-    if isinstance(count, int):
-        return count
+def _dead_letter_message(headers: dict[str, Any]) -> str:
+    """Why the broker gave up on the submission, from its `x-death` header.
+
+    RabbitMQ's dead-lettered copy carries no `x-delivery-count`, and `x-death`'s
+    `count` is how many times the message was dead-lettered, not delivered: the
+    reason is what can be said reliably.
+    """
+    reason = headers.get("x-first-death-reason")
     for death in headers.get("x-death") or []:
-        if isinstance(death, dict) and isinstance(death.get("count"), int):
-            return death["count"]
-    return None
+        if isinstance(death, dict) and death.get("reason") is not None:
+            reason = death["reason"]
+            break
+    if isinstance(reason, bytes):
+        reason = reason.decode(errors="replace")
+    if reason == "delivery_limit":
+        return (
+            "The task was dead-lettered: its workers crashed or gave it back every time"
+            " until its queue's delivery limit (x-delivery-limit) was reached."
+        )
+    if reason == "rejected":
+        return "The task was dead-lettered: its worker rejected the message."
+    if reason == "expired":
+        return "The task was dead-lettered: its message expired in the queue."
+    return f"The task was dead-lettered by the broker (reason: {str(reason or 'unknown')[:100]})."
 
 
 def _json_safe_headers(headers: dict[str, Any]) -> dict[str, str]:
@@ -248,6 +265,13 @@ async def _set_aside(conn: AsyncConnection, delivery: Delivery, reason: str) -> 
         "message set aside",
         extra={"queue": delivery.queue, "reason": reason[:200], "size": len(body)},
     )
+
+
+async def _close_quietly(channel: AbstractChannel) -> None:
+    try:
+        await channel.close()
+    except Exception:
+        log.debug("closing a stale channel failed")
 
 
 async def _ack(message: AbstractIncomingMessage) -> None:

@@ -23,6 +23,7 @@ from gateway.db import create_engine
 from gateway.housekeeping import reaper_loop
 from gateway.notifier import Notifier
 from gateway.outbox import Outbox
+from gateway.pgpool import Pool
 from gateway.results import ResultConsumer
 
 log = logging.getLogger("conveyor.gateway")
@@ -32,6 +33,7 @@ class Runtime:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.engine = create_engine(settings)
+        self.pool = Pool(settings.database_url, settings.db_pool_size)  # the API's hot path
         self.broker = Broker(settings.amqp_url)
         self.schemas = SchemaCache()
         self.policy = CallbackPolicy(
@@ -116,6 +118,7 @@ class Runtime:
         await self.outbox.flush()
         await self.notifier.close()
         await self.broker.close()
+        await self.pool.close()
         await self.engine.dispose()
 
 

@@ -5,6 +5,11 @@ together; publishing happens after the commit (see `outbox`). Capacity must
 hold under concurrency, so a service with a capacity serializes its own
 submissions on a transaction-scoped advisory lock: the count and the insert
 then see each other. Services without a capacity take no lock at all.
+
+This is the API's hot path, so it runs on raw psycopg connections in
+autocommit mode (`gateway.pgpool`): the common submission (no capacity, no
+Idempotency-Key) is one statement, hence one atomic commit and one round trip;
+the others run their statements in an explicit transaction.
 """
 
 from __future__ import annotations
@@ -14,14 +19,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, text
-from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+import psycopg
+from psycopg import AsyncConnection
 
 from gateway import errors
 from gateway.catalog import Access
 from gateway.models import TaskStatus
+from gateway.pgpool import Pool, jsonb
 
 IDEMPOTENCY_WINDOW = timedelta(hours=24)
 
@@ -43,60 +47,66 @@ class Accepted:
     outbox_id: int | None
 
 
-_INSERT = text(
-    """
+_INSERT = """
     WITH ins AS (
         INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key)
-        VALUES (:task_id, :client_id, :service, :request, :callback, :idempotency_key)
+        VALUES (%(task_id)s, %(client_id)s, %(service)s, %(request)s, %(callback)s,
+                %(idempotency_key)s)
         RETURNING id, task_id
     ), ob AS (
         INSERT INTO outbox (task_id) SELECT task_id FROM ins RETURNING id
     )
     SELECT ins.id, (SELECT id FROM ob) AS outbox_id,
            (SELECT count(*) FROM tasks t
-             WHERE t.service = :service AND t.status = 'PENDING' AND t.id < ins.id) + 1 AS position
+             WHERE t.service = %(service)s AND t.status = 'PENDING' AND t.id < ins.id) + 1
+             AS position
     FROM ins
     """
-).bindparams(
-    bindparam("request", type_=JSONB), bindparam("callback", type_=JSONB(none_as_null=True))
-)
 
-_LOCK = text("SELECT pg_advisory_xact_lock(hashtext('conveyor.capacity'), hashtext(:service))")
-_PENDING_SERVICE = text(
-    "SELECT count(*) FROM tasks WHERE service = :service AND status = 'PENDING'"
-)
-_PENDING_CLIENT = text(
+_LOCK = "SELECT pg_advisory_xact_lock(hashtext('conveyor.capacity'), hashtext(%(service)s))"
+_PENDING_SERVICE = "SELECT count(*) FROM tasks WHERE service = %(service)s AND status = 'PENDING'"
+_PENDING_CLIENT = (
     "SELECT count(*) FROM tasks"
-    " WHERE service = :service AND client_id = :client_id AND status = 'PENDING'"
+    " WHERE service = %(service)s AND client_id = %(client_id)s AND status = 'PENDING'"
 )
-_BY_KEY = text(
-    """
+_BY_KEY = """
     SELECT id, task_id, status, submission_date FROM tasks
-    WHERE client_id = :client_id AND service = :service AND idempotency_key = :key
+    WHERE client_id = %(client_id)s AND service = %(service)s AND idempotency_key = %(key)s
     """
-)
-_FORGET_KEY = text("UPDATE tasks SET idempotency_key = NULL WHERE id = :id")
-_POSITION = text(
-    "SELECT count(*) FROM tasks WHERE service = :service AND status = 'PENDING' AND id <= :id"
+_FORGET_KEY = "UPDATE tasks SET idempotency_key = NULL WHERE id = %(id)s"
+_POSITION = (
+    "SELECT count(*) FROM tasks WHERE service = %(service)s AND status = 'PENDING' AND id <= %(id)s"
 )
 
 
-async def create_task(engine: AsyncEngine, new: NewTask) -> Accepted:
+async def create_task(pool: Pool, new: NewTask) -> Accepted:
     try:
-        async with engine.begin() as conn:
-            return await _create(conn, new)
-    except IntegrityError:
+        async with pool.connection() as conn:
+            if _single_statement(new):
+                return await _insert(conn, new)  # autocommit: one statement, one commit
+            async with conn.transaction():
+                return await _create(conn, new)
+    except psycopg.errors.UniqueViolation:
         # Two concurrent requests with one Idempotency-Key: the loser answers the winner's task.
         if new.idempotency_key is None:
             raise
-        async with engine.begin() as conn:
+        async with pool.connection() as conn, conn.transaction():
             repeat = await _idempotent_repeat(conn, new)
         if repeat is None:
             raise
         return repeat
 
 
-async def _create(conn: AsyncConnection, new: NewTask) -> Accepted:
+def _single_statement(new: NewTask) -> bool:
+    """No idempotency lookup and no capacity check: the insert alone decides."""
+    return (
+        new.idempotency_key is None
+        and new.access.service.capacity is None
+        and new.access.client_capacity is None
+    )
+
+
+async def _create(conn: AsyncConnection[Any], new: NewTask) -> Accepted:
     if new.idempotency_key is not None:
         repeat = await _idempotent_repeat(conn, new)
         if repeat is not None:
@@ -104,43 +114,49 @@ async def _create(conn: AsyncConnection, new: NewTask) -> Accepted:
     service = new.access.service
     if service.capacity is not None or new.access.client_capacity is not None:
         await _check_capacity(conn, new)
+    return await _insert(conn, new)
+
+
+async def _insert(conn: AsyncConnection[Any], new: NewTask) -> Accepted:
     task_id = uuid.uuid4()
-    row = (
-        await conn.execute(
-            _INSERT,
-            {
-                "task_id": task_id,
-                "client_id": new.client_id,
-                "service": service.name,
-                "request": new.body,
-                "callback": new.callback,
-                "idempotency_key": new.idempotency_key,
-            },
-        )
-    ).one()
+    params = {
+        "task_id": task_id,
+        "client_id": new.client_id,
+        "service": new.access.service.name,
+        "request": jsonb(new.body),
+        "callback": jsonb(new.callback),
+        "idempotency_key": new.idempotency_key,
+    }
+    row = await (await conn.execute(_INSERT, params)).fetchone()
+    assert row is not None
     return Accepted(task_id, row.position, True, row.outbox_id)
 
 
-async def _check_capacity(conn: AsyncConnection, new: NewTask) -> None:
+async def _count(conn: AsyncConnection[Any], query: str, params: dict[str, Any]) -> int:
+    row = await (await conn.execute(query, params)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+async def _check_capacity(conn: AsyncConnection[Any], new: NewTask) -> None:
     service = new.access.service
     params = {"service": service.name, "client_id": new.client_id}
     await conn.execute(_LOCK, params)
     if service.capacity is not None:
-        if (await conn.execute(_PENDING_SERVICE, params)).scalar_one() >= service.capacity:
+        if await _count(conn, _PENDING_SERVICE, params) >= service.capacity:
             raise errors.ApiError(errors.SERVICE_CAPACITY)
     if new.access.client_capacity is not None:
-        pending = (await conn.execute(_PENDING_CLIENT, params)).scalar_one()
-        if pending >= new.access.client_capacity:
+        if await _count(conn, _PENDING_CLIENT, params) >= new.access.client_capacity:
             raise errors.ApiError(errors.CLIENT_CAPACITY)
 
 
-async def _idempotent_repeat(conn: AsyncConnection, new: NewTask) -> Accepted | None:
+async def _idempotent_repeat(conn: AsyncConnection[Any], new: NewTask) -> Accepted | None:
     params = {
         "client_id": new.client_id,
         "service": new.access.service.name,
         "key": new.idempotency_key,
     }
-    row = (await conn.execute(_BY_KEY, params)).first()
+    row = await (await conn.execute(_BY_KEY, params)).fetchone()
     if row is None:
         return None
     if row.submission_date < datetime.now(UTC) - IDEMPOTENCY_WINDOW:
@@ -152,20 +168,18 @@ async def _idempotent_repeat(conn: AsyncConnection, new: NewTask) -> Accepted | 
     return Accepted(row.task_id, position, False, None)
 
 
-async def _position(conn: AsyncConnection, service: str, row_id: int) -> int:
-    return (await conn.execute(_POSITION, {"service": service, "id": row_id})).scalar_one()
+async def _position(conn: AsyncConnection[Any], service: str, row_id: int) -> int:
+    return await _count(conn, _POSITION, {"service": service, "id": row_id})
 
 
 # ---------------------------------------------------------------------------
 # reading a task
 
-_GET = text(
-    """
+_GET = """
     SELECT id, task_id, client_id, service, status, submission_date, start_date, end_date,
            progress, response, error_message, worker_host
-    FROM tasks WHERE task_id = :task_id
+    FROM tasks WHERE task_id = %(task_id)s
     """
-)
 
 
 def iso(value: datetime | None) -> str | None:
@@ -204,11 +218,9 @@ def task_view(row: Any, position: int | None = None) -> dict[str, Any]:
     return data
 
 
-async def get_task(
-    engine: AsyncEngine, client_id: str, service: str, task_id: uuid.UUID
-) -> dict[str, Any]:
-    async with engine.connect() as conn:
-        row = (await conn.execute(_GET, {"task_id": task_id})).first()
+async def get_task(pool: Pool, client_id: str, service: str, task_id: uuid.UUID) -> dict[str, Any]:
+    async with pool.connection() as conn:
+        row = await (await conn.execute(_GET, {"task_id": task_id})).fetchone()
         # Another client's task, or another service's, does not exist for this caller.
         if row is None or row.client_id != client_id or row.service != service:
             raise errors.ApiError(errors.TASK_NOT_FOUND)

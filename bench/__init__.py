@@ -1,0 +1,1 @@
+"""Benchmarks and fault-injection runs; their recorded results live in `bench/results/`."""

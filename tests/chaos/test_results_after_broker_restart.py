@@ -1,0 +1,91 @@
+"""Found by the chaos run: after a RabbitMQ restart the gateway stopped consuming `-out`.
+
+The result consumer took `-out` and `-dlq` with `get_queue(ensure=False)`: a
+queue object the robust channel does not register, so aio-pika's reconnection
+restored the channel but not its consumers, and `refresh()` saw an open
+channel and a service it believed subscribed. Every event of every task then
+stayed on `-out` (17,000 messages, 0 consumers, 8,255 tasks PENDING or
+IN_PROGRESS at the end of a 10,000-task run) until the gateway was restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aio_pika
+import pytest
+
+from bench.chaos.infra import queue_state
+from conveyor import topology
+from conveyor.events import EventKind, TaskEvent, encode_event
+from tests.integration.conftest import platform  # noqa: F401 - shared fixture
+from tests.support.broker import require_local_broker, restart_rabbitmq
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.processes import Processes
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout}s")
+        time.sleep(0.2)
+
+
+def _consumers(amqp_url: str, queue: str) -> int | None:
+    state = queue_state(amqp_url, queue)
+    return None if state is None else state.consumers
+
+
+async def _publish_result(amqp_url: str, service: str, queue: str, task_id: str) -> None:
+    event = TaskEvent(EventKind.SUCCEEDED, task_id, response={"after": "restart"})
+    wire = encode_event(event, service)
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.default_exchange.publish(
+            aio_pika.Message(wire.body, headers=wire.headers, content_type=wire.content_type),
+            routing_key=topology.out_queue(queue),
+        )
+
+
+def test_results_are_consumed_again_after_a_broker_restart(
+    procs: Processes,
+    platform: Platform,  # noqa: F811
+    database_url: str,
+    amqp_url: str,
+) -> None:
+    require_local_broker()
+    service = platform.service()
+    # A refresh period longer than aio-pika's channel restoration (the default is 5 s):
+    # the channel is restored before the next refresh can notice it was closed.
+    env = gateway_env(database_url, amqp_url, CONVEYOR_SERVICE_REFRESH_INTERVAL="2")
+    gateway = GatewayProcess(procs, env)
+    out, dlq = (
+        topology.out_queue(service.queue_name),
+        topology.dead_letter_queue(service.queue_name),
+    )
+    _eventually(lambda: _consumers(amqp_url, out) == 1, 20, "consuming -out")
+
+    restart_rabbitmq(down_for=1.0)
+    # Several refresh periods after the reconnection: whatever the race, it has settled.
+    _eventually(lambda: _consumers(amqp_url, out) is not None, 60, "broker back")
+    time.sleep(8)
+
+    with gateway.http(service.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(service.name), json={"body": {"sleep": 0}})
+        assert answer.status_code == 201, answer.text
+        task_id = answer.json()["data"]["taskId"]
+        asyncio.run(_publish_result(amqp_url, service.name, service.queue_name, task_id))
+
+        def finished() -> bool:
+            url = f"{gateway.tasks_url(service.name)}/{task_id}"
+            return http.get(url).json()["data"]["status"] == "SUCCESS"
+
+        _eventually(finished, 20, "SUCCESS applied from -out")
+    assert _consumers(amqp_url, out) == 1
+    assert _consumers(amqp_url, dlq) == 1

@@ -16,12 +16,14 @@ from typing import Any
 
 import httpx
 from sqlalchemy import text
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import (
     AsyncRetrying,
     RetryError,
     retry_if_exception_type,
     stop_after_attempt,
+    stop_after_delay,
     wait_exponential,
 )
 
@@ -29,6 +31,8 @@ from gateway import callbacks, metrics
 from gateway.store import task_view
 
 log = logging.getLogger("conveyor.gateway.notifier")
+
+RECORD_PATIENCE = 60.0  # seconds; the claim lease covers it, so no replica re-sends meanwhile
 
 _CLAIM = text(
     """
@@ -95,7 +99,9 @@ class Notifier:
             self._wakeup.clear()
 
     async def run_once(self) -> int:
-        lease = self.attempts * (self.timeout + self.backoff * 2**self.attempts) + 30
+        lease = (
+            self.attempts * (self.timeout + self.backoff * 2**self.attempts) + 30 + RECORD_PATIENCE
+        )
         async with self.engine.begin() as conn:
             rows = (await conn.execute(_CLAIM, {"lease": lease, "limit": self.batch})).all()
         if rows:
@@ -110,8 +116,21 @@ class Notifier:
             outcome = "FAILURE"
             log.info("callback failed", extra={"task_id": str(row.task_id), "reason": str(exc)})
         metrics.NOTIFICATIONS.labels(outcome=outcome).inc()
-        async with self.engine.begin() as conn:
-            await conn.execute(_RECORD, {"id": row.id, "outcome": outcome})
+        await self._record(row.id, outcome)
+
+    async def _record(self, row_id: int, outcome: str) -> None:
+        """Records the outcome, waiting out a database outage: a callback already sent
+        would otherwise be sent again when its lease expires."""
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(RECORD_PATIENCE),
+            wait=wait_exponential(multiplier=0.2, max=5),
+            retry=retry_if_exception_type((OperationalError, InterfaceError)),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                async with self.engine.begin() as conn:
+                    await conn.execute(_RECORD, {"id": row_id, "outcome": outcome})
 
     async def _deliver(self, url: str, data: dict[str, Any]) -> None:
         body = json.dumps(data, separators=(",", ":")).encode()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.settings import DEFAULT_AMQP_URL, normalize_database_url
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
 
 ADMIN_DB_URL = normalize_database_url(
@@ -55,6 +56,24 @@ def database_url() -> Iterator[str]:
     yield url
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def platform(database_url: str) -> Platform:
+    """Creates uniquely named services and clients in the run's database."""
+    return Platform(database_url)
+
+
+@pytest.fixture(scope="session")
+def gateway(
+    database_url: str, amqp_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """One gateway for the tests that don't need special settings or to kill it."""
+    procs = Processes(tmp_path_factory.mktemp("shared-gateway"))
+    try:
+        yield GatewayProcess(procs, gateway_env(database_url, amqp_url))
+    finally:
+        procs.stop_all()
 
 
 @pytest.fixture

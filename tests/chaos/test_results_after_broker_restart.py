@@ -20,7 +20,6 @@ import pytest
 from bench.chaos.infra import queue_state
 from conveyor import topology
 from conveyor.events import EventKind, TaskEvent, encode_event
-from tests.integration.conftest import platform  # noqa: F401 - shared fixture
 from tests.support.broker import require_local_broker, restart_rabbitmq
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
@@ -55,7 +54,7 @@ async def _publish_result(amqp_url: str, service: str, queue: str, task_id: str)
 
 def test_results_are_consumed_again_after_a_broker_restart(
     procs: Processes,
-    platform: Platform,  # noqa: F811
+    platform: Platform,
     database_url: str,
     amqp_url: str,
 ) -> None:

@@ -9,7 +9,6 @@ from collections import Counter
 import pytest
 
 from tests.e2e.conftest import Stack
-from tests.integration.conftest import platform  # noqa: F401 - shared fixture
 from tests.support.broker import require_local_broker, restart_rabbitmq
 
 

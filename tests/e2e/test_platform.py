@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import CallbackSink, Stack, calls_of
+from tests.e2e.conftest import CallbackSink, Stack
 from tests.support.gateway import Platform
-from tests.integration.conftest import platform  # noqa: F401 - shared fixture
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def db_row(platform: Platform, task_id: str) -> dict:  # noqa: F811
+def db_row(platform: Platform, task_id: str) -> dict:
     rows = platform.sql(
         "SELECT worker_host, attempts, notification_status FROM tasks WHERE task_id = %(t)s",
         {"t": task_id},
@@ -25,7 +24,9 @@ def db_row(platform: Platform, task_id: str) -> dict:  # noqa: F811
     return {"worker_host": host, "attempts": attempts, "notification_status": notification}
 
 
-def test_task_runs_through_every_state(stack: Stack, sink: CallbackSink, platform: Platform) -> None:  # noqa: F811
+def test_task_runs_through_every_state(
+    stack: Stack, sink: CallbackSink, platform: Platform
+) -> None:
     stack.dispatcher("pod-a")
     task_id = stack.submit({"sleep": 2.5}, callback=sink.url)
     states = stack.watch(task_id, lambda d: d["status"] == "SUCCESS", timeout=30)
@@ -65,7 +66,7 @@ def test_5xx_then_2xx_succeeds_after_a_retry(stack: Stack, flaky_url: str) -> No
 
 
 def test_sigterm_in_requeue_mode_hands_the_task_over(
-    stack: Stack, platform: Platform, call_log: Path  # noqa: F811
+    stack: Stack, platform: Platform, call_log: Path
 ) -> None:
     first = stack.dispatcher("pod-first", SHUTDOWN_MODE="requeue")
     task_id = stack.submit({"sleep": 4})
@@ -94,7 +95,7 @@ def test_sigterm_in_requeue_mode_hands_the_task_over(
     assert hosts == [("pod-first", "interrupted"), ("pod-second", "success")]
 
 
-def test_sigkill_during_a_task_still_succeeds(stack: Stack, platform: Platform) -> None:  # noqa: F811
+def test_sigkill_during_a_task_still_succeeds(stack: Stack, platform: Platform) -> None:
     first = stack.dispatcher("pod-doomed")
     task_id = stack.submit({"sleep": 2})
     stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")

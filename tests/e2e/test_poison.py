@@ -1,0 +1,77 @@
+"""Poison messages published straight into `-in` and `-out` of a running platform:
+none crashes a process or blocks a queue, and each one is accounted for."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from conveyor.events import (
+    EventKind,
+    Submission,
+    TaskEvent,
+    WireMessage,
+    encode_event,
+    encode_submission,
+)
+from tests.e2e.conftest import Stack
+from tests.support.amqp import message_count, publish, wait_until
+from tests.support.gateway import Platform
+
+SIXTEEN_MB = 16 * 1024 * 1024
+
+
+def _poison(kind: str) -> list[WireMessage]:
+    unknown = str(uuid.uuid4())
+    return [
+        WireMessage(b"not json at all"),
+        WireMessage(json.dumps({"data": {"messageType": kind}}).encode()),  # missing taskId
+        WireMessage(json.dumps({"taskId": 42, "data": {"messageType": kind, "body": []}}).encode()),
+        WireMessage(b"{" * SIXTEEN_MB),
+        WireMessage(b'{"a": 1}', {"ce-specversion": "1.0", "ce-id": "x"}),  # attributes missing
+    ], unknown
+
+
+@pytest.mark.timeout(120)
+def test_poison_on_in_and_out_is_accounted_for(stack: Stack, platform: Platform) -> None:
+    dispatcher = stack.dispatcher("pod-a")
+    queue = stack.service.queue_name
+    url = stack.amqp_url
+    in_poison, unknown_in = _poison("submission")
+    out_poison, unknown_out = _poison("started")
+    # Well-formed, but about tasks that do not exist.
+    in_poison.append(encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0})))
+    out_poison.append(encode_event(TaskEvent(EventKind.SUCCEEDED, unknown_out, response={}), queue))
+    publish(url, f"{queue}-in", in_poison)
+    publish(url, f"{queue}-out", out_poison)
+
+    # -in's poison is dead-lettered by the dispatcher, then set aside by the gateway.
+    def accounted() -> dict[str, int]:
+        rows = platform.sql(
+            "SELECT queue, count(*) FROM poison_messages WHERE queue LIKE %(q)s GROUP BY queue",
+            {"q": f"{queue}-%"},
+        )
+        return dict(rows)
+
+    expected = {f"{queue}-dlq": 5, f"{queue}-out": 5}
+    wait_until(lambda: accounted() == expected, 60, what="every poison message set aside")
+    for suffix in ("in", "out", "dlq"):  # nothing blocks a queue
+        wait_until(
+            lambda s=suffix: message_count(url, f"{queue}-{s}") == 0, 30, what=f"-{suffix} empty"
+        )
+    sizes = platform.sql(
+        "SELECT max(body_size), max(length(body)) FROM poison_messages WHERE queue LIKE %(q)s",
+        {"q": f"{queue}-%"},
+    )
+    assert sizes == [(SIXTEEN_MB, 64 * 1024)]  # the size is recorded, the body is truncated
+    assert platform.sql(
+        "SELECT count(*) FROM tasks WHERE task_id IN (%(a)s, %(b)s)",
+        {"a": unknown_in, "b": unknown_out},
+    ) == [(0,)]
+
+    # Both processes are alive and the queue still flows.
+    assert dispatcher.alive() and stack.gateway.proc.alive()
+    final = stack.finish(stack.submit({"sleep": 0}))
+    assert final["status"] == "SUCCESS"

@@ -128,6 +128,17 @@ async def sleep_unless(event: asyncio.Event, seconds: float) -> bool:
     return True
 
 
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the supervisor dies without stopping it (e.g. killed
+    by SIGKILL, or by a closed terminal pipe), so no orphan keeps the ports."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 async def spawn(argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
     """Its own session, so that the terminal's Ctrl-C reaches only the supervisor."""
     return await asyncio.create_subprocess_exec(
@@ -139,6 +150,7 @@ async def spawn(argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Proc
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_die_with_parent,
         limit=LINE_LIMIT,
     )
 

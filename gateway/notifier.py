@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -33,6 +34,9 @@ from gateway.store import task_view
 log = logging.getLogger("conveyor.gateway.notifier")
 
 RECORD_PATIENCE = 60.0  # seconds; the claim lease covers it, so no replica re-sends meanwhile
+# The result consumer wakes the notifier after every batch that finished a task, callback or
+# not: under load, wake-ups are coalesced into at most one claim pass per WAKE_GAP seconds.
+WAKE_GAP = 0.05
 
 _CLAIM = text(
     """
@@ -87,11 +91,13 @@ class Notifier:
 
     async def loop(self, idle: float = 1.0) -> None:
         while True:
+            started = time.monotonic()
             try:
                 while await self.run_once() >= self.batch:
                     pass
             except Exception as exc:
                 log.warning("notifier pass failed", extra={"error": repr(exc)})
+            await asyncio.sleep(max(0.0, WAKE_GAP - (time.monotonic() - started)))
             try:
                 await asyncio.wait_for(self._wakeup.wait(), idle)
             except TimeoutError:

@@ -222,7 +222,17 @@ class _Config:
         }
 
 
-class ConveyorClient:
+class _FromEnv:
+    """The constructor both clients share, reading the consumer CLI's environment."""
+
+    @classmethod
+    def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Self:
+        """CONVEYOR_GATEWAY_URL (default http://127.0.0.1:8000), CONVEYOR_CLIENT_ID/_SECRET."""
+        config = _Config.from_env(timeout)
+        return cls(config.base_url, config.client_id, config.client_secret, timeout, **kwargs)  # type: ignore[call-arg]
+
+
+class ConveyorClient(_FromEnv):
     """Synchronous gateway client; use it as a context manager or call `close()`."""
 
     def __init__(
@@ -235,12 +245,6 @@ class ConveyorClient:
     ) -> None:
         self.config = _Config(base_url, client_id, client_secret, timeout)
         self._http = httpx.Client(transport=transport, **self.config.httpx_options())
-
-    @classmethod
-    def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Self:
-        """CONVEYOR_GATEWAY_URL (default http://127.0.0.1:8000), CONVEYOR_CLIENT_ID/_SECRET."""
-        config = _Config.from_env(timeout)
-        return cls(config.base_url, config.client_id, config.client_secret, timeout, **kwargs)
 
     def _send(self, call: _Call) -> httpx.Response:
         return self._http.request(call.method, call.path, json=call.json, headers=call.headers)
@@ -297,7 +301,7 @@ class ConveyorClient:
         self.close()
 
 
-class AsyncConveyorClient:
+class AsyncConveyorClient(_FromEnv):
     """Asynchronous gateway client; use it with `async with` or call `aclose()`."""
 
     def __init__(
@@ -310,12 +314,6 @@ class AsyncConveyorClient:
     ) -> None:
         self.config = _Config(base_url, client_id, client_secret, timeout)
         self._http = httpx.AsyncClient(transport=transport, **self.config.httpx_options())
-
-    @classmethod
-    def from_env(cls, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Self:
-        """CONVEYOR_GATEWAY_URL (default http://127.0.0.1:8000), CONVEYOR_CLIENT_ID/_SECRET."""
-        config = _Config.from_env(timeout)
-        return cls(config.base_url, config.client_id, config.client_secret, timeout, **kwargs)
 
     async def _send(self, call: _Call) -> httpx.Response:
         return await self._http.request(

@@ -413,6 +413,57 @@ class CpuMeter:
         return round(self._now() - self._start, 3)
 
 
+def _comm(pid: int) -> str:
+    return _read(f"/proc/{pid}/comm").strip()
+
+
+def server_pids(database_url: str = ADMIN_DB_URL) -> dict[str, int]:
+    """The local PostgreSQL postmaster and RabbitMQ (beam.smp) pids, when they are local."""
+    found: dict[str, int] = {}
+    try:
+        backend = sql(database_url, "SELECT pg_backend_pid()")[0][0]
+        fields = _stat_fields(backend)
+        if fields is not None and "postgres" in _comm(int(fields[1])):
+            found["postgresql"] = int(fields[1])
+    except Exception:  # a remote or unreachable database: not measured
+        pass
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _comm(int(entry.name)) == "beam.smp":
+            found["rabbitmq"] = int(entry.name)
+            break
+    return found
+
+
+def _server_cpu(pid: int) -> float:
+    """A server's CPU: its own, its reaped children's (fields 13-14: backends that have
+    exited) and its live children's."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return 0.0
+    total = sum(int(f) for f in fields[11:15])
+    for child in _descendants(pid)[1:]:
+        if (child_fields := _stat_fields(child)) is not None:
+            total += int(child_fields[11]) + int(child_fields[12])
+    return total / _TICKS
+
+
+class ServerMeter:
+    """CPU seconds PostgreSQL and RabbitMQ spend between `start()` and `stop()`, each."""
+
+    def __init__(self, database_url: str = ADMIN_DB_URL) -> None:
+        self.pids = server_pids(database_url)
+        self._start: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._start = {name: _server_cpu(pid) for name, pid in self.pids.items()}
+
+    def stop(self) -> dict[str, float]:
+        return {
+            name: round(_server_cpu(pid) - self._start.get(name, 0.0), 3)
+            for name, pid in self.pids.items()
+        }
+
+
 def wait_for_broker(timeout: float = 60.0) -> bool:
     """Waits for RabbitMQ to accept connections (it may be restarting); True if it does."""
     from urllib.parse import urlsplit

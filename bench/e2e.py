@@ -47,6 +47,7 @@ from bench.common import (
     CpuMeter,
     NoopFunction,
     Processes,
+    ServerMeter,
     banner,
     create_service,
     delete_queues,
@@ -240,8 +241,10 @@ def run_conveyor(ctx: Context, peer: Peer) -> dict[str, Any]:
             raise RuntimeError(f"{peer.name}: warm-up tasks did not finish")
         meter = CpuMeter([ctx.gateway_pid, *(d.proc.pid for d in dispatchers)])
         gateway_meter = CpuMeter([ctx.gateway_pid])
-        meter.start()
-        gateway_meter.start()
+        function_meter = CpuMeter([ctx.function.proc.pid])
+        servers = ServerMeter(ctx.database_url)
+        for m in (meter, gateway_meter, function_meter, servers):
+            m.start()
         load = Background(
             lambda: _loadgen(
                 {**submit_job, "count": options.tasks, "concurrency": options.submitters},
@@ -251,6 +254,13 @@ def run_conveyor(ctx: Context, peer: Peer) -> dict[str, Any]:
         done_at = wait_for_count(succeeded, WARMUP_TASKS + options.tasks, options.timeout)
         cpu = meter.stop()
         gateway_cpu = gateway_meter.stop()
+        breakdown = _breakdown(
+            options.tasks,
+            gateway=gateway_cpu,
+            dispatchers=cpu - gateway_cpu,
+            function=function_meter.stop(),
+            **servers.stop(),
+        )
         submitted = load.join(options.timeout)
         throughput = _throughput(options.tasks, submitted["first_sent"], done_at)
         result = {
@@ -264,6 +274,7 @@ def run_conveyor(ctx: Context, peer: Peer) -> dict[str, Any]:
             "platform_cpu_s": cpu,
             "platform_cpu_ms_per_task": round(cpu * 1000 / options.tasks, 3),
             "gateway_cpu_ms_per_task": round(gateway_cpu * 1000 / options.tasks, 3),
+            "cpu_ms_per_task_by_process": breakdown,
         }
         if done_at is None:
             raise RuntimeError(f"{succeeded() - WARMUP_TASKS} of {options.tasks} tasks finished")
@@ -285,6 +296,13 @@ def conveyor_latency(ctx: Context, submit_job: dict[str, Any]) -> dict[str, Any]
     samples = _loadgen(job, 120 + ctx.options.latency_samples * (ctx.options.gap + 1))["samples"]
     time.sleep(0.5)
     return latencies(samples, ctx.function.arrivals())
+
+
+def _breakdown(tasks: int, **cpu_seconds: float) -> dict[str, float]:
+    """CPU milliseconds per task of each part, servers included: where the work goes."""
+    per_task = {name: round(seconds * 1000 / tasks, 3) for name, seconds in cpu_seconds.items()}
+    per_task["total"] = round(sum(per_task.values()), 3)
+    return per_task
 
 
 def _throughput(tasks: int, first_sent: float | None, done_at: float | None) -> float | None:
@@ -347,7 +365,10 @@ def run_celery(ctx: Context, peer: Peer) -> dict[str, Any]:
         before = succeeded()
         failed_before = failed()
         meter = CpuMeter([worker.pid], tree=True)
-        meter.start()
+        function_meter = CpuMeter([ctx.function.proc.pid])
+        servers = ServerMeter(ctx.database_url)
+        for m in (meter, function_meter, servers):
+            m.start()
         load = Background(
             lambda: _celery_client(
                 env, "submit", "--count", str(options.tasks), timeout=options.timeout
@@ -355,6 +376,9 @@ def run_celery(ctx: Context, peer: Peer) -> dict[str, Any]:
         )
         done_at = wait_for_count(succeeded, before + options.tasks + 1, options.timeout)
         cpu = meter.stop()
+        breakdown = _breakdown(
+            options.tasks, workers=cpu, function=function_meter.stop(), **servers.stop()
+        )
         submitted = load.join(options.timeout)
         result = {
             "peer": peer.name,
@@ -364,6 +388,7 @@ def run_celery(ctx: Context, peer: Peer) -> dict[str, Any]:
             "failed": failed() - failed_before,
             "platform_cpu_s": cpu,
             "platform_cpu_ms_per_task": round(cpu * 1000 / options.tasks, 3),
+            "cpu_ms_per_task_by_process": breakdown,
         }
         if done_at is None:
             raise RuntimeError(f"{succeeded() - before} of {options.tasks + 1} tasks finished")

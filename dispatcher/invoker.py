@@ -5,7 +5,10 @@ body as plain JSON), so a function written for Knative Eventing works
 unchanged, plus the `X-Conveyor-*` headers that only Conveyor functions read.
 
 One `httpx.AsyncClient` with keep-alive serves every call of the process: no
-connection is opened per task.
+connection is opened per task. Requests are built here and handed to
+`client.send()`: the URL is parsed once, and the client's default headers and
+cookies, which `client.post()` merges into every request (a third of httpx's
+CPU per call in a profile), are not wanted anyway.
 
 | answer                               | outcome                          |
 |--------------------------------------|----------------------------------|
@@ -162,20 +165,22 @@ class Invoker:
     """Calls FUNCTION_URL; one shared keep-alive client for the whole process."""
 
     def __init__(self, function_url: str, concurrency: int) -> None:
-        self.url = function_url
+        self.url = httpx.URL(function_url)
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         # CA certificates are loaded only when they can be needed (~1 MB of RSS).
         verify = function_url.startswith("https:")
         self._client = httpx.AsyncClient(limits=limits, trust_env=False, verify=verify)
 
     async def call(self, invocation: Invocation, retry: int, timeout: float) -> Outcome:
+        request = httpx.Request(
+            "POST",
+            self.url,
+            content=invocation.body,
+            headers=invocation.headers(retry),
+            extensions={"timeout": httpx.Timeout(timeout).as_dict()},
+        )
         try:
-            answer = await self._client.post(
-                self.url,
-                content=invocation.body,
-                headers=invocation.headers(retry),
-                timeout=httpx.Timeout(timeout),
-            )
+            answer = await self._client.send(request)
         except httpx.HTTPError as exc:
             return network_failure(exc)
         return classify(answer.status_code, answer.content, answer.headers)

@@ -53,8 +53,7 @@ async def _client(request: Request, rt: Runtime) -> str:
 async def _access(rt: Runtime, client_id: str, service: str) -> catalog.Access | None:
     if len(service) > MAX_SERVICE_NAME or "\x00" in service:  # PostgreSQL text refuses NUL
         return None
-    async with rt.pool.connection() as conn:
-        return await catalog.access(conn, client_id, service)
+    return await rt.access.access(client_id, service)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -178,7 +177,7 @@ async def create(service: str, request: Request) -> Json:
     if schema_errors:
         raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
     accepted = await create_task(
-        rt.pool, NewTask(client_id, access, payload["body"], callback, key)
+        rt.pool, NewTask(client_id, access, payload["body"], callback, key), rt.intake
     )
     if accepted.created and accepted.outbox_id is not None:
         metrics.SUBMITTED.labels(service=service).inc()

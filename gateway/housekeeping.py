@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import lifecycle, metrics
+from gateway.pgpool import Pool
 
 log = logging.getLogger("conveyor.gateway.housekeeping")
 
@@ -74,10 +76,12 @@ async def _delete_in_batches(
             return total, batches
 
 
-async def reaper_loop(engine: AsyncEngine, ttl: float, interval: float, on_expired) -> None:
+async def reaper_loop(
+    pool: Pool, ttl: float, interval: float, on_expired: Callable[[], None]
+) -> None:
     while True:
         try:
-            async with engine.begin() as conn:
+            async with pool.connection() as conn:  # autocommit: one statement
                 expired = await lifecycle.expire_pending(conn, ttl)
             if expired:
                 metrics.REAPED.inc(expired)

@@ -18,18 +18,26 @@ replicas applying events concurrently:
 * the first terminal event wins.
 
 Every attempt is also recorded in `task_attempts` for investigation in SQL.
+
+A transition is data (`Transition`: a statement, its parameters, and how to
+read its one-row answer), so that the results consumer can send a whole batch
+of them in one pipelined round trip and read the outcomes afterwards. Every
+statement answers one row: how many tasks it changed, and how many of those
+now have a callback to send (so that the notifier is woken only then).
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, text
-from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.ext.asyncio import AsyncConnection
+import orjson
+import psycopg
+from psycopg.types.json import Jsonb
 
 from conveyor.events import EventKind, TaskEvent, now
 
@@ -40,71 +48,86 @@ class Applied(enum.Enum):
     FINISHED = "finished"  # reached a terminal state (the notifier may have work)
 
 
-_STARTED = text(
-    """
+_STARTED = """
     WITH task AS (
         UPDATE tasks
-           SET status = 'IN_PROGRESS', worker_host = CAST(:host AS text), start_date = :time,
-               progress = 0, attempt_id = :attempt, attempts = attempts + 1, updated_at = now()
-         WHERE task_id = :task_id
+           SET status = 'IN_PROGRESS', worker_host = CAST(%(host)s AS text),
+               start_date = %(time)s, progress = 0, attempt_id = %(attempt)s,
+               attempts = attempts + 1, updated_at = now()
+         WHERE task_id = %(task_id)s
            AND (status = 'PENDING'
-                OR (status = 'IN_PROGRESS' AND attempt_id IS DISTINCT FROM :attempt
-                    AND start_date < :time))
+                OR (status = 'IN_PROGRESS' AND attempt_id IS DISTINCT FROM %(attempt)s
+                    AND start_date < %(time)s))
         RETURNING task_id
     ), closed AS (
-        UPDATE task_attempts a SET end_date = :time, outcome = 'interrupted'
+        UPDATE task_attempts a SET end_date = %(time)s, outcome = 'interrupted'
           FROM task
-         WHERE a.task_id = task.task_id AND a.end_date IS NULL AND a.attempt_id <> :attempt
+         WHERE a.task_id = task.task_id AND a.end_date IS NULL AND a.attempt_id <> %(attempt)s
     ), opened AS (
         INSERT INTO task_attempts (task_id, attempt_id, worker_host, start_date)
-        SELECT task_id, CAST(:attempt AS text), CAST(:host AS text), :time FROM task
+        SELECT task_id, CAST(%(attempt)s AS text), CAST(%(host)s AS text), %(time)s FROM task
         ON CONFLICT (task_id, attempt_id) DO NOTHING
     )
-    SELECT count(*) FROM task
+    SELECT count(*) AS changed, 0 AS callbacks FROM task
     """
-)
 
-_PROGRESS = text(
+_PROGRESS = """
+    WITH task AS (
+        UPDATE tasks SET progress = %(progress)s, updated_at = now()
+         WHERE task_id = %(task_id)s AND status = 'IN_PROGRESS' AND progress < %(progress)s
+           AND (CAST(%(attempt)s AS text) IS NULL OR attempt_id = %(attempt)s)
+        RETURNING task_id
+    )
+    SELECT count(*) AS changed, 0 AS callbacks FROM task
     """
-    UPDATE tasks SET progress = :progress, updated_at = now()
-     WHERE task_id = :task_id AND status = 'IN_PROGRESS' AND progress < :progress
-       AND (CAST(:attempt AS text) IS NULL OR attempt_id = :attempt)
-    """
-)
 
-_FINISH = text(
-    """
+_FINISH = """
     WITH task AS (
         UPDATE tasks
-           SET status = CAST(:status AS text), end_date = :time, updated_at = now(),
-               start_date = COALESCE(start_date, :time),
-               response = CASE WHEN CAST(:status AS text) = 'SUCCESS' THEN :response END,
-               error_message = CAST(:error_message AS text),
-               progress = CASE WHEN CAST(:status AS text) = 'SUCCESS' THEN 100 ELSE progress END,
+           SET status = CAST(%(status)s AS text), end_date = %(time)s, updated_at = now(),
+               start_date = COALESCE(start_date, %(time)s),
+               response = CASE WHEN CAST(%(status)s AS text) = 'SUCCESS'
+                               THEN CAST(%(response)s AS jsonb) END,
+               error_message = CAST(%(error_message)s AS text),
+               progress = CASE WHEN CAST(%(status)s AS text) = 'SUCCESS' THEN 100 ELSE progress END,
                notification_status = CASE WHEN callback IS NOT NULL THEN 'PENDING' END
-         WHERE task_id = :task_id AND status IN ('PENDING', 'IN_PROGRESS')
-        RETURNING task_id, attempt_id
+         WHERE task_id = %(task_id)s AND status IN ('PENDING', 'IN_PROGRESS')
+        RETURNING task_id, attempt_id, callback IS NOT NULL AS notify
     ), history AS (
         UPDATE task_attempts a
-           SET end_date = :time, outcome = lower(CAST(:status AS text)),
-               error_message = CAST(:error_message AS text)
+           SET end_date = %(time)s, outcome = lower(CAST(%(status)s AS text)),
+               error_message = CAST(%(error_message)s AS text)
           FROM task
          WHERE a.task_id = task.task_id AND a.end_date IS NULL
-           AND a.attempt_id = COALESCE(CAST(:attempt AS text), task.attempt_id)
+           AND a.attempt_id = COALESCE(CAST(%(attempt)s AS text), task.attempt_id)
     )
-    SELECT count(*) FROM task
+    SELECT count(*) AS changed, count(*) FILTER (WHERE notify) AS callbacks FROM task
     """
-).bindparams(bindparam("response", type_=JSONB))
 
 
-def _time(event_time: datetime | None) -> datetime:
-    return event_time or now()
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One guarded statement; `changed` is what it did when its count is not zero."""
+
+    sql: str
+    params: dict[str, Any]
+    changed: Applied
+
+    def outcome(self, answer: tuple[int, int] | None) -> Outcome:
+        changed, callbacks = answer or (0, 0)
+        return Outcome(self.changed if changed else Applied.IGNORED, callbacks > 0)
 
 
-async def apply(conn: AsyncConnection, event: TaskEvent) -> Applied:
-    """Applies one event inside the caller's transaction."""
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    applied: Applied
+    callback_due: bool  # the task finished and has a callback URL: wake the notifier
+
+
+def transition(event: TaskEvent) -> Transition:
+    """The statement that applies `event`, whatever the task's current state."""
     task_id = uuid.UUID(event.task_id)
-    time = _time(event.time)
+    time = event.time or now()
     match event.kind:
         case EventKind.STARTED:
             params = {
@@ -114,35 +137,31 @@ async def apply(conn: AsyncConnection, event: TaskEvent) -> Applied:
                 # Legacy workers send no attempt id: each of their `started` is a new attempt.
                 "attempt": event.attempt or event.event_id,
             }
-            changed = (await conn.execute(_STARTED, params)).scalar_one()
-            return Applied.CHANGED if changed else Applied.IGNORED
+            return Transition(_STARTED, params, Applied.CHANGED)
         case EventKind.PROGRESS:
             params = {"task_id": task_id, "progress": event.progress, "attempt": event.attempt}
-            result = await conn.execute(_PROGRESS, params)
-            return Applied.CHANGED if result.rowcount else Applied.IGNORED
+            return Transition(_PROGRESS, params, Applied.CHANGED)
         case EventKind.SUCCEEDED:
-            return await _finish(
-                conn, task_id, "SUCCESS", time, event.attempt, event.response, None
-            )
+            return _finish(task_id, "SUCCESS", time, event.attempt, _jsonb(event.response), None)
         case EventKind.FAILED:
             message = event.error_message or "The function failed without a message."
-            return await _finish(conn, task_id, "FAILURE", time, event.attempt, None, message)
+            return _finish(task_id, "FAILURE", time, event.attempt, None, message)
+    raise ValueError(f"no transition for {event.kind!r}")
 
 
-async def fail(conn: AsyncConnection, task_id: uuid.UUID, message: str) -> Applied:
+def failure(task_id: uuid.UUID, message: str) -> Transition:
     """FAILURE decided by the platform itself: dead-lettered or expired."""
-    return await _finish(conn, task_id, "FAILURE", now(), None, None, message)
+    return _finish(task_id, "FAILURE", now(), None, None, message)
 
 
-async def _finish(
-    conn: AsyncConnection,
+def _finish(
     task_id: uuid.UUID,
     status: str,
     time: datetime,
     attempt: str | None,
-    response: Any,
+    response: Jsonb | None,
     error_message: str | None,
-) -> Applied:
+) -> Transition:
     params = {
         "task_id": task_id,
         "status": status,
@@ -151,23 +170,37 @@ async def _finish(
         "response": response,
         "error_message": error_message,
     }
-    changed = (await conn.execute(_FINISH, params)).scalar_one()
-    return Applied.FINISHED if changed else Applied.IGNORED
+    return Transition(_FINISH, params, Applied.FINISHED)
 
 
-_EXPIRE = text(
-    """
+def _jsonb(value: Any) -> Jsonb:
+    # A function's JSON may hold integers wider than 64 bits, which orjson refuses.
+    return Jsonb(value, dumps=_dumps)
+
+
+def _dumps(value: Any) -> bytes | str:
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value)
+
+
+async def apply(conn: psycopg.AsyncConnection[Any], change: Transition) -> Outcome:
+    """Runs one transition on its own (inside the caller's transaction, if any)."""
+    return change.outcome(await (await conn.execute(change.sql, change.params)).fetchone())
+
+
+_EXPIRE = """
     UPDATE tasks t
        SET status = 'FAILURE', end_date = now(), updated_at = now(),
            error_message = 'The task expired: it stayed PENDING longer than its time to live.',
            notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
       FROM services s
      WHERE s.name = t.service AND t.status = 'PENDING'
-       AND t.submission_date < now() - make_interval(secs => LEAST(:ttl, s.retention_seconds))
+       AND t.submission_date < now() - make_interval(secs => LEAST(%(ttl)s, s.retention_seconds))
     """
-)
 
 
-async def expire_pending(conn: AsyncConnection, ttl: float) -> int:
+async def expire_pending(conn: psycopg.AsyncConnection[Any], ttl: float) -> int:
     """The reaper's transition: PENDING past its time to live becomes FAILURE."""
     return (await conn.execute(_EXPIRE, {"ttl": ttl})).rowcount

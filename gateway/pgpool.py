@@ -4,28 +4,46 @@ Measured on the benchmark VM, SQLAlchemy's async layer costs about 150 µs of
 CPU per statement and as much per pool checkout, on top of psycopg's own
 ~50 µs; a submission made two checkouts, a pre-ping, BEGIN/COMMIT and
 ROLLBACK around two statements. The API therefore talks to PostgreSQL through
-this small pool of plain `psycopg.AsyncConnection`s in autocommit mode:
+plain `psycopg.AsyncConnection`s in autocommit mode (the background loops keep
+using SQLAlchemy):
 
 * a single statement is its own transaction, so the insert of a task and its
   outbox entry (one statement) stays atomic without BEGIN/COMMIT;
 * multi-statement work (capacity, idempotency) uses `conn.transaction()`;
 * psycopg prepares repeated statements on the server by itself.
 
-Dead connections are weeded out as SQLAlchemy's `pool_pre_ping` did, without
-its round trip on every checkout: an idle connection has nothing to read, so
-only one whose socket is readable (a server that terminates a session sends a
-FATAL message and closes it) or that has been idle for longer than
-`ping_after` is pinged before use. A connection that fails with a connection
-error is closed, and every idle connection opened before that failure is
-discarded too (after a PostgreSQL restart they are all dead). The background
-loops keep using SQLAlchemy.
+The pooling is `psycopg_pool.AsyncConnectionPool`'s: sizing, waiting for a
+free connection (at most `connect_timeout` seconds, then `PoolTimeout`, an
+`OperationalError`, which the API answers with 503), reconnecting in the
+background, replacing connections returned closed. Only two things are ours:
+
+* The liveness check (the pool's `check` callback), which avoids SQLAlchemy's
+  `pool_pre_ping` round trip on every checkout: an idle connection has nothing
+  to read, so only one whose socket is readable (a server that terminates a
+  session sends a FATAL message and closes it) or that has been idle for
+  longer than `ping_after` is pinged before use. The idle-time criterion is
+  kept because the pool's `max_idle` does not cover it: `max_idle` only shrinks
+  the pool, while `ping_after` catches a connection dropped silently (a
+  firewall or NAT forgetting it sends nothing, so nothing becomes readable).
+  When a ping fails the connection is closed, and so is every idle connection
+  opened before (`drain()`: after a PostgreSQL restart they are all dead); the
+  same happens when a connection breaks while in use.
+* A connection given back in a transaction or in the middle of a statement
+  (an exception or a cancellation inside `conn.transaction()` or `execute`)
+  is closed rather than rolled back (or, without an exception, committed) and
+  reused: the pool replaces it.
+
+`reconnect_timeout` is short on purpose: the pool's background reconnection
+backs off exponentially (1, 2, 4 … s), so after a long outage it would leave
+the API answering 503 for up to half the outage's length once PostgreSQL is
+back. Giving up quickly instead lets the next checkout start a fresh attempt.
 """
 
 from __future__ import annotations
 
-import asyncio
 import select
 import time
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -35,6 +53,7 @@ import psycopg
 from psycopg.pq import ConnStatus, TransactionStatus
 from psycopg.rows import namedtuple_row
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
+from psycopg_pool import AsyncConnectionPool
 
 CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
 
@@ -56,65 +75,69 @@ class Pool:
         self.url = dsn(database_url)
         self.ping_after = ping_after
         self.connect_timeout = connect_timeout
-        self._slots = asyncio.Semaphore(size)
-        self._idle: list[tuple[psycopg.AsyncConnection[Any], float, int]] = []  # LIFO
-        self._generation = 0
-        self._closed = False
+        # When each connection was last given back (or opened): the idle-time criterion.
+        self._since: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], float] = (
+            weakref.WeakKeyDictionary()
+        )
+        # Built here, synchronously, but opened by the first checkout (`open=False`):
+        # opening starts worker tasks, which needs the running loop of the caller.
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+            self.url,
+            open=False,
+            min_size=min(2, size),
+            max_size=size,
+            kwargs={
+                "autocommit": True,
+                "row_factory": namedtuple_row,
+                "connect_timeout": connect_timeout,
+            },
+            configure=self._configure,
+            check=self._check,
+            timeout=connect_timeout,
+            reconnect_timeout=max(connect_timeout, 1),
+            name="gateway-hot-path",
+        )
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """A connection in autocommit mode, returned to the pool afterwards."""
-        async with self._slots:
-            conn = await self._take()
-            try:
-                yield conn
-            except BaseException as exc:
-                await self._give_back(conn, exc)
-                raise
-            await self._give_back(conn, None)
-
-    async def _take(self) -> psycopg.AsyncConnection[Any]:
-        while self._idle:
-            conn, since, generation = self._idle.pop()
-            if conn.closed or generation != self._generation:
-                await _close(conn)
-                continue
-            suspect = _readable(conn) or time.monotonic() - since > self.ping_after
-            if suspect and not await _alive(conn):
-                self._generation += 1  # the server went away: its siblings are dead as well
-                await _close(conn)
-                continue
-            return conn
-        return await self._open()
-
-    async def _open(self) -> psycopg.AsyncConnection[Any]:
-        conn = await psycopg.AsyncConnection.connect(
-            self.url,
-            autocommit=True,
-            connect_timeout=self.connect_timeout,
-            row_factory=namedtuple_row,
-        )
-        set_json_dumps(orjson.dumps, conn)
-        set_json_loads(orjson.loads, conn)
-        return conn
-
-    async def _give_back(
-        self, conn: psycopg.AsyncConnection[Any], error: BaseException | None
-    ) -> None:
-        broken = conn.closed or conn.broken or isinstance(error, CONNECTION_ERRORS)
-        if isinstance(error, CONNECTION_ERRORS):
-            self._generation += 1  # its siblings are likely dead as well
-        if not broken and conn.info.transaction_status != TransactionStatus.IDLE:
-            broken = True  # interrupted mid-statement (e.g. cancelled): do not reuse
-        if broken or self._closed:
-            await _close(conn)
-            return
-        self._idle.append((conn, time.monotonic(), self._generation))
+        if self._pool.closed:  # not opened yet (open() is idempotent; after close() it raises)
+            await self._pool.open()
+        conn = await self._pool.getconn()
+        try:
+            yield conn
+        finally:
+            lost = conn.broken
+            if lost or conn.info.transaction_status != TransactionStatus.IDLE:
+                await _close(conn)  # broken, or interrupted mid-statement or transaction
+            self._since[conn] = time.monotonic()
+            await self._pool.putconn(conn)  # a closed connection is replaced by the pool
+            if lost:
+                await self._drain()  # its siblings are likely dead as well
 
     async def close(self) -> None:
-        self._closed = True
-        idle, self._idle = self._idle, []
-        await asyncio.gather(*(_close(conn) for conn, _, _ in idle))
+        await self._pool.close()  # a no-op if never opened
+
+    async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        set_json_dumps(orjson.dumps, conn)
+        set_json_loads(orjson.loads, conn)
+        self._since[conn] = time.monotonic()
+
+    async def _check(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Raises for a dead connection, which the pool then discards; pings only suspects."""
+        since = self._since.get(conn, 0.0)
+        if not _readable(conn) and time.monotonic() - since <= self.ping_after:
+            return
+        try:
+            await conn.execute("SELECT 1")
+        except psycopg.Error:
+            await _close(conn)
+            await self._drain()  # the server went away: its siblings are dead as well
+            raise
+
+    async def _drain(self) -> None:
+        if not self._pool.closed:
+            await self._pool.drain()
 
 
 def _readable(conn: psycopg.AsyncConnection[Any]) -> bool:
@@ -126,14 +149,6 @@ def _readable(conn: psycopg.AsyncConnection[Any]) -> bool:
     except (OSError, ValueError, psycopg.Error):
         return True
     return bool(events) or conn.pgconn.status != ConnStatus.OK
-
-
-async def _alive(conn: psycopg.AsyncConnection[Any]) -> bool:
-    try:
-        await conn.execute("SELECT 1")
-    except psycopg.Error:
-        return False
-    return True
 
 
 async def _close(conn: psycopg.AsyncConnection[Any]) -> None:

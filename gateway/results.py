@@ -18,29 +18,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
-from sqlalchemy import bindparam, text
-from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from psycopg.types.json import Jsonb
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from conveyor import topology
 from conveyor.events import WireError, WireMessage, decode_event, decode_submission
 from gateway import catalog, lifecycle, metrics
 from gateway.broker import Broker
+from gateway.pgpool import CONNECTION_ERRORS, Pool
 
 log = logging.getLogger("conveyor.gateway.results")
 
 POISON_BODY_LIMIT = 64 * 1024
 BATCH_SIZE = 200
 BATCH_WINDOW = 0.005
+DEAD_LETTERED = "dead_lettered"  # the kind of a -dlq message, beside the events' kinds
 
-_POISON = text(
-    """
+_POISON = """
     INSERT INTO poison_messages (queue, reason, headers, body, body_size)
-    VALUES (:queue, :reason, :headers, :body, :body_size)
+    VALUES (%(queue)s, %(reason)s, %(headers)s, %(body)s, %(body_size)s)
     """
-).bindparams(bindparam("headers", type_=JSONB))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,21 +61,21 @@ class Poison(Exception):
 
 def _transient(exc: BaseException) -> bool:
     """Database unreachable (retry the whole batch) rather than a refused statement."""
-    if isinstance(exc, OperationalError | InterfaceError):
-        return True
-    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+    return isinstance(exc, CONNECTION_ERRORS)
 
 
 class ResultConsumer:
     def __init__(
         self,
         engine: AsyncEngine,
+        pool: Pool,
         broker: Broker,
         delivery_limit: int,
         refresh_interval: float = 5.0,
         on_finished: Callable[[], None] = lambda: None,
     ) -> None:
-        self.engine = engine
+        self.engine = engine  # listing services
+        self.pool = pool  # applying events: raw psycopg, pipelined
         self.broker = broker
         self.delivery_limit = delivery_limit
         self.refresh_interval = refresh_interval
@@ -144,78 +143,100 @@ class ResultConsumer:
             await self.process(batch)
 
     async def _next_batch(self) -> list[Delivery]:
+        """What has arrived, after one short pause for stragglers when it is not much."""
         batch = [await self._inbox.get()]
-        deadline = asyncio.get_running_loop().time() + BATCH_WINDOW
-        while len(batch) < BATCH_SIZE:
-            timeout = deadline - asyncio.get_running_loop().time()
-            if timeout <= 0 and self._inbox.empty():
-                break
-            try:
-                batch.append(await asyncio.wait_for(self._inbox.get(), max(timeout, 0)))
-            except TimeoutError:
-                break
+        self._take_arrived(batch)
+        if len(batch) < BATCH_SIZE:
+            await asyncio.sleep(BATCH_WINDOW)
+            self._take_arrived(batch)
         return batch
+
+    def _take_arrived(self, batch: list[Delivery]) -> None:
+        while len(batch) < BATCH_SIZE and not self._inbox.empty():
+            batch.append(self._inbox.get_nowait())
 
     async def process(self, batch: list[Delivery]) -> None:
         delay = 0.5
         while True:
             try:
-                finished = await self._apply_together(batch)
+                callbacks = await self._apply_together(batch)
                 break
             except Exception as exc:
                 if not _transient(exc):
-                    finished = await self._apply_alone(batch)
+                    callbacks = await self._apply_alone(batch)
                     break
                 log.warning("database unavailable; batch retried", extra={"error": repr(exc)})
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
         for delivery in batch:
             await _ack(delivery.message)
-        if finished:
+        if callbacks:
             self.on_finished()
 
     async def _apply_together(self, batch: list[Delivery]) -> bool:
-        async with self.engine.begin() as conn:
-            outcomes = [await self._apply_one(conn, d) for d in batch]
-        return lifecycle.Applied.FINISHED in outcomes
+        """The batch in one transaction and one round trip (psycopg's pipeline mode):
+        the statements are sent back to back and their answers read after the commit."""
+        planned = [self._plan(d) for d in batch]
+        sent: list[tuple[lifecycle.Transition, psycopg.AsyncCursor[Any], str]] = []
+        async with self.pool.connection() as conn, conn.pipeline(), conn.transaction():
+            for delivery, plan in zip(batch, planned, strict=True):
+                if isinstance(plan, str):
+                    await _set_aside(conn, delivery, plan)
+                    continue
+                change, kind = plan
+                sent.append((change, await conn.execute(change.sql, change.params), kind))
+        callbacks = False
+        for change, cursor, kind in sent:
+            callbacks |= _counted(kind, change.outcome(await cursor.fetchone()))
+        return callbacks
 
     async def _apply_alone(self, batch: list[Delivery]) -> bool:
-        finished = False
+        callbacks = False
         for delivery in batch:
+            plan = self._plan(delivery)
             try:
-                async with self.engine.begin() as conn:
-                    finished |= await self._apply_one(conn, delivery) is lifecycle.Applied.FINISHED
+                async with self.pool.connection() as conn, conn.transaction():
+                    if isinstance(plan, str):
+                        await _set_aside(conn, delivery, plan)
+                        continue
+                    change, kind = plan
+                    outcome = await lifecycle.apply(conn, change)
+                callbacks |= _counted(kind, outcome)
             except Exception as exc:
                 if _transient(exc):
                     raise
-                async with self.engine.begin() as conn:
+                async with self.pool.connection() as conn:
                     await _set_aside(
                         conn, delivery, f"database refused it: {exc.__class__.__name__}"
                     )
-        return finished
+        return callbacks
 
-    async def _apply_one(
-        self, conn: AsyncConnection, delivery: Delivery
-    ) -> lifecycle.Applied | None:
+    def _plan(self, delivery: Delivery) -> tuple[lifecycle.Transition, str] | str:
+        """The transition a message asks for and its kind, or why it is poison."""
         try:
             if delivery.dead_lettered:
-                return await self._dead_lettered(conn, delivery)
+                return self._dead_lettered(delivery), DEAD_LETTERED
             event = decode_event(delivery.wire())
+            return lifecycle.transition(event), event.kind.value
         except (WireError, Poison) as exc:
-            await _set_aside(conn, delivery, str(exc))
-            return None
-        outcome = await lifecycle.apply(conn, event)
-        metrics.EVENTS.labels(kind=event.kind.value, outcome=outcome.value).inc()
-        return outcome
+            return str(exc)
 
-    async def _dead_lettered(self, conn: AsyncConnection, delivery: Delivery) -> lifecycle.Applied:
+    def _dead_lettered(self, delivery: Delivery) -> lifecycle.Transition:
         wire = delivery.wire()
         try:
             task_id = decode_submission(wire).task_id
         except WireError as exc:
             raise Poison(f"dead-lettered message is not a submission: {exc}") from None
+        return lifecycle.failure(uuid.UUID(task_id), _dead_letter_message(wire.headers))
+
+
+def _counted(kind: str, outcome: lifecycle.Outcome) -> bool:
+    """Counts the outcome; True when a callback is now due."""
+    if kind == DEAD_LETTERED:
         metrics.DEAD_LETTERED.inc()
-        return await lifecycle.fail(conn, uuid.UUID(task_id), _dead_letter_message(wire.headers))
+    else:
+        metrics.EVENTS.labels(kind=kind, outcome=outcome.applied.value).inc()
+    return outcome.callback_due
 
 
 def _dead_letter_message(headers: dict[str, Any]) -> str:
@@ -248,14 +269,14 @@ def _json_safe_headers(headers: dict[str, Any]) -> dict[str, str]:
     return {str(k)[:200]: repr(v)[:500] for k, v in list(headers.items())[:50]}
 
 
-async def _set_aside(conn: AsyncConnection, delivery: Delivery, reason: str) -> None:
+async def _set_aside(conn: psycopg.AsyncConnection[Any], delivery: Delivery, reason: str) -> None:
     body = delivery.message.body or b""
     await conn.execute(
         _POISON,
         {
             "queue": delivery.queue,
             "reason": reason[:1000],
-            "headers": _json_safe_headers(dict(delivery.message.headers or {})),
+            "headers": Jsonb(_json_safe_headers(dict(delivery.message.headers or {}))),
             "body": body[:POISON_BODY_LIMIT],
             "body_size": len(body),
         },

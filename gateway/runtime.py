@@ -15,12 +15,14 @@ from typing import Any
 from sqlalchemy import text
 
 from conveyor.settings import GatewaySettings
+from gateway.access_cache import AccessCache
 from gateway.auth import Authenticator
 from gateway.broker import Broker
 from gateway.callbacks import CallbackPolicy
 from gateway.catalog import SchemaCache
 from gateway.db import create_engine
 from gateway.housekeeping import reaper_loop
+from gateway.intake import Intake
 from gateway.notifier import Notifier
 from gateway.outbox import Outbox
 from gateway.pgpool import Pool
@@ -34,6 +36,8 @@ class Runtime:
         self.settings = settings
         self.engine = create_engine(settings)
         self.pool = Pool(settings.database_url, settings.db_pool_size)  # the API's hot path
+        self.intake = Intake(self.pool)
+        self.access = AccessCache(self.pool, settings.database_url)
         self.broker = Broker(settings.amqp_url)
         self.schemas = SchemaCache()
         self.policy = CallbackPolicy(
@@ -59,6 +63,7 @@ class Runtime:
         )
         self.results = ResultConsumer(
             self.engine,
+            self.pool,
             self.broker,
             delivery_limit=settings.delivery_limit,
             refresh_interval=settings.service_refresh_interval,
@@ -76,6 +81,7 @@ class Runtime:
     async def start(self, background: bool = True) -> None:
         self._spawn(self._keep_broker_connected())
         self._spawn(self.outbox.flush_loop())
+        self._spawn(self.access.listen_loop())
         if background:
             s = self.settings
             self._spawn(self.outbox.relay_loop())
@@ -83,7 +89,7 @@ class Runtime:
             self._spawn(self.results.apply_loop())
             self._spawn(self.notifier.loop())
             self._spawn(
-                reaper_loop(self.engine, s.pending_ttl, s.reaper_interval, self.notifier.wake)
+                reaper_loop(self.pool, s.pending_ttl, s.reaper_interval, self.notifier.wake)
             )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -115,6 +121,7 @@ class Runtime:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.intake.close()
         await self.outbox.flush()
         await self.notifier.close()
         await self.broker.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import AsyncConnection
@@ -26,6 +26,9 @@ from gateway import errors
 from gateway.catalog import Access
 from gateway.models import TaskStatus
 from gateway.pgpool import Pool, jsonb
+
+if TYPE_CHECKING:
+    from gateway.intake import Intake
 
 IDEMPOTENCY_WINDOW = timedelta(hours=24)
 
@@ -47,20 +50,30 @@ class Accepted:
     outbox_id: int | None
 
 
+# Any number of tasks in one statement (the intake batches concurrent submissions).
+# The position subquery reads the snapshot taken before the statement, which holds none
+# of the new rows: those are numbered within the batch instead.
 _INSERT = """
-    WITH ins AS (
+    WITH input AS (
+        SELECT * FROM unnest(CAST(%(task_ids)s AS uuid[]), CAST(%(client_ids)s AS text[]),
+                             CAST(%(services)s AS text[]), CAST(%(requests)s AS jsonb[]),
+                             CAST(%(callbacks)s AS jsonb[]), CAST(%(keys)s AS text[]))
+               WITH ORDINALITY AS i(task_id, client_id, service, request, callback, key, n)
+    ), ins AS (
         INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key)
-        VALUES (%(task_id)s, %(client_id)s, %(service)s, %(request)s, %(callback)s,
-                %(idempotency_key)s)
-        RETURNING id, task_id
+        SELECT task_id, client_id, service, request, callback, key FROM input ORDER BY n
+        RETURNING id, task_id, service
     ), ob AS (
-        INSERT INTO outbox (task_id) SELECT task_id FROM ins RETURNING id
+        INSERT INTO outbox (task_id) SELECT task_id FROM ins RETURNING id, task_id
+    ), ahead AS (
+        SELECT b.service,
+               (SELECT count(*) FROM tasks t
+                 WHERE t.service = b.service AND t.status = 'PENDING' AND t.id < b.first) AS n
+          FROM (SELECT service, min(id) AS first FROM ins GROUP BY service) b
     )
-    SELECT ins.id, (SELECT id FROM ob) AS outbox_id,
-           (SELECT count(*) FROM tasks t
-             WHERE t.service = %(service)s AND t.status = 'PENDING' AND t.id < ins.id) + 1
-             AS position
-    FROM ins
+    SELECT ins.task_id, ob.id AS outbox_id,
+           ahead.n + row_number() OVER (PARTITION BY ins.service ORDER BY ins.id) AS position
+      FROM ins JOIN ob ON ob.task_id = ins.task_id JOIN ahead ON ahead.service = ins.service
     """
 
 _LOCK = "SELECT pg_advisory_xact_lock(hashtext('conveyor.capacity'), hashtext(%(service)s))"
@@ -79,13 +92,16 @@ _POSITION = (
 )
 
 
-async def create_task(pool: Pool, new: NewTask) -> Accepted:
+async def create_task(pool: Pool, new: NewTask, intake: Intake | None = None) -> Accepted:
+    """Stores a task and its outbox entry; `intake` batches the common case with others."""
     try:
-        async with pool.connection() as conn:
-            if _single_statement(new):
-                return await _insert(conn, new)  # autocommit: one statement, one commit
-            async with conn.transaction():
-                return await _create(conn, new)
+        if _single_statement(new):
+            if intake is not None:
+                return await intake.insert(new)
+            async with pool.connection() as conn:
+                return (await insert_many(conn, [new]))[0]  # autocommit: one commit
+        async with pool.connection() as conn, conn.transaction():
+            return await _create(conn, new)
     except psycopg.errors.UniqueViolation:
         # Two concurrent requests with one Idempotency-Key: the loser answers the winner's task.
         if new.idempotency_key is None:
@@ -114,22 +130,23 @@ async def _create(conn: AsyncConnection[Any], new: NewTask) -> Accepted:
     service = new.access.service
     if service.capacity is not None or new.access.client_capacity is not None:
         await _check_capacity(conn, new)
-    return await _insert(conn, new)
+    return (await insert_many(conn, [new]))[0]
 
 
-async def _insert(conn: AsyncConnection[Any], new: NewTask) -> Accepted:
-    task_id = uuid.uuid4()
+async def insert_many(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted]:
+    """Inserts tasks with their outbox entries in one statement; answers in input order."""
+    ids = [uuid.uuid4() for _ in tasks]
     params = {
-        "task_id": task_id,
-        "client_id": new.client_id,
-        "service": new.access.service.name,
-        "request": jsonb(new.body),
-        "callback": jsonb(new.callback),
-        "idempotency_key": new.idempotency_key,
+        "task_ids": ids,
+        "client_ids": [t.client_id for t in tasks],
+        "services": [t.access.service.name for t in tasks],
+        "requests": [jsonb(t.body) for t in tasks],
+        "callbacks": [jsonb(t.callback) for t in tasks],
+        "keys": [t.idempotency_key for t in tasks],
     }
-    row = await (await conn.execute(_INSERT, params)).fetchone()
-    assert row is not None
-    return Accepted(task_id, row.position, True, row.outbox_id)
+    rows = await (await conn.execute(_INSERT, params)).fetchall()
+    by_id = {row.task_id: row for row in rows}
+    return [Accepted(i, by_id[i].position, True, by_id[i].outbox_id) for i in ids]
 
 
 async def _count(conn: AsyncConnection[Any], query: str, params: dict[str, Any]) -> int:

@@ -35,9 +35,7 @@ def restart_rabbitmq(down_for: float = 2.0) -> None:
     subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=60)
     time.sleep(down_for)
     subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
-    subprocess.run(
-        ["rabbitmqctl", "await_startup"], check=False, capture_output=True, timeout=120
-    )
+    subprocess.run(["rabbitmqctl", "await_startup"], check=False, capture_output=True, timeout=120)
     deadline = time.monotonic() + 60
     while not _port_open(5672):
         if time.monotonic() > deadline:

@@ -1,0 +1,101 @@
+"""Services and grants cached per (client, service), dropped when PostgreSQL says so.
+
+Every submission needs its service and the caller's grant before anything
+else (SPEC §3's order of checks). They change rarely, but a revoked grant or a
+lowered capacity must take effect at once, on every gateway replica. So the
+cache is only trusted while it is invalidated by the database itself:
+migration 0002's triggers `NOTIFY conveyor_catalog` on any change to
+`services` or `authorizations`, and a dedicated connection here `LISTEN`s.
+
+* A notification empties the cache.
+* While the listening connection is down (database restart, network), the
+  cache is bypassed and emptied: every request reads the database, as if
+  there were no cache, until the connection is back.
+* A read that raced with a notification is not stored: each read notes the
+  cache's generation before it starts, and stores its row only if no
+  notification arrived meanwhile.
+* Unknown services are never cached (a client could otherwise fill memory with
+  made-up names), and the cache is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import psycopg
+
+from gateway import catalog
+from gateway.pgpool import Pool, dsn
+
+log = logging.getLogger("conveyor.gateway.access_cache")
+
+CHANNEL = "conveyor_catalog"
+MAX_ENTRIES = 10_000
+
+
+class AccessCache:
+    def __init__(self, pool: Pool, database_url: str, connect_timeout: int = 5) -> None:
+        self.pool = pool
+        self.url = dsn(database_url)
+        self.connect_timeout = connect_timeout
+        self._entries: dict[tuple[str, str], catalog.Access] = {}
+        self._generation = 0
+        self._listening = False
+
+    @property
+    def active(self) -> bool:
+        return self._listening
+
+    async def access(self, client_id: str, service: str) -> catalog.Access | None:
+        key = (client_id, service)
+        if self._listening:
+            cached = self._entries.get(key)
+            if cached is not None:
+                return cached
+        generation = self._generation
+        async with self.pool.connection() as conn:
+            found = await catalog.access(conn, client_id, service)
+        if found is not None and self._listening and generation == self._generation:
+            if len(self._entries) >= MAX_ENTRIES:
+                self._entries.clear()
+            self._entries[key] = found
+        return found
+
+    def invalidate(self) -> None:
+        self._generation += 1
+        self._entries.clear()
+
+    async def listen_loop(self) -> None:
+        """Keeps a LISTEN connection open; the cache is trusted only while it is."""
+        delay = 0.5
+        while True:
+            try:
+                await self._listen()
+            except (psycopg.Error, OSError) as exc:
+                log.warning("catalog notifications lost; cache off", extra={"error": repr(exc)})
+            finally:
+                self._listening = False
+                self.invalidate()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _listen(self) -> None:
+        conn = await psycopg.AsyncConnection.connect(
+            self.url,
+            autocommit=True,
+            connect_timeout=self.connect_timeout,
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=3,
+        )
+        async with conn:
+            await conn.execute(f"LISTEN {CHANNEL}")
+            self.invalidate()  # whatever changed before LISTEN took effect
+            self._listening = True
+            log.info("caching services and grants")
+            # A server that goes away ends this with an OperationalError; one that vanishes
+            # silently is caught by the TCP keepalives within about 10 s.
+            async for _ in conn.notifies():
+                self.invalidate()

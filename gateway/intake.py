@@ -1,0 +1,93 @@
+"""Group commit for submissions: concurrent requests share one INSERT and one commit.
+
+Under load, most of a submission's cost is per statement (a pool checkout, a
+round trip, a commit and its WAL flush), not per row. Requests that can be
+stored by the plain insert (no capacity, no Idempotency-Key: see
+`store.create_task`) therefore queue here; while up to `concurrency` batches
+are being written, newcomers wait, and the next batch takes all of them. There
+is no timer: an idle gateway writes a lone request at once, and batches grow
+only as fast as requests pile up behind a busy database.
+
+Each request still gets its own answer and its own outcome: a batch that the
+database refuses for a reason of its own (not a lost connection) is retried one
+row at a time, so one unstorable body fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.pgpool import CONNECTION_ERRORS, Pool
+from gateway.store import Accepted, NewTask, insert_many
+
+log = logging.getLogger("conveyor.gateway.intake")
+
+_Waiting = tuple[NewTask, "asyncio.Future[Accepted]"]
+
+
+class Intake:
+    def __init__(self, pool: Pool, max_batch: int = 200, concurrency: int = 2) -> None:
+        self.pool = pool
+        self.max_batch = max_batch
+        self.concurrency = concurrency
+        self._waiting: list[_Waiting] = []
+        self._writing = 0
+        self._writers: set[asyncio.Task[None]] = set()
+
+    async def insert(self, new: NewTask) -> Accepted:
+        future: asyncio.Future[Accepted] = asyncio.get_running_loop().create_future()
+        self._waiting.append((new, future))
+        self._start_writers()
+        return await future
+
+    def _start_writers(self) -> None:
+        while self._waiting and self._writing < self.concurrency:
+            batch = self._waiting[: self.max_batch]
+            del self._waiting[: self.max_batch]
+            self._writing += 1
+            writer = asyncio.create_task(self._write(batch))
+            self._writers.add(writer)
+            writer.add_done_callback(self._writer_done)
+
+    def _writer_done(self, writer: asyncio.Task[None]) -> None:
+        self._writers.discard(writer)
+        self._writing -= 1
+        self._start_writers()
+
+    async def _write(self, batch: list[_Waiting]) -> None:
+        try:
+            accepted = await self._insert([new for new, _ in batch])
+        except Exception as exc:
+            if len(batch) == 1 or isinstance(exc, CONNECTION_ERRORS):
+                for _, future in batch:
+                    _settle(future, exc=exc)
+                return
+            log.info("batch insert refused; rows retried one by one", extra={"size": len(batch)})
+            await asyncio.gather(*(self._write([waiting]) for waiting in batch))
+            return
+        for (_, future), result in zip(batch, accepted, strict=True):
+            _settle(future, result=result)
+
+    async def _insert(self, tasks: list[NewTask]) -> list[Accepted]:
+        async with self.pool.connection() as conn:  # autocommit: the statement is the commit
+            return await insert_many(conn, tasks)
+
+    async def close(self) -> None:
+        """Lets the batches being written finish (their requests are waiting for them)."""
+        if self._writers:
+            await asyncio.gather(*self._writers, return_exceptions=True)
+
+
+def _settle(
+    future: asyncio.Future[Accepted],
+    result: Accepted | None = None,
+    exc: BaseException | None = None,
+) -> None:
+    if future.done():  # the request was cancelled (client gone): nobody is listening
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        assert result is not None
+        future.set_result(result)

@@ -16,6 +16,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.routing import Route
 
 from gateway import api_models, catalog, errors, metrics, pgpool
 from gateway.callbacks import CallbackRefused, check_callback
@@ -206,6 +207,31 @@ async def poll(service: str, task_id: str, request: Request) -> Json:
     except ValueError:
         raise errors.ApiError(errors.TASK_NOT_FOUND) from None
     return _ok(await get_task(rt.pool, client_id, service, parsed), 200)
+
+
+def direct_routes() -> list[Route]:
+    """The same handlers as plain Starlette routes, for the app to try first.
+
+    In a profile of the gateway under submit load, FastAPI's routing and
+    per-request dependency solving took ~45 % of a submission's CPU, for two
+    path parameters these handlers read themselves. The FastAPI declarations
+    above still describe the routes in the OpenAPI document; requests are
+    dispatched by these. Errors go through the same exception handlers.
+    """
+
+    async def create_direct(request: Request) -> Json:
+        return await create(request.path_params["service"], request)
+
+    async def poll_direct(request: Request) -> Json:
+        params = request.path_params
+        return await poll(params["service"], params["task_id"], request)
+
+    tasks = "/v1/services/{service}/tasks"
+    return [
+        Route(tasks, create_direct, methods=["POST"]),
+        Route(tasks + "/", create_direct, methods=["POST"]),
+        Route(tasks + "/{task_id}", poll_direct, methods=["GET"]),
+    ]
 
 
 def database_down(exc: Exception) -> bool:

@@ -49,6 +49,7 @@ def create_app(settings: GatewaySettings | None = None, background: bool = True)
         lifespan=lifespan,
         default_response_class=Json,
     )
+    app.router.routes[0:0] = api.direct_routes()  # tried first: see api.direct_routes
     app.include_router(api.router)
     _add_operations(app)
     _add_error_handlers(app)

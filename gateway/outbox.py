@@ -23,43 +23,38 @@ import asyncio
 import logging
 from typing import Any
 
-from sqlalchemy import bindparam, text
-from sqlalchemy.ext.asyncio import AsyncEngine
-
 from conveyor import topology
 from conveyor.events import MessageFormat, Submission, encode_submission
 from gateway import metrics
 from gateway.broker import Broker, PublishError
 from gateway.catalog import Service
+from gateway.pgpool import Pool
 
 log = logging.getLogger("conveyor.gateway.outbox")
 
-_DELETE = text("DELETE FROM outbox WHERE id = ANY(:ids)").bindparams(bindparam("ids"))
-_CLAIM = text(
-    """
+# Every statement stands alone: run in autocommit, each is its own transaction.
+_DELETE = "DELETE FROM outbox WHERE id = ANY(%(ids)s)"
+_CLAIM = """
     UPDATE outbox o
-       SET claimed_until = now() + make_interval(secs => :lease), attempts = o.attempts + 1
+       SET claimed_until = now() + make_interval(secs => %(lease)s), attempts = o.attempts + 1
       FROM tasks t JOIN services s ON s.name = t.service
      WHERE o.id IN (
              SELECT id FROM outbox
-              WHERE created_at < now() - make_interval(secs => :grace)
+              WHERE created_at < now() - make_interval(secs => %(grace)s)
                 AND (claimed_until IS NULL OR claimed_until < now())
-              ORDER BY id LIMIT :limit
+              ORDER BY id LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED)
        AND t.task_id = o.task_id
     RETURNING o.id, t.task_id, t.status, t.request, s.name AS service, s.queue_name,
               s.message_format, s.max_attempts, s.task_timeout
     """
-)
 # A failed publish gives its lease back after a short, growing pause (capped at 10 s): the
 # row must not wait out the whole 30 s lease, meant for a relay that died mid-publish.
-_NOTE_ERROR = text(
-    """
-    UPDATE outbox SET last_error = :error,
+_NOTE_ERROR = """
+    UPDATE outbox SET last_error = %(error)s,
            claimed_until = now() + make_interval(secs => LEAST(attempts, 10))
-     WHERE id = :id
+     WHERE id = %(id)s
     """
-)
 
 
 def submission_for(
@@ -79,17 +74,19 @@ def submission_for(
 class Outbox:
     def __init__(
         self,
-        engine: AsyncEngine,
+        pool: Pool,
         broker: Broker,
         grace: float = 10.0,
         interval: float = 1.0,
         batch: int = 200,
+        flush_every: float = 0.2,
     ) -> None:
-        self.engine = engine
+        self.pool = pool
         self.broker = broker
         self.grace = grace
         self.interval = interval
         self.batch = batch
+        self.flush_every = flush_every  # well within `grace`: the relay never sees these rows
         self._confirmed: list[int] = []
         self._flush_wakeup = asyncio.Event()
 
@@ -114,7 +111,7 @@ class Outbox:
         """Deletes confirmed outbox rows in batches: one statement, not one per task."""
         while True:
             try:
-                await asyncio.wait_for(self._flush_wakeup.wait(), 0.05)
+                await asyncio.wait_for(self._flush_wakeup.wait(), self.flush_every)
             except TimeoutError:
                 pass
             self._flush_wakeup.clear()
@@ -125,7 +122,7 @@ class Outbox:
             return
         ids, self._confirmed = self._confirmed, []
         try:
-            async with self.engine.begin() as conn:
+            async with self.pool.connection() as conn:
                 await conn.execute(_DELETE, {"ids": ids})
         except Exception as exc:
             # The rows stay; the relay republishes them later (a harmless duplicate).
@@ -149,14 +146,14 @@ class Outbox:
             "grace": self.grace if grace is None else grace,
             "limit": self.batch,
         }
-        async with self.engine.begin() as conn:
-            rows = (await conn.execute(_CLAIM, params)).all()
+        async with self.pool.connection() as conn:
+            rows = await (await conn.execute(_CLAIM, params)).fetchall()
         if not rows:
             return 0
         results = await asyncio.gather(*(self._relay_row(row) for row in rows))
         done = [row.id for row, ok in zip(rows, results, strict=True) if ok]
         if done:
-            async with self.engine.begin() as conn:
+            async with self.pool.connection() as conn:
                 await conn.execute(_DELETE, {"ids": done})
         return len(rows)
 
@@ -176,7 +173,7 @@ class Outbox:
                 encode_submission(submission), topology.in_queue(row.queue_name)
             )
         except PublishError as exc:
-            async with self.engine.begin() as conn:
+            async with self.pool.connection() as conn:
                 await conn.execute(_NOTE_ERROR, {"id": row.id, "error": str(exc)[:500]})
             return False
         metrics.PUBLISHED.labels(path="relay").inc()

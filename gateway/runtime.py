@@ -51,7 +51,7 @@ class Runtime:
             failures_per_minute=settings.auth_failures_per_minute,
         )
         self.outbox = Outbox(
-            self.engine, self.broker, grace=settings.outbox_grace, interval=settings.relay_interval
+            self.pool, self.broker, grace=settings.outbox_grace, interval=settings.relay_interval
         )
         self.notifier = Notifier(
             self.engine,

@@ -1,10 +1,9 @@
 """Services and grants as the API needs them, with compiled JSON Schemas.
 
 Service definitions change rarely (`conveyor admin apply`) but are read on
-every request, so a request costs one indexed lookup and never recompiles a
-schema: validators are cached by (service, updated_at). The API's lookup runs
-on a raw psycopg connection (`gateway.pgpool`); the background loops list
-services through SQLAlchemy.
+every request, so a request costs at most one indexed lookup (`gateway.access_cache` keeps
+its answer) and never recompiles a schema: validators are cached by (service,
+updated_at). Both queries run on raw psycopg connections (`gateway.pgpool`).
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ from typing import Any
 
 import jsonschema
 import psycopg
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from conveyor.events import MessageFormat
 
@@ -50,13 +47,11 @@ _ACCESS = """
     WHERE s.name = %(service)s
     """
 
-_ALL = text(
-    """
+_ALL = """
     SELECT name, queue_name, capacity, json_schema, message_format, task_timeout,
            max_attempts, retention_seconds, updated_at
     FROM services ORDER BY name
     """
-)
 
 
 def _service(row: Any) -> Service:
@@ -81,8 +76,8 @@ async def access(conn: psycopg.AsyncConnection[Any], client_id: str, service: st
     return Access(_service(row), row.granted, row.client_capacity)
 
 
-async def all_services(conn: AsyncConnection) -> list[Service]:
-    return [_service(row) for row in await conn.execute(_ALL)]
+async def all_services(conn: psycopg.AsyncConnection[Any]) -> list[Service]:
+    return [_service(row) for row in await (await conn.execute(_ALL)).fetchall()]
 
 
 class SchemaCache:

@@ -21,7 +21,6 @@ from typing import Any
 import psycopg
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from psycopg.types.json import Jsonb
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from conveyor import topology
 from conveyor.events import WireError, WireMessage, decode_event, decode_submission
@@ -67,15 +66,13 @@ def _transient(exc: BaseException) -> bool:
 class ResultConsumer:
     def __init__(
         self,
-        engine: AsyncEngine,
         pool: Pool,
         broker: Broker,
         delivery_limit: int,
         refresh_interval: float = 5.0,
         on_finished: Callable[[], None] = lambda: None,
     ) -> None:
-        self.engine = engine  # listing services
-        self.pool = pool  # applying events: raw psycopg, pipelined
+        self.pool = pool  # raw psycopg: events are applied pipelined
         self.broker = broker
         self.delivery_limit = delivery_limit
         self.refresh_interval = refresh_interval
@@ -95,7 +92,7 @@ class ResultConsumer:
             await asyncio.sleep(self.refresh_interval)
 
     async def refresh(self) -> None:
-        async with self.engine.connect() as conn:
+        async with self.pool.connection() as conn:
             services = {s.name: s for s in await catalog.all_services(conn)}
         if self._channel is None or self._channel.is_closed:
             old, self._channel = self._channel, await self.broker.channel(prefetch=BATCH_SIZE * 2)

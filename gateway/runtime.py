@@ -62,7 +62,6 @@ class Runtime:
             timeout=settings.callback_timeout,
         )
         self.results = ResultConsumer(
-            self.engine,
             self.pool,
             self.broker,
             delivery_limit=settings.delivery_limit,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, latest_result
+from bench.common import RESULTS, latest_result, median
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,11 @@ def floor_rows(floor: dict[str, Any] | None) -> list[Row]:
 
 
 def footprint_rows(footprint: dict[str, Any] | None) -> list[Row]:
+    rss_mib = _get(footprint, "idle_rss_mib", "median")
+    # SPEC §10 says 50 MB: compared in megabytes (10^6 bytes), i.e. 47.7 MiB.
+    rss_mb = None if rss_mib is None else round(rss_mib * 1.048576, 1)
     return [
-        Row("dispatcher RSS, idle", _get(footprint, "idle_rss_mib", "median"), 50, False, " MiB"),
+        Row("dispatcher RSS, idle", rss_mb, 50, False, " MB"),
         Row(
             "dispatcher start → ready",
             _get(footprint, "start_to_ready_s", "median"),
@@ -188,6 +191,31 @@ def reference_lines(e2e: dict[str, Any] | None, floor: dict[str, Any] | None) ->
     return lines
 
 
+_PARTS = ("gateway", "dispatchers", "workers", "function", "postgresql", "rabbitmq", "total")
+
+
+def cpu_breakdown_lines(e2e: dict[str, Any] | None) -> list[str]:
+    """Median CPU ms per task of each part, servers included, per end-to-end peer."""
+    by_peer: dict[str, list[dict[str, float]]] = {}
+    for run in _get(e2e, "runs") or []:
+        if run.get("cpu_ms_per_task_by_process"):
+            by_peer.setdefault(run["peer"], []).append(run["cpu_ms_per_task_by_process"])
+    if not by_peer:
+        return []
+    lines = [
+        "| CPU ms per task (end to end, medians) | gateway | dispatchers / workers | function"
+        " | PostgreSQL | RabbitMQ | total |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for peer, runs in by_peer.items():
+        parts = {name: median(r.get(name) for r in runs) for name in _PARTS}
+        runner = parts["dispatchers"] if parts["dispatchers"] is not None else parts["workers"]
+        cells = [parts["gateway"], runner, parts["function"], parts["postgresql"]]
+        cells += [parts["rabbitmq"], parts["total"]]
+        lines.append(f"| {peer} | " + " | ".join(_maybe(c) for c in cells) + " |")
+    return ["", *lines]
+
+
 def markdown(folder: Path = RESULTS) -> str:
     found = {name: load(name, folder) for name in ("submit", "e2e", "floor", "footprint", "scale")}
     builders: list[Callable[[Any], list[Row]]] = [
@@ -208,6 +236,7 @@ def markdown(folder: Path = RESULTS) -> str:
         "| faults: lost or stuck tasks | see `make chaos` | 0 | bench/results/chaos-*.json |",
         "",
         *reference_lines(found["e2e"], found["floor"]),
+        *cpu_breakdown_lines(found["e2e"]),
         "",
         f"Machine: {machine.get('cores')} cores, {machine.get('memory_mib')} MiB,"
         f" {machine.get('cpu')}, Python {machine.get('python')}, kernel {machine.get('kernel')};"

@@ -202,6 +202,13 @@ def _plan_params(database_url: str, service: BenchService) -> dict[str, Any]:
         "request": Jsonb({"n": 1}),
         "callback": None,
         "idempotency_key": None,
+        # the batched insert of gateway/store.py (here a batch of one)
+        "task_ids": [uuid.uuid4()],
+        "client_ids": [service.client_id],
+        "services": [service.name],
+        "requests": [Jsonb({"n": 1})],
+        "callbacks": [None],
+        "keys": [None],
         "id": pending[0],
         "get_task_id": pending[1],
     }

@@ -14,6 +14,8 @@ migration 0002's triggers `NOTIFY conveyor_catalog` on any change to
 * A read that raced with a notification is not stored: each read notes the
   cache's generation before it starts, and stores its row only if no
   notification arrived meanwhile.
+* A database without those triggers (migration 0002 not applied yet) is never
+  trusted: the cache stays off, and the gateway checks again from time to time.
 * Unknown services are never cached (a client could otherwise fill memory with
   made-up names), and the cache is bounded.
 """
@@ -31,7 +33,14 @@ from gateway.pgpool import Pool, dsn
 log = logging.getLogger("conveyor.gateway.access_cache")
 
 CHANNEL = "conveyor_catalog"
+LISTENER_NAME = "conveyor-catalog-listener"
 MAX_ENTRIES = 10_000
+TRIGGERS = ("services_catalog_changed", "authorizations_catalog_changed")
+_TRIGGERS_PRESENT = "SELECT count(DISTINCT tgname) FROM pg_trigger WHERE tgname = ANY(%s)"
+
+
+class NotNotified(Exception):
+    """The database does not send catalog notifications: caching would serve stale grants."""
 
 
 class AccessCache:
@@ -66,18 +75,22 @@ class AccessCache:
         self._generation += 1
         self._entries.clear()
 
-    async def listen_loop(self) -> None:
+    async def listen_loop(self, unmigrated_pause: float = 30.0) -> None:
         """Keeps a LISTEN connection open; the cache is trusted only while it is."""
         delay = 0.5
         while True:
+            pause = delay
             try:
                 await self._listen()
             except (psycopg.Error, OSError) as exc:
                 log.warning("catalog notifications lost; cache off", extra={"error": repr(exc)})
+            except NotNotified:
+                log.warning("no catalog triggers (migration 0002 missing); cache off")
+                pause = unmigrated_pause
             finally:
                 self._listening = False
                 self.invalidate()
-            await asyncio.sleep(delay)
+            await asyncio.sleep(pause)
             delay = min(delay * 2, 5.0)
 
     async def _listen(self) -> None:
@@ -85,6 +98,7 @@ class AccessCache:
             self.url,
             autocommit=True,
             connect_timeout=self.connect_timeout,
+            application_name=LISTENER_NAME,  # visible in pg_stat_activity
             keepalives=1,
             keepalives_idle=5,
             keepalives_interval=2,
@@ -92,6 +106,9 @@ class AccessCache:
         )
         async with conn:
             await conn.execute(f"LISTEN {CHANNEL}")
+            found = await (await conn.execute(_TRIGGERS_PRESENT, [list(TRIGGERS)])).fetchone()
+            if found is None or found[0] < len(TRIGGERS):
+                raise NotNotified
             self.invalidate()  # whatever changed before LISTEN took effect
             self._listening = True
             log.info("caching services and grants")

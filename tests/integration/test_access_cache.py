@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
 
-from gateway.access_cache import AccessCache
+from gateway.access_cache import LISTENER_NAME, AccessCache
 from gateway.pgpool import Pool, dsn
 from tests.support.gateway import GatewayProcess, Platform
 
@@ -144,7 +145,8 @@ async def test_listener_loss_turns_the_cache_off(cache: AccessCache, database_ur
     async with await psycopg.AsyncConnection.connect(dsn(database_url), autocommit=True) as c:
         await c.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE query = 'LISTEN conveyor_catalog' AND datname = current_database()"
+            " WHERE application_name = %s AND datname = current_database()",
+            [LISTENER_NAME],
         )
     deadline = time.monotonic() + 5
     while cache.active and time.monotonic() < deadline:
@@ -154,3 +156,35 @@ async def test_listener_loss_turns_the_cache_off(cache: AccessCache, database_ur
     while not cache.active and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert cache.active
+
+
+async def test_a_database_without_the_triggers_is_never_trusted(database_url: str) -> None:
+    """Migration 0002 not applied: no notification would ever come, so no caching."""
+    from gateway.migrate import downgrade, upgrade
+
+    name = f"conveyor_nocache_{uuid.uuid4().hex[:8]}"
+    admin = dsn(database_url)
+    async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as c:
+        await c.execute(f'CREATE DATABASE "{name}"')
+    url = database_url.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        await asyncio.to_thread(upgrade, url, "0001")
+        pool = Pool(url, size=1)
+        cache = AccessCache(pool, url)
+        listener = asyncio.create_task(cache.listen_loop(unmigrated_pause=0.1))
+        try:
+            await asyncio.sleep(1.0)
+            assert not cache.active
+            await asyncio.to_thread(upgrade, url, "head")  # the triggers arrive: cache on
+            deadline = time.monotonic() + 10
+            while not cache.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert cache.active
+            await asyncio.to_thread(downgrade, url, "0001")
+        finally:
+            listener.cancel()
+            await asyncio.gather(listener, return_exceptions=True)
+            await pool.close()
+    finally:
+        async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as c:
+            await c.execute(f'DROP DATABASE "{name}" WITH (FORCE)')

@@ -229,7 +229,7 @@ def test_client_create_grant_list_revoke(
     assert f'"grants": "{service}(2)"' in listing
 
     cli("revoke", client, service)
-    revoked = _post(gateway, service, (client, secret))  # grants are read on every request
+    revoked = _post(gateway, service, (client, secret))  # the grant cache is emptied by NOTIFY
     assert (revoked.status_code, _error_number(revoked)) == (403, 403001)
     twice = cli("revoke", client, service, check=False)
     assert twice.returncode != 0 and "no grant" in twice.stderr

@@ -255,7 +255,7 @@ def test_revocation_and_secret_changes_apply_within_the_cache_ttl(
         platform.sql(
             "DELETE FROM authorizations WHERE client_id = %(id)s", {"id": revoked.client_id}
         )
-        assert until_refused(http, svc, revoked, time.monotonic()) < 1  # grants are not cached
+        assert until_refused(http, svc, revoked, time.monotonic()) < 1  # NOTIFY empties the cache
         new_secret = uuid.uuid4().hex
         platform.sql(
             "UPDATE clients SET secret_hash = %(h)s WHERE client_id = %(id)s",

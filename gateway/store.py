@@ -92,14 +92,11 @@ _POSITION = (
 )
 
 
-async def create_task(pool: Pool, new: NewTask, intake: Intake | None = None) -> Accepted:
+async def create_task(pool: Pool, new: NewTask, intake: Intake) -> Accepted:
     """Stores a task and its outbox entry; `intake` batches the common case with others."""
     try:
         if _single_statement(new):
-            if intake is not None:
-                return await intake.insert(new)
-            async with pool.connection() as conn:
-                return (await insert_many(conn, [new]))[0]  # autocommit: one commit
+            return await intake.insert(new)
         async with pool.connection() as conn, conn.transaction():
             return await _create(conn, new)
     except psycopg.errors.UniqueViolation:

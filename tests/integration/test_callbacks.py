@@ -30,10 +30,9 @@ from tests.support.amqp import (
     wait_for_queues,
     wait_until,
 )
+from tests.support.gateway import SIGNING_SECRET as SECRET
 from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
 from tests.support.processes import Processes
-
-SECRET = "test-signing-secret"  # CONVEYOR_CALLBACK_SIGNING_SECRET in gateway_env
 
 
 @dataclass

@@ -43,6 +43,12 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     return result["value"]
 
 
+# One signing secret for every gateway of a run: any gateway sharing the run's database may
+# claim and send a callback, so a test cannot choose which one signs it. Unique per run, so
+# that a test can still look for it in logs.
+SIGNING_SECRET = f"test-signing-{uuid.uuid4().hex}"
+
+
 def fast_hash(secret: str) -> str:
     return bcrypt.hashpw(secret.encode(), bcrypt.gensalt(4)).decode()
 
@@ -53,7 +59,7 @@ def gateway_env(database_url: str, amqp_url: str, **extra: str) -> dict[str, str
         "CONVEYOR_AMQP_URL": amqp_url,
         "CONVEYOR_CALLBACK_ALLOW_HTTP": "1",
         "CONVEYOR_CALLBACK_ALLOWED_HOSTS": "localhost",
-        "CONVEYOR_CALLBACK_SIGNING_SECRET": "test-signing-secret",
+        "CONVEYOR_CALLBACK_SIGNING_SECRET": SIGNING_SECRET,
         "CONVEYOR_CALLBACK_BACKOFF": "0.1",
         "CONVEYOR_SERVICE_REFRESH_INTERVAL": "0.3",
         "CONVEYOR_RELAY_INTERVAL": "0.3",

@@ -5,11 +5,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install services migrate up test test-fast lint chaos bench clean
+.PHONY: install services migrate up test lint chaos bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
-	  echo "python3-venv missing: installing"; apt-get install -y -qq python3-venv; $(PYTHON) -m venv $(VENV); }
+	  echo "python3-venv missing: installing"; bash scripts/ensure-services.sh apt python3-venv; $(PYTHON) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $(STAMP)
@@ -28,7 +28,7 @@ up: install services
 
 ## The test suite: unit, integration (real PostgreSQL + RabbitMQ) and end-to-end (real processes).
 test: install services
-	@command -v node >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq nodejs >/dev/null || true; }
+	@command -v node >/dev/null || bash scripts/ensure-services.sh apt nodejs || true
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: install

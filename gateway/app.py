@@ -137,10 +137,12 @@ def _add_operations(app: FastAPI) -> None:
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz(request: Request) -> Json:
-        checks = await request.app.state.runtime.ready()
+        runtime = request.app.state.runtime
+        checks = await runtime.ready()
         ok = all(checks.values())
+        details = {k: v for k, v in runtime.problems().items() if v}
         return Json(
-            {"status": "ok" if ok else "unavailable", "checks": checks},
+            {"status": "ok" if ok else "unavailable", "checks": checks, **details},
             status_code=200 if ok else 503,
         )
 

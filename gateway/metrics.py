@@ -12,6 +12,9 @@ POISON = Counter("conveyor_gateway_poison_messages_total", "Messages set aside",
 DEAD_LETTERED = Counter("conveyor_gateway_dead_lettered_total", "Submissions from -dlq")
 NOTIFICATIONS = Counter("conveyor_gateway_notifications_total", "Callbacks", ["outcome"])
 REAPED = Counter("conveyor_gateway_reaped_total", "PENDING tasks failed by the reaper")
+LOOP_RESTARTS = Counter(
+    "conveyor_gateway_loop_restarts_total", "Background loops restarted after a crash", ["loop"]
+)
 AUTH_FAILURES = Counter("conveyor_gateway_auth_failures_total", "403001 answers")
 LATENCY = Histogram(
     "conveyor_gateway_request_seconds",

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
 
-from sqlalchemy import text
+from tenacity import AsyncRetrying, wait_exponential
 
 from conveyor.settings import GatewaySettings
 from gateway.access_cache import AccessCache
@@ -27,6 +26,7 @@ from gateway.notifier import Notifier
 from gateway.outbox import Outbox
 from gateway.pgpool import Pool
 from gateway.results import ResultConsumer
+from gateway.supervisor import Supervisor
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -68,66 +68,75 @@ class Runtime:
             refresh_interval=settings.service_refresh_interval,
             on_finished=self.notifier.wake,
         )
-        self._tasks: list[asyncio.Task[None]] = []
+        self.loops = Supervisor()
+        self._connecting: asyncio.Task[None] | None = None
 
     async def _secret_hash(self, client_id: str) -> str | None:
-        async with self.engine.connect() as conn:
-            row = await conn.execute(
-                text("SELECT secret_hash FROM clients WHERE client_id = :id"), {"id": client_id}
+        async with self.pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT secret_hash FROM clients WHERE client_id = %s", (client_id,)
             )
-            return row.scalar_one_or_none()
+            row = await cursor.fetchone()
+        return None if row is None else row.secret_hash
 
     async def start(self, background: bool = True) -> None:
-        self._spawn(self._keep_broker_connected())
-        self._spawn(self.outbox.flush_loop())
-        self._spawn(self.access.listen_loop())
+        self._connecting = asyncio.create_task(self._connect_broker())
+        loops: dict[str, Callable[[], Awaitable[None]]] = {
+            "outbox-flush": self.outbox.flush_loop,
+            "access-cache": self.access.listen_loop,
+        }
         if background:
             s = self.settings
-            self._spawn(self.outbox.relay_loop())
-            self._spawn(self.results.subscriptions_loop())
-            self._spawn(self.results.apply_loop())
-            self._spawn(self.notifier.loop())
-            self._spawn(
-                reaper_loop(self.pool, s.pending_ttl, s.reaper_interval, self.notifier.wake)
-            )
+            loops |= {
+                "outbox-relay": self.outbox.relay_loop,
+                "results-subscriptions": self.results.subscriptions_loop,
+                "results-apply": self.results.apply_loop,
+                "notifier": self.notifier.loop,
+                "reaper": lambda: reaper_loop(
+                    self.pool, s.pending_ttl, s.reaper_interval, self.notifier.wake
+                ),
+            }
+        for name, loop in loops.items():
+            self.loops.spawn(name, loop)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        task.add_done_callback(_report_crash)
-        self._tasks.append(task)
-
-    async def _keep_broker_connected(self) -> None:
-        # connect_robust reconnects once connected; this covers a broker down at start.
-        delay = 0.5
-        while not self.broker.connected:
-            try:
+    async def _connect_broker(self) -> None:
+        """The first connection; once made, the robust connection reconnects by itself."""
+        retrying = AsyncRetrying(
+            wait=wait_exponential(multiplier=0.5, max=5.0),
+            before_sleep=lambda state: log.warning(
+                "broker unreachable, retrying",
+                extra={"error": repr(state.outcome.exception() if state.outcome else None)},
+            ),
+        )
+        async for attempt in retrying:
+            with attempt:
                 await self.broker.connect()
-            except Exception as exc:
-                log.warning("broker unreachable, retrying", extra={"error": repr(exc)})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     async def ready(self) -> dict[str, bool]:
         database = True
         try:
-            async with self.engine.connect() as conn:
-                await asyncio.wait_for(conn.execute(text("SELECT 1")), 2)
+            async with asyncio.timeout(2), self.pool.connection() as conn:
+                await conn.execute("SELECT 1")
         except Exception:
             database = False
-        return {"database": database, "broker": self.broker.connected}
+        return {
+            "database": database,
+            "broker": self.broker.connected,
+            "loops": not self.loops.down(),
+        }
+
+    def problems(self) -> dict[str, dict[str, str]]:
+        """What /readyz names when something is down: loops waiting for a restart."""
+        return {"loops": self.loops.down()}
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._connecting is not None:
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
+        await self.loops.stop()
         await self.intake.close()
         await self.outbox.flush()
         await self.notifier.close()
         await self.broker.close()
         await self.pool.close()
         await self.engine.dispose()
-
-
-def _report_crash(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background loop crashed", exc_info=task.exception())

@@ -47,9 +47,18 @@ ensure_postgres() {
   if [ -w "$hba" ] && ! grep -q '^host all all 127.0.0.1/32 trust' "$hba"; then
     sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "$hba"
   fi
-  log "PostgreSQL: starting cluster $version/main"
-  pg_ctlcluster --skip-systemctl-redirect "$version" main start 2>/dev/null \
-    || pg_ctlcluster "$version" main start
+  if pg_lsclusters --no-header 2>/dev/null | awk -v v="$version" '$1 == v && $2 == "main"' \
+     | grep -q online; then
+    # Running but not on 127.0.0.1:5432 yet (e.g. listening on the socket only): reload the
+    # trust line and say so rather than failing on "already running".
+    log "PostgreSQL: cluster $version/main already running; reloading its configuration"
+    pg_ctlcluster --skip-systemctl-redirect "$version" main reload 2>/dev/null \
+      || pg_ctlcluster "$version" main reload || true
+  else
+    log "PostgreSQL: starting cluster $version/main"
+    pg_ctlcluster --skip-systemctl-redirect "$version" main start 2>/dev/null \
+      || pg_ctlcluster "$version" main start
+  fi
   wait_port 5432 PostgreSQL 60
 }
 
@@ -64,6 +73,9 @@ ensure_rabbitmq() {
   rabbitmq-server -detached >&2 2>/dev/null || true
   wait_port 5672 RabbitMQ 120
 }
+
+# `ensure-services.sh apt PACKAGE…`: the Makefile's one way to install a Debian package.
+if [ "${1:-}" = apt ]; then shift; apt_install "$@"; exit 0; fi
 
 ensure_postgres
 ensure_rabbitmq

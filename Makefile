@@ -31,9 +31,12 @@ test: install services
 	@command -v node >/dev/null || bash scripts/ensure-services.sh apt nodejs || true
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+## ruff, the type checker and the import rules (gateway and dispatcher never import each other)
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 ## Long fault-injection run (10,000 tasks); writes bench/results/chaos-*.json
 chaos: install services

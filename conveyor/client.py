@@ -80,7 +80,6 @@ class Task:
     progress: float
     response: Any
     error_message: str | None
-    worker_host: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -176,7 +175,6 @@ def _parse_task(response: httpx.Response) -> Task:
         progress=float(data.get("progress") or 0.0),
         response=data.get("response"),
         error_message=data.get("errorMessage"),
-        worker_host=data.get("workerHost") or data.get("hostName"),
         raw=data,
     )
 

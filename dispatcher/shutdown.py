@@ -91,7 +91,6 @@ class Shutdown:
 
     def __init__(self) -> None:
         self.requested = asyncio.Event()
-        self.reason: str | None = None
 
     def install(self) -> None:
         loop = asyncio.get_running_loop()
@@ -113,7 +112,6 @@ class Shutdown:
         if self.requested.is_set():
             log.info("already shutting down; ignoring %s", reason)
             return
-        self.reason = reason
         log.info("shutting down", extra={"reason": reason})
         self.requested.set()
 

@@ -42,16 +42,6 @@ class TaskStatus(enum.StrEnum):
     SUCCESS = "SUCCESS"
     FAILURE = "FAILURE"
 
-    @property
-    def terminal(self) -> bool:
-        return self in (TaskStatus.SUCCESS, TaskStatus.FAILURE)
-
-
-class NotificationStatus(enum.StrEnum):
-    PENDING = "PENDING"
-    SUCCESS = "SUCCESS"
-    FAILURE = "FAILURE"
-
 
 def _now() -> Column:
     return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())

@@ -27,7 +27,7 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
-def _run(action: Callable[[Any], Awaitable[T]], transaction: bool = True) -> T:
+def _run(action: Callable[[Any], Awaitable[T]]) -> T:
     """Runs `action(conn)` in one transaction; operator errors become clean messages."""
     from gateway.db import create_engine
     from gateway.platform_file import PlatformError

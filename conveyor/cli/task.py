@@ -129,8 +129,6 @@ def resolve_target(targets: list[str], service: str | None) -> tuple[str, str]:
 def status_detail(task: Task) -> str:
     if task.status == "PENDING" and task.task_position is not None:
         return f"position {task.task_position}"
-    if task.worker_host:
-        return f"on {task.worker_host}"
     return ""
 
 

@@ -119,3 +119,13 @@ class DispatcherSettings(BaseSettings):
     )
     log_level: str = Field("INFO", validation_alias=_env("LOG_LEVEL"))
     log_format: LogFormat = Field(LogFormat.AUTO, validation_alias=_env("LOG_FORMAT"))
+
+
+def dispatcher_variable(field: str, prefixed: bool = False) -> str:
+    """The environment variable that sets a dispatcher setting, as a manifest spells it:
+    bare (`FUNCTION_URL`), or with `prefixed` the `CONVEYOR_` form for names too generic to
+    stand alone in a pod's environment (`CONVEYOR_QUEUE`)."""
+    alias = DispatcherSettings.model_fields[field].validation_alias
+    assert isinstance(alias, AliasChoices)
+    with_prefix, bare = (str(choice) for choice in alias.choices)
+    return with_prefix if prefixed else bare

@@ -1,0 +1,120 @@
+"""Manifests as data: YAML in and out, and what each object is to inject."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+
+Doc = dict[str, Any]
+
+
+KEDA_API = "keda.sh/v1alpha1"
+KNATIVE_API = "serving.knative.dev/v1"
+PASSTHROUGH_KINDS = {
+    ("v1", "ConfigMap"),
+    ("v1", "Secret"),
+    ("v1", "Service"),
+    ("v1", "ServiceAccount"),
+}
+
+
+# On every object inject generates: whose dispatcher it is. It also tells a
+# knative dispatcher Deployment apart from a function's Deployment on re-injection.
+DISPATCHER_FOR_LABEL = "conveyor.io/dispatcher-for"
+
+
+class InjectError(ValueError):
+    """The input cannot be injected; the message says why, for a human."""
+
+
+class _Dumper(yaml.SafeDumper):
+    """Never writes anchors: every manifest stays readable and self-contained."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def load_documents(text: str) -> list[Doc]:
+    """Parses multi-document YAML; empty documents are skipped."""
+    try:
+        raw = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        raise InjectError(f"malformed YAML: {_one_line(str(exc))}") from None
+    docs = [d for d in raw if d is not None]
+    for index, doc in enumerate(docs, start=1):
+        if not isinstance(doc, dict):
+            raise InjectError(f"document {index} is not a mapping (a Kubernetes object)")
+        if not isinstance(doc.get("kind"), str) or not isinstance(doc.get("apiVersion"), str):
+            raise InjectError(f"document {index} has no apiVersion or kind")
+    return docs
+
+
+def dump_documents(docs: Iterable[Doc]) -> str:
+    """Multi-document YAML, keys in insertion order, no anchors."""
+    return yaml.dump_all(
+        list(docs),
+        Dumper=_Dumper,
+        explicit_start=True,
+        sort_keys=False,
+        default_flow_style=False,
+        width=4096,
+        allow_unicode=True,
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+Key = tuple[str, str, str]
+
+
+def classify(doc: Doc) -> str:
+    api, kind = doc["apiVersion"], doc["kind"]
+    if _is_generated_dispatcher(doc) or (
+        api == KEDA_API and kind in {"ScaledObject", "TriggerAuthentication"}
+    ):
+        return "companion"
+    if (api, kind) in {("apps/v1", "Deployment"), ("batch/v1", "Job"), (KEDA_API, "ScaledJob")}:
+        return "workload"
+    if (api, kind) == (KNATIVE_API, "Service"):
+        return "workload"
+    if (api, kind) in PASSTHROUGH_KINDS:
+        return "passthrough"
+    raise InjectError(
+        f"unsupported kind {kind} ({api}) in {name_of(doc)}: conveyor inject wires a "
+        "Deployment, a Job or a Knative Service, and passes ConfigMap, Secret, "
+        "Service and ServiceAccount through"
+    )
+
+
+def _is_generated_dispatcher(doc: Doc) -> bool:
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
+    return (
+        doc.get("apiVersion") == "apps/v1"
+        and doc.get("kind") == "Deployment"
+        and DISPATCHER_FOR_LABEL in labels
+    )
+
+
+def object_key(doc: Doc) -> Key:
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    return (doc["kind"], str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+
+
+def name_of(doc: Doc) -> str:
+    meta = doc.get("metadata")
+    name = meta.get("name") if isinstance(meta, dict) else None
+    return f"{doc.get('kind', 'object')} {name}" if name else f"a {doc.get('kind', 'object')}"
+
+
+def workload_name(doc: Doc) -> str:
+    if not isinstance(doc.get("metadata"), dict) or not isinstance(doc.get("spec", {}), dict):
+        raise InjectError(f"{name_of(doc)}: metadata and spec must be mappings")
+    name = doc["metadata"].get("name")
+    if not isinstance(name, str) or not name:
+        raise InjectError(f"{name_of(doc)} has no metadata.name")
+    return name

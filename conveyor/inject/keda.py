@@ -1,0 +1,130 @@
+"""The KEDA objects that scale a dispatcher on its `-in` queue."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from conveyor.inject.documents import DISPATCHER_FOR_LABEL, KEDA_API, Doc, Key
+from conveyor.inject.wiring import Wiring
+from conveyor.topology import in_queue
+
+MANAGEMENT_URL_KEY = "management-url"  # http://user:pass@rabbitmq:15672/vhost, for KEDA
+
+
+@dataclass
+class Companions:
+    """The KEDA objects (and knative dispatcher Deployments) found in the input,
+    so that re-injecting updates them instead of adding duplicates."""
+
+    found: dict[Key, Doc]
+    claimed: set[Key]
+
+    def take(self, kind: str, namespace: str | None, name: str) -> Doc | None:
+        key = (kind, namespace or "", name)
+        if key in self.found:
+            self.claimed.add(key)
+            return self.found[key]
+        return None
+
+
+def dispatcher_labels(name: str, component: str) -> Doc:
+    return {
+        "app.kubernetes.io/name": name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "conveyor",
+        DISPATCHER_FOR_LABEL: name,
+    }
+
+
+def object_metadata(name: str, namespace: str | None, labels: Doc) -> Doc:
+    meta: Doc = {"name": name}
+    if namespace:
+        meta["namespace"] = namespace
+    meta["labels"] = labels
+    return meta
+
+
+def rabbitmq_trigger(wiring: Wiring, auth_name: str) -> Doc:
+    """KEDA's RabbitMQ scaler through the management API (counts unacked messages)."""
+    return {
+        "type": "rabbitmq",
+        "metadata": {
+            "protocol": "http",
+            "mode": "QueueLength",
+            "value": str(wiring.concurrency),
+            "activationValue": "0",
+            "queueName": in_queue(wiring.queue),
+        },
+        "authenticationRef": {"name": auth_name},
+    }
+
+
+def _update(existing: Doc | None, fresh: Doc, derived: Iterable[str]) -> Doc:
+    """Keeps an existing object's other fields (user edits) and rewrites the derived ones."""
+    if existing is None:
+        return fresh
+    for key, value in fresh.items():
+        if key in {"apiVersion", "kind"}:
+            existing[key] = value
+        elif key == "metadata":
+            meta = existing.setdefault("metadata", {})
+            meta["name"] = value["name"]
+            meta.setdefault("labels", {}).update(value["labels"])
+        elif key == "spec":
+            spec = existing.setdefault("spec", {})
+            for skey, svalue in value.items():
+                if skey in derived:
+                    spec[skey] = svalue
+                else:
+                    spec.setdefault(skey, svalue)
+    return existing
+
+
+def trigger_authentication(
+    name: str, namespace: str | None, wiring: Wiring, existing: Doc | None
+) -> Doc:
+    fresh = {
+        "apiVersion": KEDA_API,
+        "kind": "TriggerAuthentication",
+        "metadata": object_metadata(
+            f"{name}-rabbitmq", namespace, dispatcher_labels(name, "autoscaling")
+        ),
+        "spec": {
+            "secretTargetRef": [
+                {"parameter": "host", "name": wiring.amqp_secret, "key": MANAGEMENT_URL_KEY}
+            ]
+        },
+    }
+    return _update(existing, fresh, {"secretTargetRef"})
+
+
+def _scaled_object(
+    target: str, name: str, namespace: str | None, wiring: Wiring, existing: Doc | None
+) -> Doc:
+    fresh = {
+        "apiVersion": KEDA_API,
+        "kind": "ScaledObject",
+        "metadata": object_metadata(target, namespace, dispatcher_labels(name, "autoscaling")),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target},
+            "pollingInterval": 5,
+            "cooldownPeriod": 120,
+            "minReplicaCount": 0,
+            "maxReplicaCount": 10,
+            "triggers": [rabbitmq_trigger(wiring, f"{name}-rabbitmq")],
+        },
+    }
+    return _update(existing, fresh, {"scaleTargetRef", "triggers"})
+
+
+def keda_objects(
+    target: str, name: str, namespace: str | None, wiring: Wiring, companions: Companions
+) -> list[Doc]:
+    """TriggerAuthentication + ScaledObject for a Deployment named ``target``."""
+    auth = companions.take("TriggerAuthentication", namespace, f"{name}-rabbitmq")
+    scaled = companions.take("ScaledObject", namespace, target)
+    return [
+        trigger_authentication(name, namespace, wiring, auth),
+        _scaled_object(target, name, namespace, wiring, scaled),
+    ]

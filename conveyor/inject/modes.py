@@ -1,0 +1,245 @@
+"""The three modes (sidecar, job, knative) and the whole command, document by document."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from conveyor.inject.documents import (
+    KEDA_API,
+    Doc,
+    InjectError,
+    Key,
+    classify,
+    dump_documents,
+    load_documents,
+    name_of,
+    object_key,
+    workload_name,
+)
+from conveyor.inject.keda import (
+    Companions,
+    dispatcher_labels,
+    keda_objects,
+    object_metadata,
+    rabbitmq_trigger,
+    trigger_authentication,
+)
+from conveyor.inject.pod import (
+    choose_dispatcher_port,
+    ensure_grace,
+    find_dispatcher,
+    pod_spec,
+    upsert_dispatcher,
+    wire_pod,
+)
+from conveyor.inject.wiring import InjectOptions, Mode, check_options, resolve
+
+KNATIVE_VISIBILITY_LABEL = "networking.knative.dev/visibility"
+
+
+@dataclass
+class InjectResult:
+    documents: list[Doc]
+    warnings: list[str] = field(default_factory=list)
+
+
+def inject_yaml(text: str, options: InjectOptions | None = None) -> tuple[str, list[str]]:
+    """The whole command: YAML text in, YAML text and warnings out."""
+    result = inject_documents(load_documents(text), options or InjectOptions())
+    return dump_documents(result.documents), result.warnings
+
+
+def inject_documents(docs: list[Doc], options: InjectOptions) -> InjectResult:
+    """Injects every workload of ``docs``; returns the new documents in order.
+
+    KEDA objects and the knative dispatcher Deployment that an earlier injection
+    produced are updated in place and emitted right after their workload; other
+    supported objects pass through unchanged; anything else is an error.
+    """
+    check_options(options)
+    docs = copy.deepcopy(docs)
+    roles = [classify(doc) for doc in docs]
+    if "workload" not in roles:
+        raise InjectError("no Deployment, Job or Knative Service to inject in the input")
+    companions = {
+        object_key(d): d for d, role in zip(docs, roles, strict=True) if role == "companion"
+    }
+    claimed: set[Key] = set()
+    warnings: list[str] = []
+    groups = {
+        index: _inject_workload(doc, options, Companions(companions, claimed), warnings)
+        for index, (doc, role) in enumerate(zip(docs, roles, strict=True))
+        if role == "workload"
+    }
+    result: list[Doc] = []
+    for index, (doc, role) in enumerate(zip(docs, roles, strict=True)):
+        if role == "workload":
+            result.extend(groups[index])
+        elif role == "passthrough" or object_key(doc) not in claimed:
+            result.append(doc)
+    return InjectResult(result, warnings)
+
+
+def _natural_mode(doc: Doc) -> Mode:
+    if doc["kind"] == "Deployment":
+        return Mode.SIDECAR
+    if doc["kind"] in {"Job", "ScaledJob"}:
+        return Mode.JOB
+    return Mode.KNATIVE
+
+
+def _mode_for(doc: Doc, requested: Mode | None) -> Mode:
+    natural = _natural_mode(doc)
+    if requested is None or requested is natural:
+        return natural
+    if doc["kind"] == "Deployment" and requested is Mode.JOB:
+        return Mode.JOB  # the Deployment's pod template becomes the ScaledJob's
+    raise InjectError(
+        f"--mode {requested} does not apply to {name_of(doc)}: a Deployment is injected "
+        "in sidecar (or job) mode, a Job in job mode, a Knative Service in knative mode"
+    )
+
+
+def _inject_workload(
+    doc: Doc, options: InjectOptions, companions: Companions, warnings: list[str]
+) -> list[Doc]:
+    mode = _mode_for(doc, options.mode)
+    name = workload_name(doc)
+    try:
+        if mode is Mode.KNATIVE:
+            return _inject_knative(doc, name, options, companions, warnings)
+        if mode is Mode.JOB:
+            return _inject_job(doc, name, options, companions, warnings)
+        return _inject_sidecar(doc, name, options, companions, warnings)
+    except (AttributeError, KeyError, TypeError) as exc:
+        # A field of the wrong type that the checks above did not anticipate.
+        raise InjectError(
+            f"{name_of(doc)} is malformed ({type(exc).__name__}: {exc}); "
+            "`kubectl apply --dry-run=client -f` shows where"
+        ) from None
+
+
+def _inject_sidecar(
+    doc: Doc, name: str, options: InjectOptions, companions: Companions, warnings: list[str]
+) -> list[Doc]:
+    owner = name_of(doc)
+    spec = doc.setdefault("spec", {})
+    wiring = wire_pod(spec.get("template"), options, Mode.SIDECAR, name, owner, warnings)
+    spec.pop("replicas", None)  # KEDA owns the replica count: `kubectl apply` must not reset it
+    namespace = doc["metadata"].get("namespace")
+    return [doc, *keda_objects(name, name, namespace, wiring, companions)]
+
+
+def _job_spec_from(doc: Doc) -> Doc:
+    """A Job's spec (or a Deployment's pod template) as a ScaledJob's jobTargetRef."""
+    spec = copy.deepcopy(doc.get("spec") or {})
+    if doc["kind"] == "Deployment":
+        spec = {"template": spec.get("template")}
+    for key in ("selector", "manualSelector", "replicas", "strategy"):
+        spec.pop(key, None)
+    template = spec.get("template")
+    if isinstance(template, dict) and isinstance(template.get("spec"), dict):
+        template["spec"].setdefault("restartPolicy", "Never")
+        if template["spec"]["restartPolicy"] == "Always":
+            template["spec"]["restartPolicy"] = "Never"
+    spec["parallelism"] = 1
+    spec["completions"] = 1
+    return spec
+
+
+def _as_scaled_job(doc: Doc) -> Doc:
+    if doc["kind"] == "ScaledJob":
+        return doc
+    meta = doc.get("metadata") or {}
+    new_meta: Doc = {
+        k: copy.deepcopy(v)
+        for k, v in meta.items()
+        if k in {"name", "namespace", "labels", "annotations"}
+    }
+    return {
+        "apiVersion": KEDA_API,
+        "kind": "ScaledJob",
+        "metadata": new_meta,
+        "spec": {"jobTargetRef": _job_spec_from(doc)},
+    }
+
+
+def _inject_job(
+    doc: Doc, name: str, options: InjectOptions, companions: Companions, warnings: list[str]
+) -> list[Doc]:
+    owner = name_of(doc)
+    scaled_job = _as_scaled_job(doc)
+    spec = scaled_job.setdefault("spec", {})
+    target = spec.get("jobTargetRef")
+    if not isinstance(target, dict):
+        raise InjectError(f"{owner} has no spec.jobTargetRef")
+    wiring = wire_pod(target.get("template"), options, Mode.JOB, name, owner, warnings)
+    spec.setdefault("pollingInterval", 10)
+    spec.setdefault("successfulJobsHistoryLimit", 3)
+    spec.setdefault("failedJobsHistoryLimit", 5)
+    spec.setdefault("maxReplicaCount", 10)
+    # The management API counts unacked messages too, so the messages that running
+    # Jobs hold are in the queue length: the default strategy (queue length minus
+    # running Jobs) starts one Job per ready message.
+    spec.setdefault("scalingStrategy", {"strategy": "default"})
+    spec["triggers"] = [rabbitmq_trigger(wiring, f"{name}-rabbitmq")]
+    namespace = (scaled_job.get("metadata") or {}).get("namespace")
+    auth = companions.take("TriggerAuthentication", namespace, f"{name}-rabbitmq")
+    return [scaled_job, trigger_authentication(name, namespace, wiring, auth)]
+
+
+def _knative_pod_spec(ksvc: Doc) -> Doc:
+    return pod_spec((ksvc.get("spec") or {}).get("template"), name_of(ksvc))
+
+
+def _dispatcher_deployment(name: str, namespace: str | None, existing: Doc | None) -> Doc:
+    if existing is not None:
+        return existing
+    labels = dispatcher_labels(name, "dispatcher")
+    selector = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "dispatcher"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_metadata(f"{name}-dispatcher", namespace, labels),
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": dict(labels)},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [],
+                },
+            },
+        },
+    }
+
+
+def _inject_knative(
+    doc: Doc, name: str, options: InjectOptions, companions: Companions, warnings: list[str]
+) -> list[Doc]:
+    pod = _knative_pod_spec(doc)
+    if not [c for c in pod.get("containers") or [] if isinstance(c, dict)]:
+        raise InjectError(f"{name_of(doc)} has no containers: nothing to send tasks to")
+    # Tasks come through the queue: the function needs no public route.
+    doc["metadata"].setdefault("labels", {}).setdefault(KNATIVE_VISIBILITY_LABEL, "cluster-local")
+    namespace = doc["metadata"].get("namespace")
+    target = f"{name}-dispatcher"
+    deployment = _dispatcher_deployment(
+        name, namespace, companions.take("Deployment", namespace, target)
+    )
+    dpod = pod_spec(deployment["spec"].get("template"), name_of(deployment))
+    existing = find_dispatcher(dpod)
+    wiring = resolve(Mode.KNATIVE, name, options, existing)
+    port = choose_dispatcher_port(dpod, existing, None)
+    # Knative's cluster-local URL; POD_NAMESPACE keeps the manifest namespace-free.
+    url = f"http://{name}.$(POD_NAMESPACE).svc.cluster.local/"
+    upsert_dispatcher(dpod, wiring, url, port)
+    ensure_grace(dpod, wiring, name_of(deployment), warnings)
+    deployment["spec"].pop("replicas", None)
+    return [doc, deployment, *keda_objects(target, name, namespace, wiring, companions)]

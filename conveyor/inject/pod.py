@@ -1,0 +1,290 @@
+"""A pod with the function as a native sidecar and the dispatcher as its main container."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conveyor.inject.documents import Doc, InjectError
+from conveyor.inject.wiring import (
+    AMQP_URL,
+    CONCURRENCY,
+    DISPATCHER_PORT,
+    DRAIN_TIMEOUT,
+    FUNCTION_URL,
+    HOSTNAME,
+    IDLE_EXIT_SECONDS,
+    ONE_SHOT,
+    QUEUE,
+    SHUTDOWN_MODE,
+    InjectOptions,
+    Mode,
+    Wiring,
+    env_literal,
+    int_or_none,
+    resolve,
+)
+from conveyor.settings import DispatcherSettings
+
+DISPATCHER_CONTAINER = "conveyor-dispatcher"
+AMQP_URL_KEY = "amqp-url"  # amqp://user:pass@rabbitmq:5672/vhost, for the dispatcher
+DEFAULT_DISPATCHER_PORT: int = DispatcherSettings.model_fields["dispatcher_port"].default
+GRACE_MARGIN_SECONDS = 15  # nack, close and the function's own stop, after the drain
+DEPLOYMENT_GRACE_LIMIT = 120  # SPEC §8: keep rolling updates short
+TMP_VOLUME = "conveyor-tmp"
+FUNCTION_ANNOTATION = "conveyor.io/function-container"
+
+
+def pod_spec(template: Any, owner: str) -> Doc:
+    if not isinstance(template, dict) or not isinstance(template.get("spec"), dict):
+        raise InjectError(f"{owner} has no pod template (spec.template.spec)")
+    if not isinstance(template.get("metadata", {}), dict):
+        raise InjectError(f"{owner}: spec.template.metadata is not a mapping")
+    pod = template["spec"]
+    for key in ("containers", "initContainers", "volumes"):
+        _check_list_of_mappings(pod.get(key), f"{owner}: {key}")
+    for key in ("labels", "annotations"):
+        if not isinstance(template.get("metadata", {}).get(key, {}), dict):
+            raise InjectError(f"{owner}: spec.template.metadata.{key} is not a mapping")
+    for container in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+        where = f"{owner}: container {container.get('name', '(unnamed)')}"
+        for key in ("env", "ports", "volumeMounts"):
+            _check_list_of_mappings(container.get(key), f"{where}: {key}")
+        if not all(isinstance(e.get("name"), str) for e in container.get("env") or []):
+            raise InjectError(f"{where}: every env entry needs a string name")
+    return pod
+
+
+def _check_list_of_mappings(value: Any, where: str) -> None:
+    """Malformed shapes become a clear error here rather than a traceback later."""
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise InjectError(f"{where} must be a list of mappings")
+
+
+def find_dispatcher(pod: Doc) -> Doc | None:
+    for container in pod.get("containers") or []:
+        if isinstance(container, dict) and container.get("name") == DISPATCHER_CONTAINER:
+            return container
+    return None
+
+
+def _native_sidecars(pod: Doc) -> list[Doc]:
+    return [c for c in pod.get("initContainers") or [] if c.get("restartPolicy") == "Always"]
+
+
+def _select_function(pod: Doc, template: Doc, requested: str | None, owner: str) -> Doc:
+    containers = [c for c in pod.get("containers") or [] if isinstance(c, dict)]
+    everything = containers + _native_sidecars(pod)
+    if not [c for c in everything if c.get("name") != DISPATCHER_CONTAINER]:
+        raise InjectError(f"{owner} has no containers: nothing to inject the dispatcher next to")
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    wanted = requested or annotations.get(FUNCTION_ANNOTATION)
+    if wanted:
+        for container in everything:
+            if container.get("name") == wanted and wanted != DISPATCHER_CONTAINER:
+                return container
+        names = ", ".join(str(c.get("name")) for c in everything)
+        raise InjectError(f"{owner} has no container named {wanted!r} (containers: {names})")
+    candidates = [c for c in containers if c.get("name") != DISPATCHER_CONTAINER]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise InjectError(f"{owner} has no function container: name it with --container NAME")
+    names = ", ".join(str(c.get("name")) for c in candidates)
+    raise InjectError(
+        f"{owner} has several containers ({names}): say which one is the function "
+        "with --container NAME"
+    )
+
+
+def function_port(container: Doc, owner: str) -> int:
+    """The port the function listens on: its PORT variable, else its declared port."""
+    port = env_literal(container, "PORT")
+    if port is not None and port.isdigit():
+        return int(port)
+    ports = [p for p in container.get("ports") or [] if isinstance(p, dict)]
+    named = [p for p in ports if p.get("name") == "http"]
+    for entry in named + ports:
+        if isinstance(entry.get("containerPort"), int):
+            return entry["containerPort"]
+    raise InjectError(
+        f"cannot find the port of container {container.get('name')!r} in {owner}: "
+        "declare ports[].containerPort or a PORT environment variable"
+    )
+
+
+def _used_ports(pod: Doc) -> set[int]:
+    used: set[int] = set()
+    for container in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+        for entry in container.get("ports") or []:
+            if isinstance(entry, dict) and isinstance(entry.get("containerPort"), int):
+                used.add(entry["containerPort"])
+    return used
+
+
+def choose_dispatcher_port(pod: Doc, existing: Doc | None, function: int | None) -> int:
+    used = _used_ports(pod) | ({function} if function else set())
+    current = int_or_none(env_literal(existing, DISPATCHER_PORT), DISPATCHER_PORT)
+    port = current or DEFAULT_DISPATCHER_PORT
+    while port in used:
+        port += 1
+    return port
+
+
+def _make_native_sidecar(pod: Doc, function: Doc, port: int) -> None:
+    """Moves the function to initContainers with restartPolicy Always (K8s >= 1.29):
+    it starts before the dispatcher and stops after it."""
+    containers = pod.get("containers") or []
+    if any(c is function for c in containers):
+        pod["containers"] = [c for c in containers if c is not function]
+        pod.setdefault("initContainers", []).append(function)
+    function["restartPolicy"] = "Always"
+    function.setdefault(
+        "startupProbe",
+        {
+            "tcpSocket": {"port": port},
+            "periodSeconds": 1,
+            "timeoutSeconds": 1,
+            "failureThreshold": 120,
+        },
+    )
+
+
+def _probe(port: int, path: str, period: int) -> Doc:
+    # The local API listens on 127.0.0.1 only: an httpGet probe from the kubelet
+    # (which connects to the pod IP) cannot reach it, so probe from inside.
+    code = (
+        f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=2)"
+    )
+    return {
+        "exec": {"command": ["python", "-c", code]},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": 3,
+    }
+
+
+def container_security_context() -> Doc:
+    """Non-root, read-only, no privilege: what every Conveyor container runs with."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _dispatcher_env(wiring: Wiring, function_url: str, port: int) -> list[Doc]:
+    env: list[Doc] = [
+        {"name": QUEUE, "value": wiring.queue},
+        {
+            "name": AMQP_URL,
+            "valueFrom": {"secretKeyRef": {"name": wiring.amqp_secret, "key": AMQP_URL_KEY}},
+        },
+    ]
+    if "$(POD_NAMESPACE)" in function_url:
+        env.append(_field_env("POD_NAMESPACE", "metadata.namespace"))
+    env += [
+        {"name": FUNCTION_URL, "value": function_url},
+        {"name": CONCURRENCY, "value": str(wiring.concurrency)},
+        {"name": SHUTDOWN_MODE, "value": str(wiring.shutdown_mode)},
+        {"name": DRAIN_TIMEOUT, "value": str(wiring.drain_timeout)},
+        {"name": DISPATCHER_PORT, "value": str(port)},
+        {"name": ONE_SHOT, "value": "1" if wiring.mode is Mode.JOB else "0"},
+    ]
+    if wiring.mode is Mode.JOB:
+        env.append({"name": IDLE_EXIT_SECONDS, "value": str(wiring.idle_exit_seconds)})
+    env.append(_field_env(HOSTNAME, "metadata.name"))
+    return env
+
+
+MANAGED_ENV = {
+    QUEUE,
+    AMQP_URL,
+    "POD_NAMESPACE",
+    FUNCTION_URL,
+    CONCURRENCY,
+    SHUTDOWN_MODE,
+    DRAIN_TIMEOUT,
+    DISPATCHER_PORT,
+    ONE_SHOT,
+    IDLE_EXIT_SECONDS,
+    HOSTNAME,
+}
+
+
+def _field_env(name: str, path: str) -> Doc:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def upsert_dispatcher(pod: Doc, wiring: Wiring, function_url: str, port: int) -> Doc:
+    """Adds the dispatcher as the first main container, or updates it in place."""
+    container = find_dispatcher(pod)
+    if container is None:
+        container = {"name": DISPATCHER_CONTAINER}
+        pod["containers"] = [container, *(pod.get("containers") or [])]
+    user_env = [e for e in container.get("env") or [] if e.get("name") not in MANAGED_ENV]
+    container["image"] = wiring.image
+    container.setdefault("imagePullPolicy", "IfNotPresent")
+    container["command"] = ["conveyor", "dispatcher"]
+    container["env"] = _dispatcher_env(wiring, function_url, port) + user_env
+    container.setdefault(
+        "resources",
+        {
+            "requests": {"cpu": "50m", "memory": "64Mi"},
+            "limits": {"cpu": "500m", "memory": "128Mi"},
+        },
+    )
+    container.setdefault("securityContext", container_security_context())
+    container["readinessProbe"] = _probe(port, "/readyz", 10)
+    container["livenessProbe"] = _probe(port, "/healthz", 20)
+    mounts = container.setdefault("volumeMounts", [])
+    if not any(m.get("mountPath") == "/tmp" for m in mounts):
+        mounts.append({"name": TMP_VOLUME, "mountPath": "/tmp"})
+    _ensure_tmp_volume(pod)
+    return container
+
+
+def _ensure_tmp_volume(pod: Doc) -> None:
+    volumes = pod.setdefault("volumes", [])
+    if not any(v.get("name") == TMP_VOLUME for v in volumes):
+        volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
+
+
+def ensure_grace(pod: Doc, wiring: Wiring, owner: str, warnings: list[str]) -> None:
+    """terminationGracePeriodSeconds must outlast the drain (SPEC §8)."""
+    grace = pod.get("terminationGracePeriodSeconds")
+    if not isinstance(grace, int) or grace <= wiring.drain_timeout:
+        grace = wiring.drain_timeout + GRACE_MARGIN_SECONDS
+        pod["terminationGracePeriodSeconds"] = grace
+    if wiring.mode is not Mode.JOB and grace >= DEPLOYMENT_GRACE_LIMIT:
+        warnings.append(
+            f"{owner}: terminationGracePeriodSeconds {grace} is 2 minutes or more; rolling "
+            "updates wait that long per pod: long non-interruptible tasks belong in job mode"
+        )
+
+
+def _annotate_function(template: Doc, name: str) -> None:
+    meta = template.setdefault("metadata", {})
+    meta.setdefault("annotations", {})[FUNCTION_ANNOTATION] = name
+
+
+def wire_pod(
+    template: Doc, options: InjectOptions, mode: Mode, name: str, owner: str, warnings: list[str]
+) -> Wiring:
+    """Function as native sidecar + dispatcher as main container (sidecar and job)."""
+    pod = pod_spec(template, owner)
+    function = _select_function(pod, template, options.container, owner)
+    port = function_port(function, owner)
+    existing = find_dispatcher(pod)
+    wiring = resolve(mode, name, options, existing)
+    dispatcher_port = choose_dispatcher_port(pod, existing, port)
+    _make_native_sidecar(pod, function, port)
+    upsert_dispatcher(pod, wiring, f"http://127.0.0.1:{port}/", dispatcher_port)
+    _annotate_function(template, str(function.get("name")))
+    ensure_grace(pod, wiring, owner, warnings)
+    return wiring

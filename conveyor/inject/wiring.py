@@ -1,0 +1,138 @@
+"""The dispatcher's settings for one workload: options, else what an earlier injection
+wrote, else the mode's default (so re-injecting never silently resets them)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor import __version__
+from conveyor.inject.documents import Doc, InjectError
+from conveyor.settings import ShutdownMode, dispatcher_variable
+
+# The dispatcher's variables, named by its settings (conveyor.settings), never re-spelled.
+QUEUE = dispatcher_variable("queue", prefixed=True)
+AMQP_URL = dispatcher_variable("amqp_url", prefixed=True)
+FUNCTION_URL = dispatcher_variable("function_url")
+CONCURRENCY = dispatcher_variable("concurrency")
+SHUTDOWN_MODE = dispatcher_variable("shutdown_mode")
+DRAIN_TIMEOUT = dispatcher_variable("drain_timeout")
+DISPATCHER_PORT = dispatcher_variable("dispatcher_port")
+ONE_SHOT = dispatcher_variable("one_shot")
+IDLE_EXIT_SECONDS = dispatcher_variable("idle_exit_seconds")
+HOSTNAME = dispatcher_variable("hostname")
+
+DEFAULT_IMAGE = f"conveyor/dispatcher:{__version__}"
+DEFAULT_AMQP_SECRET = "conveyor-rabbitmq"
+DEFAULT_IDLE_EXIT_SECONDS = 60
+
+
+class Mode(enum.StrEnum):
+    SIDECAR = "sidecar"
+    JOB = "job"
+    KNATIVE = "knative"
+
+
+@dataclass(frozen=True)
+class InjectOptions:
+    """What the command line may set. ``None`` means: keep what an earlier
+    injection wrote, else use the mode's default."""
+
+    mode: Mode | None = None
+    container: str | None = None
+    queue: str | None = None
+    concurrency: int | None = None
+    shutdown_mode: ShutdownMode | None = None
+    drain_timeout: int | None = None
+    image: str | None = None
+    amqp_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """The dispatcher's settings for one workload, every value resolved."""
+
+    mode: Mode
+    queue: str
+    concurrency: int
+    shutdown_mode: ShutdownMode
+    drain_timeout: int
+    image: str
+    amqp_secret: str
+    idle_exit_seconds: int = DEFAULT_IDLE_EXIT_SECONDS
+
+
+_MODE_DEFAULTS: dict[Mode, dict[str, Any]] = {
+    # Deployments: short tasks; a scale-in requeues what is in flight.
+    Mode.SIDECAR: {"concurrency": 4, "shutdown_mode": ShutdownMode.REQUEUE, "drain_timeout": 30},
+    Mode.KNATIVE: {"concurrency": 4, "shutdown_mode": ShutdownMode.REQUEUE, "drain_timeout": 30},
+    # Jobs: long non-interruptible tasks, one message per Job.
+    Mode.JOB: {"concurrency": 1, "shutdown_mode": ShutdownMode.DRAIN, "drain_timeout": 600},
+}
+
+
+def check_options(options: InjectOptions) -> None:
+    if options.concurrency is not None and options.concurrency < 1:
+        raise InjectError("--concurrency must be at least 1")
+    if options.drain_timeout is not None and options.drain_timeout < 0:
+        raise InjectError("--drain-timeout must not be negative")
+    if options.queue is not None and not options.queue.strip():
+        raise InjectError("--queue must not be empty")
+
+
+def env_literal(container: Doc | None, name: str) -> str | None:
+    for entry in (container or {}).get("env") or []:
+        if isinstance(entry, dict) and entry.get("name") == name and "value" in entry:
+            return str(entry["value"])
+    return None
+
+
+def _env_secret_name(container: Doc | None, name: str) -> str | None:
+    for entry in (container or {}).get("env") or []:
+        if isinstance(entry, dict) and entry.get("name") == name:
+            ref = ((entry.get("valueFrom") or {}).get("secretKeyRef")) or {}
+            return ref.get("name")
+    return None
+
+
+def int_or_none(value: str | None, what: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(float(value))
+    except ValueError:
+        raise InjectError(f"the existing dispatcher has a non-numeric {what}: {value!r}") from None
+
+
+def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None) -> Wiring:
+    """Option, else the value an earlier injection wrote, else the mode's default."""
+    defaults = _MODE_DEFAULTS[mode]
+    concurrency = options.concurrency or int_or_none(
+        env_literal(existing, CONCURRENCY), CONCURRENCY
+    )
+    if mode is Mode.JOB:
+        if options.concurrency not in (None, 1):
+            raise InjectError("--concurrency must be 1 in job mode: each Job takes one message")
+        concurrency = 1
+    shutdown = options.shutdown_mode or env_literal(existing, SHUTDOWN_MODE)
+    drain = options.drain_timeout
+    if drain is None:
+        drain = int_or_none(env_literal(existing, DRAIN_TIMEOUT), DRAIN_TIMEOUT)
+    idle = int_or_none(env_literal(existing, IDLE_EXIT_SECONDS), IDLE_EXIT_SECONDS)
+    try:
+        shutdown_mode = ShutdownMode(shutdown) if shutdown else defaults["shutdown_mode"]
+    except ValueError:
+        raise InjectError(f"SHUTDOWN_MODE must be requeue or drain, not {shutdown!r}") from None
+    return Wiring(
+        mode=mode,
+        queue=options.queue or env_literal(existing, QUEUE) or name,
+        concurrency=concurrency or defaults["concurrency"],
+        shutdown_mode=shutdown_mode,
+        drain_timeout=defaults["drain_timeout"] if drain is None else drain,
+        image=options.image or (existing or {}).get("image") or DEFAULT_IMAGE,
+        amqp_secret=options.amqp_secret
+        or _env_secret_name(existing, AMQP_URL)
+        or DEFAULT_AMQP_SECRET,
+        idle_exit_seconds=DEFAULT_IDLE_EXIT_SECONDS if idle is None else idle,
+    )

@@ -22,10 +22,10 @@ migration 0002's triggers `NOTIFY conveyor_catalog` on any change to
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import psycopg
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from gateway import catalog
 from gateway.pgpool import Pool, dsn
@@ -77,21 +77,26 @@ class AccessCache:
 
     async def listen_loop(self, unmigrated_pause: float = 30.0) -> None:
         """Keeps a LISTEN connection open; the cache is trusted only while it is."""
-        delay = 0.5
-        while True:
-            pause = delay
-            try:
-                await self._listen()
-            except (psycopg.Error, OSError) as exc:
-                log.warning("catalog notifications lost; cache off", extra={"error": repr(exc)})
-            except NotNotified:
-                log.warning("no catalog triggers (migration 0002 missing); cache off")
-                pause = unmigrated_pause
-            finally:
-                self._listening = False
-                self.invalidate()
-            await asyncio.sleep(pause)
-            delay = min(delay * 2, 5.0)
+        backoff = wait_exponential(multiplier=0.5, max=5.0)
+
+        def pause(state: RetryCallState) -> float:
+            unmigrated = state.outcome is not None and isinstance(
+                state.outcome.exception(), NotNotified
+            )
+            return unmigrated_pause if unmigrated else backoff(state)
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type((psycopg.Error, OSError, NotNotified)),
+            wait=pause,
+            before_sleep=_report_lost,
+        )
+        async for attempt in retrying:
+            with attempt:
+                try:
+                    await self._listen()
+                finally:
+                    self._listening = False
+                    self.invalidate()
 
     async def _listen(self) -> None:
         conn = await psycopg.AsyncConnection.connect(
@@ -116,3 +121,12 @@ class AccessCache:
             # silently is caught by the TCP keepalives within about 10 s.
             async for _ in conn.notifies():
                 self.invalidate()
+        raise ConnectionError("the notification stream ended")
+
+
+def _report_lost(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    if isinstance(error, NotNotified):
+        log.warning("no catalog triggers (migration 0002 missing); cache off")
+    else:
+        log.warning("catalog notifications lost; cache off", extra={"error": repr(error)})

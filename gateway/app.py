@@ -49,7 +49,6 @@ def create_app(settings: GatewaySettings | None = None, background: bool = True)
         lifespan=lifespan,
         default_response_class=Json,
     )
-    app.router.routes[0:0] = api.direct_routes()  # tried first: see api.direct_routes
     app.include_router(api.router)
     _add_operations(app)
     _add_error_handlers(app)
@@ -117,7 +116,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         kind = {404: errors.NOT_FOUND, 405: errors.METHOD_NOT_ALLOWED}.get(
             exc.status_code, errors.INVALID_REQUEST
         )
-        return _error_response(errors.ApiError(kind))
+        return _error_response(errors.ApiError(kind, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Json:

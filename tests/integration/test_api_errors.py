@@ -258,6 +258,7 @@ def test_operations_endpoints(gateway: GatewayProcess) -> None:
         assert ready.status_code == 200 and ready.json()["checks"] == {
             "database": True,
             "broker": True,
+            "loops": True,
         }
         assert "conveyor_gateway_requests_total" in http.get("/metrics").text
         spec = http.get("/openapi.json").json()

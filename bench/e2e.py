@@ -41,33 +41,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.common import (
+from bench.meters import CpuMeter, ServerMeter
+from bench.record import PYTHON, banner, metadata, no_paths, run_json, write_result
+from bench.stack import (
     AMQP_URL,
-    PYTHON,
-    CpuMeter,
     NoopFunction,
     Processes,
-    ServerMeter,
-    banner,
     create_service,
     delete_queues,
     fresh_database,
-    median,
-    metadata,
-    no_paths,
     processes,
     psycopg_url,
-    ratio,
-    run_json,
     start_dispatcher,
     start_gateway,
     start_noop_function,
-    summarize,
     unique,
     wait_for_broker,
     wait_http,
-    write_result,
 )
+from bench.stats import median, ratio, summarize
 
 POLL_INTERVAL = 0.02
 STALL = 60.0  # seconds without a single task finishing: the run is abandoned

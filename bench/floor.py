@@ -30,28 +30,23 @@ from typing import Any
 
 import aio_pika
 
-from bench.common import (
+from bench.meters import CpuMeter
+from bench.record import PYTHON, banner, metadata, no_paths, write_result
+from bench.stack import (
     AMQP_URL,
-    PYTHON,
-    CpuMeter,
     NoopFunction,
     Processes,
-    banner,
     declare_queues,
     delete_queues,
     fresh_database,
-    median,
-    metadata,
-    no_paths,
     processes,
     psycopg_url,
-    ratio,
     start_dispatcher,
     start_noop_function,
     unique,
     wait_for_broker,
-    write_result,
 )
+from bench.stats import median, ratio
 from conveyor.events import Submission, encode_submission
 from conveyor.topology import in_queue, out_queue
 

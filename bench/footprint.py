@@ -28,24 +28,20 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    PYTHON,
-    REPO,
+from bench.floor import ResultCounter, preload
+from bench.meters import rss_kib
+from bench.record import PYTHON, REPO, banner, metadata, write_result
+from bench.stack import (
     Processes,
-    banner,
     declare_queues,
     delete_queues,
     dispatcher_env,
     free_port,
-    median,
-    metadata,
     processes,
-    rss_kib,
     start_noop_function,
     unique,
-    write_result,
 )
-from bench.floor import ResultCounter, preload
+from bench.stats import median
 
 
 def import_time(code: list[str]) -> dict[str, Any]:
@@ -129,7 +125,7 @@ def under_load(proc: Any, queue: str, tasks: int, timeout: float) -> dict[str, A
     async def go() -> bool:
         import aio_pika
 
-        from bench.common import AMQP_URL
+        from bench.stack import AMQP_URL
         from conveyor.topology import out_queue
 
         counter = ResultCounter(tasks)

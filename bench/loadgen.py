@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from bench.common import summarize
+from bench.stats import summarize
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from bench.common import RESULTS
+from bench.record import RESULTS
 from bench.report import load
 
 

@@ -24,18 +24,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    PYTHON,
-    RESULTS,
+from bench.record import PYTHON, RESULTS, run_json, timestamp
+from bench.stack import (
     Processes,
     create_service,
     fresh_database,
     processes,
-    run_json,
     start_dispatcher,
     start_gateway,
     start_noop_function,
-    timestamp,
 )
 from bench.submit import BODY, SCHEMA
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, latest_result, median
+from bench.record import RESULTS, latest_result
+from bench.stats import median
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import PYTHON, REPO, banner
+from bench.record import PYTHON, REPO, banner
 
 # name -> arguments of its default run (and of --quick, for a smoke test)
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {

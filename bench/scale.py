@@ -34,24 +34,19 @@ import time
 import uuid
 from typing import Any
 
-from bench.common import (
-    PYTHON,
+from bench.record import PYTHON, banner, metadata, run_json, write_result
+from bench.stack import (
     BenchService,
     Gateway,
-    banner,
     create_service,
     fresh_database,
-    median,
-    metadata,
     processes,
     psycopg_url,
     purge_queue,
-    ratio,
-    run_json,
     sql,
     start_gateway,
-    write_result,
 )
+from bench.stats import median, ratio
 
 BACKLOG = 100
 HISTORY_SERVICES = 20

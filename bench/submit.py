@@ -26,24 +26,19 @@ import json
 import sys
 from typing import Any
 
-from bench.common import (
-    PYTHON,
+from bench.meters import CpuMeter
+from bench.record import PYTHON, banner, metadata, run_json, write_result
+from bench.stack import (
     BenchService,
-    CpuMeter,
     Gateway,
-    banner,
     create_service,
     fresh_database,
-    median,
-    metadata,
     processes,
     purge_queue,
-    ratio,
-    run_json,
     sql,
     start_gateway,
-    write_result,
 )
+from bench.stats import median, ratio
 
 SCHEMA = {
     "type": "object",

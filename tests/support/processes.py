@@ -1,7 +1,7 @@
-"""Real processes for end-to-end tests: started, signalled, and their logs kept.
+"""Real processes for tests and benchmarks: started, signalled, and their logs kept.
 
 Each process writes to its own log file so a failing test can print it, and so a
-test can grep the logs (e.g. for leaked secrets).
+test can grep the logs (e.g. for leaked secrets). The benchmarks use the same.
 """
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ class Proc:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.logs()[-chars:]
+        except OSError:
+            return ""
+
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.alive():
             self.popen.send_signal(signal.SIGTERM)
@@ -70,18 +76,21 @@ class Proc:
         return self.popen.returncode
 
 
-def wait_http(url: str, timeout: float = 30.0, proc: Proc | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and not proc.alive():
-            raise RuntimeError(f"{proc.name} exited early:\n{proc.logs()[-4000:]}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    detail = proc.logs()[-4000:] if proc else ""
+def wait_http(url: str, timeout: float = 30.0, proc: Proc | None = None, ok: int = 500) -> float:
+    """Polls `url` until it answers below `ok`; returns the seconds it took."""
+    started = time.monotonic()
+    deadline = started + timeout
+    with httpx.Client(timeout=1.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and not proc.alive():
+                raise RuntimeError(f"{proc.name} exited early:\n{proc.tail(4000)}")
+            try:
+                if client.get(url).status_code < ok:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+    detail = proc.tail(4000) if proc else ""
     raise TimeoutError(f"{url} not ready after {timeout}s\n{detail}")
 
 
@@ -100,8 +109,14 @@ class Processes:
     def conveyor(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> Proc:
         return self.start(name, [PYTHON, "-m", "conveyor", *args], env)
 
+    def stop(self, proc: Proc, timeout: float = 10.0) -> int | None:
+        code = proc.stop(timeout)
+        if proc in self.procs:
+            self.procs.remove(proc)
+        return code
+
     def stop_all(self) -> None:
-        for proc in reversed(self.procs):
+        for proc in reversed(list(self.procs)):
             proc.stop()
 
     def dump(self) -> str:

@@ -1,0 +1,132 @@
+"""CPU seconds and memory of processes and of the local servers, read from /proc.
+
+On a busy machine, CPU time per task is a steadier figure than wall-clock
+throughput: other load slows a process down but does not make it do more.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from bench.record import ADMIN_DB_URL, read_text
+from bench.stack import sql
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name: [state, ppid, ...].
+
+    The command name may contain spaces, so split after its closing parenthesis.
+    Index 1 is the parent pid, 11 and 12 the user and system CPU ticks.
+    """
+    raw = read_text(f"/proc/{pid}/stat")
+    return raw.rpartition(")")[2].split() if raw else None
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def cpu_seconds(pid: int, tree: bool = False) -> float:
+    """User + system CPU time of a process (and, with `tree`, of its live descendants)."""
+    total = 0
+    for member in _descendants(pid) if tree else [pid]:
+        fields = _stat_fields(member)
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])
+    return total / _TICKS
+
+
+class CpuMeter:
+    """CPU seconds several processes spend between `start()` and `stop()`.
+
+    On a busy machine, CPU time per task is a steadier figure than wall-clock
+    throughput: other load slows a process down but does not make it do more.
+    """
+
+    def __init__(self, pids: Iterable[int], tree: bool = False) -> None:
+        self.pids = list(pids)
+        self.tree = tree
+        self._start = 0.0
+
+    def _now(self) -> float:
+        return sum(cpu_seconds(pid, self.tree) for pid in self.pids)
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def stop(self) -> float:
+        return round(self._now() - self._start, 3)
+
+
+def _comm(pid: int) -> str:
+    return read_text(f"/proc/{pid}/comm").strip()
+
+
+def server_pids(database_url: str = ADMIN_DB_URL) -> dict[str, int]:
+    """The local PostgreSQL postmaster and RabbitMQ (beam.smp) pids, when they are local."""
+    found: dict[str, int] = {}
+    try:
+        backend = sql(database_url, "SELECT pg_backend_pid()")[0][0]
+        fields = _stat_fields(backend)
+        if fields is not None and "postgres" in _comm(int(fields[1])):
+            found["postgresql"] = int(fields[1])
+    except Exception:  # a remote or unreachable database: not measured
+        pass
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _comm(int(entry.name)) == "beam.smp":
+            found["rabbitmq"] = int(entry.name)
+            break
+    return found
+
+
+def _server_cpu(pid: int) -> float:
+    """A server's CPU: its own, its reaped children's (fields 13-14: backends that have
+    exited) and its live children's."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return 0.0
+    total = sum(int(f) for f in fields[11:15])
+    for child in _descendants(pid)[1:]:
+        if (child_fields := _stat_fields(child)) is not None:
+            total += int(child_fields[11]) + int(child_fields[12])
+    return total / _TICKS
+
+
+class ServerMeter:
+    """CPU seconds PostgreSQL and RabbitMQ spend between `start()` and `stop()`, each."""
+
+    def __init__(self, database_url: str = ADMIN_DB_URL) -> None:
+        self.pids = server_pids(database_url)
+        self._start: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._start = {name: _server_cpu(pid) for name, pid in self.pids.items()}
+
+    def stop(self) -> dict[str, float]:
+        return {
+            name: round(_server_cpu(pid) - self._start.get(name, 0.0), 3)
+            for name, pid in self.pids.items()
+        }
+
+
+def rss_kib(pid: int) -> dict[str, int | None]:
+    """VmRSS (now) and VmHWM (peak) of a process, in KiB."""
+    found: dict[str, int | None] = {"VmRSS": None, "VmHWM": None}
+    for line in read_text(f"/proc/{pid}/status").splitlines():
+        key, _, value = line.partition(":")
+        if key in found:
+            found[key] = int(value.split()[0])
+    return found

@@ -1,0 +1,69 @@
+"""The benchmarks in small, so that their code cannot rot: each runs for real against the
+test run's servers and writes its result file (to a temporary folder). No timing is
+asserted: figures are only meaningful from `make bench`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import REPO
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _run(module: str, *args: str, results: Path) -> dict:
+    env = {**os.environ, "CONVEYOR_BENCH_RESULTS": str(results)}
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    written = sorted(results.glob("*.json"))
+    assert written, done.stdout[-2000:]
+    return json.loads(written[-1].read_text())
+
+
+def test_submit_benchmark_runs(tmp_path: Path) -> None:
+    result = _run(
+        "bench.submit",
+        "--duration",
+        "1",
+        "--reps",
+        "1",
+        "--warmup",
+        "0.2",
+        "--concurrency",
+        "4",
+        "--skip-auth",
+        results=tmp_path,
+    )
+    assert {"machine", "git", "command"} <= set(result["meta"])
+    assert result["levels"]
+    assert str(REPO) not in json.dumps(result)
+
+
+def test_end_to_end_benchmark_runs(tmp_path: Path) -> None:
+    result = _run(
+        "bench.e2e",
+        "--tasks",
+        "40",
+        "--reps",
+        "1",
+        "--latency-samples",
+        "5",
+        "--peers",
+        "conveyor",
+        results=tmp_path,
+    )
+    assert result["peers"], result
+    assert str(REPO) not in json.dumps(result)

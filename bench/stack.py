@@ -119,12 +119,6 @@ class BenchService:
         return f"/v1/services/{self.name}/tasks"
 
 
-def hash_secret(secret: str, rounds: int) -> str:
-    import bcrypt
-
-    return bcrypt.hashpw(secret.encode(), bcrypt.gensalt(rounds)).decode()
-
-
 def create_service(
     database_url: str,
     name: str | None = None,
@@ -136,6 +130,7 @@ def create_service(
     """A service, a client granted on it (production bcrypt cost), and its queues."""
     from conveyor.settings import GatewaySettings
     from gateway import admin
+    from gateway.auth import hash_secret
     from gateway.db import create_engine
     from gateway.platform_file import PlatformSpec
 

@@ -14,10 +14,10 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import bcrypt
 import httpx
 
 from gateway import admin
+from gateway.auth import hash_secret
 from gateway.db import create_engine
 from gateway.platform_file import PlatformSpec
 from tests.support.processes import Proc, Processes, free_port, wait_http
@@ -50,7 +50,7 @@ SIGNING_SECRET = f"test-signing-{uuid.uuid4().hex}"
 
 
 def fast_hash(secret: str) -> str:
-    return bcrypt.hashpw(secret.encode(), bcrypt.gensalt(4)).decode()
+    return hash_secret(secret, rounds=4)
 
 
 def gateway_env(database_url: str, amqp_url: str, **extra: str) -> dict[str, str]:

@@ -128,10 +128,9 @@ def create_service(
     bcrypt_rounds: int = 12,
 ) -> BenchService:
     """A service, a client granted on it (production bcrypt cost), and its queues."""
-    from conveyor.settings import GatewaySettings
     from gateway import admin
     from gateway.auth import hash_secret
-    from gateway.db import create_engine
+    from gateway.pgpool import connect
     from gateway.platform_file import PlatformSpec
 
     service = BenchService(name or unique("bench"), unique("client"), uuid.uuid4().hex)
@@ -151,11 +150,8 @@ def create_service(
     )
 
     async def go() -> None:
-        engine = create_engine(GatewaySettings(database_url=database_url))
-        try:
-            await admin.apply(engine, spec)
-        finally:
-            await engine.dispose()
+        async with await connect(database_url) as conn:
+            await admin.apply(conn, spec)
         await declare_queues(service.name)
 
     asyncio.run(go())

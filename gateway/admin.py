@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import bcrypt
-from sqlalchemy import bindparam, text
-from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from psycopg import AsyncConnection
 
 from conveyor.events import MessageFormat
 from gateway.auth import generate_secret, hash_secret
+from gateway.pgpool import jsonb
 from gateway.platform_file import ClientSpec, PlatformError, PlatformSpec, ServiceSpec
 
 
@@ -33,12 +32,11 @@ class Change:
         return f"{self.kind} {self.name}: {self.action}"
 
 
-_SERVICE_UPSERT = text(
-    """
+_SERVICE_UPSERT = """
     INSERT INTO services (name, queue_name, capacity, json_schema, message_format,
                           task_timeout, max_attempts, retention_seconds)
-    VALUES (:name, :queue_name, :capacity, :json_schema, :message_format,
-            :task_timeout, :max_attempts, :retention_seconds)
+    VALUES (%(name)s, %(queue_name)s, %(capacity)s, %(json_schema)s, %(message_format)s,
+            %(task_timeout)s, %(max_attempts)s, %(retention_seconds)s)
     ON CONFLICT (name) DO UPDATE SET
         queue_name = EXCLUDED.queue_name, capacity = EXCLUDED.capacity,
         json_schema = EXCLUDED.json_schema, message_format = EXCLUDED.message_format,
@@ -51,7 +49,6 @@ _SERVICE_UPSERT = text(
            EXCLUDED.task_timeout, EXCLUDED.max_attempts, EXCLUDED.retention_seconds)
     RETURNING (xmax = 0) AS created
     """
-).bindparams(bindparam("json_schema", type_=JSONB))
 
 
 def _service_params(spec: ServiceSpec) -> dict[str, Any]:
@@ -59,7 +56,7 @@ def _service_params(spec: ServiceSpec) -> dict[str, Any]:
         "name": spec.name,
         "queue_name": spec.queue,
         "capacity": spec.capacity,
-        "json_schema": spec.jsonSchema,
+        "json_schema": jsonb(spec.jsonSchema),
         "message_format": spec.messageFormat.value,
         "task_timeout": spec.taskTimeout,
         "max_attempts": spec.maxAttempts,
@@ -68,16 +65,17 @@ def _service_params(spec: ServiceSpec) -> dict[str, Any]:
 
 
 async def upsert_service(conn: AsyncConnection, spec: ServiceSpec) -> Change:
-    row = (await conn.execute(_SERVICE_UPSERT, _service_params(spec))).first()
+    row = await (await conn.execute(_SERVICE_UPSERT, _service_params(spec))).fetchone()
     action = "unchanged" if row is None else ("created" if row.created else "updated")
     return Change("service", spec.name, action)
 
 
 async def _stored_hash(conn: AsyncConnection, client_id: str) -> str | None:
-    row = await conn.execute(
-        text("SELECT secret_hash FROM clients WHERE client_id = :id"), {"id": client_id}
+    cursor = await conn.execute(
+        "SELECT secret_hash FROM clients WHERE client_id = %s", (client_id,)
     )
-    return row.scalar_one_or_none()
+    row = await cursor.fetchone()
+    return None if row is None else row.secret_hash
 
 
 def _hash_for(spec: ClientSpec, stored: str | None) -> str:
@@ -110,25 +108,20 @@ async def upsert_client(conn: AsyncConnection, spec: ClientSpec) -> Change:
 
 async def _set_secret_hash(conn: AsyncConnection, client_id: str, secret_hash: str) -> None:
     await conn.execute(
-        text(
-            """
-            INSERT INTO clients (client_id, secret_hash) VALUES (:id, :hash)
-            ON CONFLICT (client_id) DO UPDATE SET secret_hash = EXCLUDED.secret_hash,
-                                                  updated_at = now()
-            """
-        ),
+        """
+        INSERT INTO clients (client_id, secret_hash) VALUES (%(id)s, %(hash)s)
+        ON CONFLICT (client_id) DO UPDATE SET secret_hash = EXCLUDED.secret_hash,
+                                              updated_at = now()
+        """,
         {"id": client_id, "hash": secret_hash},
     )
 
 
 async def _set_grants(conn: AsyncConnection, spec: ClientSpec) -> bool:
-    current = {
-        row.service: row.capacity
-        for row in await conn.execute(
-            text("SELECT service, capacity FROM authorizations WHERE client_id = :id"),
-            {"id": spec.id},
-        )
-    }
+    cursor = await conn.execute(
+        "SELECT service, capacity FROM authorizations WHERE client_id = %s", (spec.id,)
+    )
+    current = {row.service: row.capacity for row in await cursor.fetchall()}
     wanted = {g.service: g.capacity for g in spec.grants}
     if current == wanted:
         return False
@@ -140,10 +133,12 @@ async def _set_grants(conn: AsyncConnection, spec: ClientSpec) -> bool:
     return True
 
 
-async def apply(engine: AsyncEngine, spec: PlatformSpec) -> list[Change]:
-    async with engine.begin() as conn:
+async def apply(conn: AsyncConnection, spec: PlatformSpec) -> list[Change]:
+    """The whole file in one transaction: a refused entry leaves nothing half-applied."""
+    async with conn.transaction():
         changes = [await upsert_service(conn, s) for s in spec.services]
-        known = {row.name for row in await conn.execute(text("SELECT name FROM services"))}
+        cursor = await conn.execute("SELECT name FROM services")
+        known = {row.name for row in await cursor.fetchall()}
         for client in spec.clients:
             for g in client.grants:
                 if g.service not in known:
@@ -167,69 +162,59 @@ async def create_client(conn: AsyncConnection, client_id: str) -> str:
 
 
 async def delete_client(conn: AsyncConnection, client_id: str) -> bool:
-    result = await conn.execute(
-        text("DELETE FROM clients WHERE client_id = :id"), {"id": client_id}
-    )
-    return bool(result.rowcount)
+    cursor = await conn.execute("DELETE FROM clients WHERE client_id = %s", (client_id,))
+    return bool(cursor.rowcount)
 
 
 async def delete_service(conn: AsyncConnection, name: str) -> bool:
-    result = await conn.execute(text("DELETE FROM services WHERE name = :n"), {"n": name})
-    return bool(result.rowcount)
+    cursor = await conn.execute("DELETE FROM services WHERE name = %s", (name,))
+    return bool(cursor.rowcount)
 
 
 async def grant(conn: AsyncConnection, client_id: str, service: str, capacity: int | None) -> None:
-    exists = await conn.execute(
-        text(
-            "SELECT (SELECT 1 FROM clients WHERE client_id = :c), (SELECT 1 FROM services WHERE name = :s)"
-        ),
-        {"c": client_id, "s": service},
+    cursor = await conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM clients WHERE client_id = %s) AS client,"
+        " EXISTS (SELECT 1 FROM services WHERE name = %s) AS service",
+        (client_id, service),
     )
-    has_client, has_service = exists.one()
+    found = await cursor.fetchone()
+    assert found is not None
+    has_client, has_service = found
     if not has_client:
         raise PlatformError(f"unknown client '{client_id}'")
     if not has_service:
         raise PlatformError(f"unknown service '{service}'")
     await conn.execute(
-        text(
-            """
-            INSERT INTO authorizations (client_id, service, capacity) VALUES (:c, :s, :cap)
-            ON CONFLICT (client_id, service) DO UPDATE SET capacity = EXCLUDED.capacity
-            """
-        ),
-        {"c": client_id, "s": service, "cap": capacity},
+        """
+        INSERT INTO authorizations (client_id, service, capacity) VALUES (%s, %s, %s)
+        ON CONFLICT (client_id, service) DO UPDATE SET capacity = EXCLUDED.capacity
+        """,
+        (client_id, service, capacity),
     )
 
 
 async def revoke(conn: AsyncConnection, client_id: str, service: str) -> bool:
-    result = await conn.execute(
-        text("DELETE FROM authorizations WHERE client_id = :c AND service = :s"),
-        {"c": client_id, "s": service},
+    cursor = await conn.execute(
+        "DELETE FROM authorizations WHERE client_id = %s AND service = %s", (client_id, service)
     )
-    return bool(result.rowcount)
+    return bool(cursor.rowcount)
 
 
 async def listing(conn: AsyncConnection) -> dict[str, list[dict[str, Any]]]:
-    services = [
-        dict(row._mapping)
-        for row in await conn.execute(
-            text(
-                "SELECT name, queue_name, capacity, message_format, task_timeout, max_attempts,"
-                " retention_seconds FROM services ORDER BY name"
-            )
-        )
-    ]
-    clients = [
-        dict(row._mapping)
-        for row in await conn.execute(
-            text(
-                "SELECT c.client_id, coalesce(string_agg(a.service || coalesce('(' || a.capacity"
-                " || ')', ''), ', ' ORDER BY a.service), '') AS grants FROM clients c"
-                " LEFT JOIN authorizations a USING (client_id) GROUP BY c.client_id ORDER BY 1"
-            )
-        )
-    ]
-    return {"services": services, "clients": clients}
+    services = await conn.execute(
+        "SELECT name, queue_name, capacity, message_format, task_timeout, max_attempts,"
+        " retention_seconds FROM services ORDER BY name"
+    )
+    service_rows = [row._asdict() for row in await services.fetchall()]
+    clients = await conn.execute(
+        "SELECT c.client_id, coalesce(string_agg(a.service || coalesce('(' || a.capacity"
+        " || ')', ''), ', ' ORDER BY a.service), '') AS grants FROM clients c"
+        " LEFT JOIN authorizations a USING (client_id) GROUP BY c.client_id ORDER BY 1"
+    )
+    return {
+        "services": service_rows,
+        "clients": [row._asdict() for row in await clients.fetchall()],
+    }
 
 
 def service_spec(**values: Any) -> ServiceSpec:

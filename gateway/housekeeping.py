@@ -11,9 +11,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+import psycopg
 
 from gateway import lifecycle, metrics
 from gateway.pgpool import Pool
@@ -22,25 +22,21 @@ log = logging.getLogger("conveyor.gateway.housekeeping")
 
 DEFAULT_RETENTION = 7 * 86400
 
-_PURGE_FINISHED = text(
-    """
+_PURGE_FINISHED = """
     DELETE FROM tasks WHERE id IN (
         SELECT t.id FROM tasks t LEFT JOIN services s ON s.name = t.service
          WHERE t.status IN ('SUCCESS', 'FAILURE')
            AND t.end_date < now() - make_interval(
-                 secs => COALESCE(s.retention_seconds, :default_retention))
-         LIMIT :batch)
+                 secs => COALESCE(s.retention_seconds,  %(default_retention)s))
+         LIMIT %(batch)s)
     """
-)
-_PURGE_ANCIENT = text(
-    """
+_PURGE_ANCIENT = """
     DELETE FROM tasks WHERE id IN (
-        SELECT id FROM tasks WHERE submission_date < now() - make_interval(secs => :max_age)
-         LIMIT :batch)
+        SELECT id FROM tasks WHERE submission_date < now() - make_interval(secs => %(max_age)s)
+         LIMIT %(batch)s)
     """
-)
-_PURGE_POISON = text(
-    "DELETE FROM poison_messages WHERE received_at < now() - make_interval(secs => :max_age)"
+_PURGE_POISON = (
+    "DELETE FROM poison_messages WHERE received_at < now() - make_interval(secs => %(max_age)s)"
 )
 
 
@@ -52,24 +48,25 @@ class PurgeReport:
     batches: int
 
 
-async def purge(engine: AsyncEngine, max_age: float, batch: int = 5000) -> PurgeReport:
+async def purge(
+    conn: psycopg.AsyncConnection[Any], max_age: float, batch: int = 5000
+) -> PurgeReport:
+    """`conn` in autocommit mode: each batch is its own short transaction."""
     params = {"default_retention": DEFAULT_RETENTION, "max_age": max_age, "batch": batch}
-    finished, n1 = await _delete_in_batches(engine, _PURGE_FINISHED, params, batch)
-    ancient, n2 = await _delete_in_batches(engine, _PURGE_ANCIENT, params, batch)
-    async with engine.begin() as conn:
-        poison = (await conn.execute(_PURGE_POISON, params)).rowcount
+    finished, n1 = await _delete_in_batches(conn, _PURGE_FINISHED, params, batch)
+    ancient, n2 = await _delete_in_batches(conn, _PURGE_ANCIENT, params, batch)
+    poison = (await conn.execute(_PURGE_POISON, params)).rowcount
     report = PurgeReport(finished, ancient, poison, n1 + n2)
     log.info("purge done", extra=asdict(report))  # a slots dataclass has no __dict__
     return report
 
 
 async def _delete_in_batches(
-    engine: AsyncEngine, statement: object, params: dict, batch: int
+    conn: psycopg.AsyncConnection[Any], statement: str, params: dict[str, Any], batch: int
 ) -> tuple[int, int]:
     total = batches = 0
     while True:
-        async with engine.begin() as conn:
-            deleted = (await conn.execute(statement, params)).rowcount  # type: ignore[arg-type]
+        deleted = (await conn.execute(statement, params)).rowcount
         total += deleted
         batches += 1
         if deleted < batch:

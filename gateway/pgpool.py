@@ -68,6 +68,20 @@ def jsonb(value: Any) -> Jsonb | None:
     return None if value is None else Jsonb(value, dumps=orjson.dumps)
 
 
+async def connect(database_url: str, connect_timeout: int = 5) -> psycopg.AsyncConnection[Any]:
+    """One connection outside the pool, for a command's lifetime (admin, purge): autocommit,
+    rows as named tuples, JSON through orjson, like the pool's."""
+    conn = await psycopg.AsyncConnection.connect(
+        dsn(database_url),
+        autocommit=True,
+        row_factory=namedtuple_row,
+        connect_timeout=connect_timeout,
+    )
+    set_json_dumps(orjson.dumps, conn)
+    set_json_loads(orjson.loads, conn)
+    return conn
+
+
 class Pool:
     def __init__(
         self, database_url: str, size: int, ping_after: float = 2.0, connect_timeout: int = 5

@@ -29,16 +29,12 @@ def _fail(message: str) -> None:
 
 def _run(action: Callable[[Any], Awaitable[T]]) -> T:
     """Runs `action(conn)` in one transaction; operator errors become clean messages."""
-    from gateway.db import create_engine
+    from gateway.pgpool import connect
     from gateway.platform_file import PlatformError
 
     async def main() -> T:
-        engine = create_engine(GatewaySettings())
-        try:
-            async with engine.begin() as conn:
-                return await action(conn)
-        finally:
-            await engine.dispose()
+        async with await connect(GatewaySettings().database_url) as conn, conn.transaction():
+            return await action(conn)
 
     try:
         return asyncio.run(main())
@@ -78,7 +74,6 @@ def apply_file(
 ) -> None:
     """Apply a platform file. Idempotent: applying it again changes nothing."""
     from gateway import admin
-    from gateway.db import create_engine
     from gateway.platform_file import PlatformError, load
 
     try:
@@ -87,17 +82,7 @@ def apply_file(
     except (OSError, PlatformError) as exc:
         _fail(str(exc))
 
-    async def main() -> list[admin.Change]:
-        engine = create_engine(GatewaySettings())
-        try:
-            return await admin.apply(engine, spec)
-        finally:
-            await engine.dispose()
-
-    try:
-        changes = asyncio.run(main())
-    except PlatformError as exc:
-        _fail(str(exc))
+    changes = _run(lambda conn: admin.apply(conn, spec))
     if declare:
         _declare_or_fail(spec.services)
     for change in changes:

@@ -64,15 +64,12 @@ def purge() -> None:
     """Delete finished tasks past their service's retention, and anything past the hard maximum."""
     settings = GatewaySettings()
     logs.configure(settings.log_level, settings.log_format)
-    from gateway.db import create_engine
     from gateway.housekeeping import purge as run_purge
+    from gateway.pgpool import connect
 
     async def main() -> None:
-        engine = create_engine(settings)
-        try:
-            report = await run_purge(engine, settings.purge_max_age, settings.purge_batch_size)
-        finally:
-            await engine.dispose()
+        async with await connect(settings.database_url) as conn:
+            report = await run_purge(conn, settings.purge_max_age, settings.purge_batch_size)
         typer.echo(
             f"purged {report.finished} finished, {report.ancient} past the maximum age,"
             f" {report.poison} poison messages, in {report.batches} batches"

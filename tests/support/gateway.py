@@ -18,7 +18,7 @@ import httpx
 
 from gateway import admin
 from gateway.auth import hash_secret
-from gateway.db import create_engine
+from gateway.pgpool import connect
 from gateway.platform_file import PlatformSpec
 from tests.support.processes import Proc, Processes, free_port, wait_http
 
@@ -98,11 +98,8 @@ class Platform:
 
     def apply(self, spec: dict[str, Any]) -> list[admin.Change]:
         async def go() -> list[admin.Change]:
-            engine = create_engine(_settings(self.database_url))
-            try:
-                return await admin.apply(engine, PlatformSpec.model_validate(spec))
-            finally:
-                await engine.dispose()
+            async with await connect(self.database_url) as conn:
+                return await admin.apply(conn, PlatformSpec.model_validate(spec))
 
         return run_sync(go())
 
@@ -137,12 +134,6 @@ class Platform:
         with psycopg.connect(url, autocommit=True) as conn:
             cur = conn.execute(statement, params or {})
             return cur.fetchall() if cur.description else []
-
-
-def _settings(database_url: str) -> Any:
-    from conveyor.settings import GatewaySettings
-
-    return GatewaySettings(database_url=database_url)
 
 
 class GatewayProcess:

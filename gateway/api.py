@@ -221,8 +221,11 @@ async def create(service: str, request: Request) -> Json:
 async def poll(service: str, task_id: str, request: Request) -> Json:
     rt = runtime(request)
     client_id = await _client(request, rt)
-    if await _access(rt, client_id, service) is None:
+    access = await _access(rt, client_id, service)
+    if access is None:
         raise errors.ApiError(errors.SERVICE_NOT_FOUND)
+    if not access.granted:
+        raise errors.ApiError(errors.FORBIDDEN)
     try:
         parsed = uuid.UUID(task_id)
     except ValueError:

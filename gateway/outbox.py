@@ -11,7 +11,14 @@ empty the outbox:
   publishes them and deletes them. Claims are leases taken with
   `FOR UPDATE SKIP LOCKED`, so several gateway replicas never publish the same
   row at the same time, and a replica that dies mid-publish only delays a row
-  until its lease expires.
+  until its lease expires. A row whose service was deleted is resolved on
+  the spot: its task fails with "Service deleted." and the row goes.
+
+The grace is longer than a fast-path publish can take (see
+`GatewaySettings.outbox_grace`), so the relay does not publish a second copy of
+a submission whose confirm is merely slow. A relay pass that publishes nothing
+(the broker is unreachable) makes the relay back off, up to `max_backoff`,
+instead of cycling through the whole backlog at every row's lease expiry.
 
 At worst a task is published twice (confirm received, deletion lost): delivery
 is at-least-once end to end, and the state machine absorbs duplicates.
@@ -21,11 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from conveyor import topology
 from conveyor.events import MessageFormat, Submission, encode_submission
-from gateway import metrics
+from gateway import lifecycle, metrics
 from gateway.broker import Broker, PublishError
 from gateway.catalog import Service
 from gateway.pgpool import Pool
@@ -37,7 +47,7 @@ _DELETE = "DELETE FROM outbox WHERE id = ANY(%(ids)s)"
 _CLAIM = """
     UPDATE outbox o
        SET claimed_until = now() + make_interval(secs => %(lease)s), attempts = o.attempts + 1
-      FROM tasks t JOIN services s ON s.name = t.service
+      FROM tasks t LEFT JOIN services s ON s.name = t.service
      WHERE o.id IN (
              SELECT id FROM outbox
               WHERE created_at < now() - make_interval(secs => %(grace)s)
@@ -45,16 +55,28 @@ _CLAIM = """
               ORDER BY id LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED)
        AND t.task_id = o.task_id
-    RETURNING o.id, t.task_id, t.status, t.request, s.name AS service, s.queue_name,
-              s.message_format, s.max_attempts, s.task_timeout
+    RETURNING o.id, t.task_id, t.status, t.request, t.service, s.name IS NULL AS orphan,
+              s.queue_name, s.message_format, s.max_attempts, s.task_timeout
     """
 # A failed publish gives its lease back after a short, growing pause (capped at 10 s): the
 # row must not wait out the whole 30 s lease, meant for a relay that died mid-publish.
-_NOTE_ERROR = """
-    UPDATE outbox SET last_error = %(error)s,
-           claimed_until = now() + make_interval(secs => LEAST(attempts, 10))
-     WHERE id = %(id)s
+_NOTE_ERRORS = """
+    UPDATE outbox o SET last_error = f.error,
+           claimed_until = now() + make_interval(secs => LEAST(o.attempts, 10))
+      FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(errors)s AS text[])) AS f(id, error)
+     WHERE o.id = f.id
     """
+SERVICE_DELETED = "Service deleted."
+
+
+class RelayStalled(Exception):
+    """A relay pass claimed rows and published none of them: the broker is unreachable."""
+
+
+@dataclass(frozen=True, slots=True)
+class RelayPass:
+    claimed: int
+    published: int  # confirmed by the broker, or nothing left to send for the task
 
 
 def submission_for(
@@ -76,16 +98,18 @@ class Outbox:
         self,
         pool: Pool,
         broker: Broker,
-        grace: float = 10.0,
+        grace: float,
         interval: float = 1.0,
         batch: int = 200,
         flush_every: float = 0.2,
+        max_backoff: float = 5.0,
     ) -> None:
         self.pool = pool
         self.broker = broker
         self.grace = grace
         self.interval = interval
         self.batch = batch
+        self.max_backoff = max_backoff
         self.flush_every = flush_every  # well within `grace`: the relay never sees these rows
         self._confirmed: list[int] = []
         self._flush_wakeup = asyncio.Event()
@@ -132,15 +156,26 @@ class Outbox:
 
     async def relay_loop(self) -> None:
         while True:
-            try:
-                while await self.relay_once() >= self.batch:
-                    pass
-            except Exception as exc:
-                log.warning("outbox relay pass failed", extra={"error": repr(exc)})
+            retrying = AsyncRetrying(
+                wait=wait_exponential(multiplier=self.interval, max=self.max_backoff),
+                retry=retry_if_exception_type(Exception),
+                before_sleep=_log_backoff,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    await self._drain()
             await asyncio.sleep(self.interval)
 
-    async def relay_once(self, grace: float | None = None) -> int:
-        """One pass; returns how many rows it claimed."""
+    async def _drain(self) -> None:
+        """Passes back to back while whole batches get published (a backlog that flows)."""
+        while True:
+            done = await self.relay_once()
+            if done.claimed and not done.published:
+                raise RelayStalled(f"{done.claimed} claimed, none published")
+            if done.published < self.batch:
+                return
+
+    async def relay_once(self, grace: float | None = None) -> RelayPass:
         params = {
             "lease": 30.0,
             "grace": self.grace if grace is None else grace,
@@ -149,17 +184,35 @@ class Outbox:
         async with self.pool.connection() as conn:
             rows = await (await conn.execute(_CLAIM, params)).fetchall()
         if not rows:
-            return 0
-        results = await asyncio.gather(*(self._relay_row(row) for row in rows))
-        done = [row.id for row, ok in zip(rows, results, strict=True) if ok]
-        if done:
-            async with self.pool.connection() as conn:
+            return RelayPass(0, 0)
+        orphans = [row for row in rows if row.orphan]
+        if orphans:
+            await self._end_orphans(orphans)
+        live = [row for row in rows if not row.orphan]
+        errors = await asyncio.gather(*(self._relay_row(row) for row in live))
+        done = [row.id for row, error in zip(live, errors, strict=True) if error is None]
+        failed = [(row.id, error) for row, error in zip(live, errors, strict=True) if error]
+        async with self.pool.connection() as conn:
+            if done:
                 await conn.execute(_DELETE, {"ids": done})
-        return len(rows)
+            if failed:
+                ids, messages = zip(*failed, strict=True)
+                await conn.execute(_NOTE_ERRORS, {"ids": list(ids), "errors": list(messages)})
+        return RelayPass(len(rows), len(done) + len(orphans))
 
-    async def _relay_row(self, row: Any) -> bool:
+    async def _end_orphans(self, rows: list[Any]) -> None:
+        """Tasks whose service was deleted: nothing can run them, so they fail and leave."""
+        changes = [lifecycle.failure(row.task_id, SERVICE_DELETED) for row in rows]
+        async with self.pool.connection() as conn, conn.pipeline(), conn.transaction():
+            for change in changes:
+                await conn.execute(change.sql, change.params)
+            await conn.execute(_DELETE, {"ids": [row.id for row in rows]})
+        log.info("ended tasks of a deleted service", extra={"count": len(rows)})
+
+    async def _relay_row(self, row: Any) -> str | None:
+        """None once the row needs nothing more; otherwise why its publish failed."""
         if row.status != "PENDING":
-            return True  # finished or failed meanwhile (e.g. by the reaper): nothing to send
+            return None  # finished or failed meanwhile (e.g. by the reaper): nothing to send
         submission = Submission(
             task_id=str(row.task_id),
             service=row.service,
@@ -173,8 +226,17 @@ class Outbox:
                 encode_submission(submission), topology.in_queue(row.queue_name)
             )
         except PublishError as exc:
-            async with self.pool.connection() as conn:
-                await conn.execute(_NOTE_ERROR, {"id": row.id, "error": str(exc)[:500]})
-            return False
+            return str(exc)[:500] or exc.__class__.__name__
         metrics.PUBLISHED.labels(path="relay").inc()
-        return True
+        return None
+
+
+def _log_backoff(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    log.warning(
+        "outbox relay backs off",
+        extra={
+            "error": repr(error),
+            "seconds": round(state.upcoming_sleep, 2),
+        },
+    )

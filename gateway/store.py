@@ -120,12 +120,16 @@ def _single_statement(new: NewTask) -> bool:
 
 
 async def _create(conn: AsyncConnection[Any], new: NewTask) -> Accepted:
+    # The key is looked up under the capacity lock: a repeat that queued behind its own first
+    # submission then sees it committed, and answers it rather than counting it against capacity.
+    limited = new.access.service.capacity is not None or new.access.client_capacity is not None
+    if limited:
+        await conn.execute(_LOCK, {"service": new.access.service.name})
     if new.idempotency_key is not None:
         repeat = await _idempotent_repeat(conn, new)
         if repeat is not None:
             return repeat
-    service = new.access.service
-    if service.capacity is not None or new.access.client_capacity is not None:
+    if limited:
         await _check_capacity(conn, new)
     return (await insert_many(conn, [new]))[0]
 
@@ -153,9 +157,9 @@ async def _count(conn: AsyncConnection[Any], query: str, params: dict[str, Any])
 
 
 async def _check_capacity(conn: AsyncConnection[Any], new: NewTask) -> None:
+    """Under the service's capacity lock (taken by `_create`): the counts see every commit."""
     service = new.access.service
     params = {"service": service.name, "client_id": new.client_id}
-    await conn.execute(_LOCK, params)
     if service.capacity is not None:
         if await _count(conn, _PENDING_SERVICE, params) >= service.capacity:
             raise errors.ApiError(errors.SERVICE_CAPACITY)

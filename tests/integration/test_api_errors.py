@@ -99,6 +99,22 @@ def test_client_without_grant_is_403001(gateway: GatewayProcess, svc, platform: 
     assert error_of(answer) == (403, 403001)
 
 
+def test_poll_without_grant_is_403001(gateway: GatewayProcess, svc, platform: Platform) -> None:
+    """As for create: an authenticated client without a grant on the service is refused,
+    whether or not the task exists."""
+    with gateway.http(svc.clients[0]) as http:
+        created = http.post(gateway.tasks_url(svc.name), json={"body": {"sleep": 1}})
+    task_id = created.json()["data"]["taskId"]
+    other = platform.service()
+    with gateway.http(other.clients[0]) as http:
+        theirs = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+        missing = http.get(f"{gateway.tasks_url(svc.name)}/{uuid.uuid4()}")
+        not_uuid = http.get(f"{gateway.tasks_url(svc.name)}/not-a-uuid")
+        unknown = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}", auth=("ghost", "nope"))
+    assert error_of(theirs) == (403, 403001)
+    assert theirs.content == missing.content == not_uuid.content == unknown.content
+
+
 def test_unknown_service_is_404001(gateway: GatewayProcess, svc) -> None:
     with gateway.http(svc.clients[0]) as http:
         created = http.post("/v1/services/no-such-service/tasks", json={"body": {}})
@@ -264,5 +280,7 @@ def test_operations_endpoints(gateway: GatewayProcess) -> None:
         spec = http.get("/openapi.json").json()
         post = spec["paths"]["/v1/services/{service}/tasks"]["post"]
         assert {"201", "400", "403", "404", "413", "429"} <= set(post["responses"])
+        poll = spec["paths"]["/v1/services/{service}/tasks/{task_id}"]["get"]
+        assert {"200", "403", "404"} <= set(poll["responses"])
         assert http.get("/docs").status_code == 200
         assert error_of(http.get("/nope")) == (404, 404000)

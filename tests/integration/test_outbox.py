@@ -4,13 +4,20 @@
   `<queue>-in` once the broker is back;
 * a crash between commit and publish: the relay of another gateway publishes
   what a dead gateway left in the outbox;
-* two relays at once never publish the same row twice.
+* two relays at once never publish the same row twice;
+* rows of a deleted service are resolved, never left to block the relay;
+* a fast-path publish still waiting for its confirm is not published again by the relay;
+* during an outage the relay backs off instead of cycling through the backlog, and
+  publishes each task once when the broker is back.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -69,11 +76,12 @@ def _task_ids(messages: list[WireMessage]) -> list[str]:
     return [decode_submission(m).task_id for m in messages]
 
 
-def _relayed(gateway: GatewayProcess) -> float:
-    """How many submissions this gateway's relay has had confirmed so far."""
+def _relayed(gateway: GatewayProcess, path: str = "relay") -> float:
+    """How many submissions this gateway has had confirmed so far by one path."""
     with gateway.http() as http:
         metrics = http.get("/metrics").text
-    match = re.search(r'^conveyor_gateway_published_total\{path="relay"\} (\S+)$', metrics, re.M)
+    pattern = rf'^conveyor_gateway_published_total\{{path="{path}"\}} (\S+)$'
+    match = re.search(pattern, metrics, re.M)
     return float(match.group(1)) if match else 0.0
 
 
@@ -204,3 +212,100 @@ def test_concurrent_relays_publish_each_row_once(
     assert set(ids) == seeded
     wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox emptied")
     assert take_all(amqp_url, topology.in_queue(svc.queue_name)) == []
+
+
+@pytest.mark.timeout(60)
+def test_rows_of_a_deleted_service_do_not_starve_the_relay(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    wait_for_queues(amqp_url, queues_of(svc.queue_name))
+    # More than a relay batch of rows whose service no longer exists, ahead of a live one.
+    gone = Service(f"gone-{uuid.uuid4().hex[:10]}", f"gone-{uuid.uuid4().hex[:10]}", svc.clients)
+    orphans = _seed_stranded_tasks(platform, gone, 250)
+    (live,) = _seed_stranded_tasks(platform, svc, 1)
+
+    messages = collect(amqp_url, topology.in_queue(svc.queue_name), expected=1, timeout=20)
+
+    assert _task_ids(messages) == [live]
+    wait_until(lambda: not _outbox_tasks(platform, gone.name), what="orphan rows resolved")
+    outcomes = platform.sql(
+        "SELECT status, error_message, count(*) FROM tasks WHERE service = %(s)s"
+        " GROUP BY status, error_message",
+        {"s": gone.name},
+    )
+    assert outcomes == [("FAILURE", "Service deleted.", len(orphans))]
+
+
+def _outbox_attempts(platform: Platform, service: str) -> int:
+    rows = platform.sql(
+        "SELECT coalesce(sum(o.attempts), 0) FROM outbox o JOIN tasks t USING (task_id)"
+        " WHERE t.service = %(s)s",
+        {"s": service},
+    )
+    return int(rows[0][0])
+
+
+RELAY_BATCH = 200  # Outbox.batch: rows one relay pass claims at most
+
+
+@pytest.mark.timeout(150)
+def test_relay_neither_duplicates_a_slow_confirm_nor_spins_during_an_outage(
+    proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        try:
+            # Confirms may take up to 4 s: the relay must leave such a row to its fast path.
+            env = gateway_env(url, _through(proxy, amqp_url), CONVEYOR_PUBLISH_TIMEOUT="4")
+            gw = GatewayProcess(procs, env)
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            with gw.http() as http:
+                wait_until(lambda: http.get("/readyz").status_code == 200, what="gateway ready")
+            _slow_confirm_is_published_once(proxy, gw, svc, platform, amqp_url)
+            _outage_backs_off_then_publishes_once(proxy, gw, svc, platform, amqp_url)
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
+def _slow_confirm_is_published_once(
+    proxy: TcpProxy, gw: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    in_queue = topology.in_queue(svc.queue_name)
+    answers: list[str] = []
+    proxy.pause()  # the broker stops answering: the fast path waits for its confirm
+    submit = threading.Thread(target=lambda: answers.extend(_submit_during_outage(gw, svc, 1)))
+    submit.start()
+    time.sleep(2.5)  # the stall: longer than a relay pass interval, shorter than a confirm wait
+    proxy.resume()
+    submit.join(timeout=30)
+    assert len(answers) == 1
+    wait_until(lambda: not _outbox_tasks(platform, svc.name), what="confirmed row deleted")
+    messages = collect(amqp_url, in_queue, expected=1, timeout=15, settle=2)
+    assert _task_ids(messages) == answers  # once: the relay did not publish a second copy
+    assert (_relayed(gw, "fast"), _relayed(gw, "relay")) == (1, 0)
+
+
+def _outage_backs_off_then_publishes_once(
+    proxy: TcpProxy, gw: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    in_queue = topology.in_queue(svc.queue_name)
+    proxy.sever()
+    backlog = _seed_stranded_tasks(platform, svc, 5 * RELAY_BATCH)
+    accepted = set(_submit_during_outage(gw, svc, 3))
+    wait_until(lambda: _failed_relay_attempts(platform, svc.name) > 0, what="relay tried")
+    time.sleep(6)
+    # A relay that retried the whole backlog at every row's lease expiry would have made
+    # thousands of attempts by now; one that backs off after a fruitless pass, a few passes.
+    attempts = _outbox_attempts(platform, svc.name)
+    assert attempts <= 7 * RELAY_BATCH, attempts
+    assert message_count(amqp_url, in_queue) == 0
+
+    proxy.restore()
+    expected = backlog | accepted
+    messages = collect(amqp_url, in_queue, expected=len(expected), timeout=60, settle=2)
+    ids = _task_ids(messages)
+    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} duplicates"
+    assert set(ids) == expected
+    wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox emptied")

@@ -1,5 +1,5 @@
-"""A TCP proxy a test can sever, to cut the broker or the database off one
-process without disturbing the real servers that other tests share."""
+"""A TCP proxy a test can sever or pause, to cut the broker or the database off
+one process without disturbing the real servers that other tests share."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ class TcpProxy:
 
     While severed, existing connections are reset and new ones are refused
     (accepted then closed at once), as a broker outage looks to a client.
+    While paused, connections stay open but no byte goes through either way,
+    as a stalled server looks to a client.
     """
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
@@ -20,6 +22,8 @@ class TcpProxy:
         self.port: int = self._listener.getsockname()[1]
         self._open = threading.Event()
         self._open.set()
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
@@ -48,6 +52,7 @@ class TcpProxy:
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                self._flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass
@@ -74,7 +79,14 @@ class TcpProxy:
     def restore(self) -> None:
         self._open.set()
 
+    def pause(self) -> None:
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
     def close(self) -> None:
         self._closed = True
+        self.resume()
         self.sever()
         self._listener.close()

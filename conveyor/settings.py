@@ -44,6 +44,9 @@ class GatewaySettings(CommonSettings):
     database_url: str = DEFAULT_DATABASE_URL
     db_pool_size: int = 10
     max_body_bytes: int = 1024 * 1024
+    # A batch submission (POST …/tasks/batch): how many tasks, and its own size limit.
+    max_batch_items: int = 1000
+    max_batch_bytes: int = 16 * 1024 * 1024
     # bcrypt verifications are cached under a keyed hash of the credentials.
     auth_cache_ttl: float = 30.0
     # Failed authentications per client id and per source address, per minute.

@@ -9,6 +9,7 @@ is parsed, and so that every refusal carries the seed's error envelope.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -24,7 +25,7 @@ from gateway.callbacks import CallbackRefused, check_callback
 from gateway.outbox import submission_for
 from gateway.responses import Json
 from gateway.runtime import Runtime
-from gateway.store import NewTask, create_task, get_task
+from gateway.store import Accepted, NewTask, create_task, create_tasks, get_task
 
 
 class DirectRoute(APIRoute):
@@ -87,6 +88,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _parse(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    """The request as a JSON object, refused before anything else if it is not one."""
     media = (content_type or "application/json").split(";")[0].strip().lower()
     if media not in _JSON_TYPES and not media.endswith("+json"):
         raise errors.invalid("Content-Type", "must be application/json")
@@ -98,12 +100,19 @@ def _parse(raw: bytes, content_type: str | None) -> dict[str, Any]:
         raise errors.invalid("", "the request must be a JSON object")
     if b"\\u0000" in raw or raw.count(b"{") + raw.count(b"[") > MAX_DEPTH:
         _check_storable(payload)
-    unknown = sorted(set(payload) - {"body", "callback"})
-    if unknown:
-        raise errors.invalid(unknown[0][:100], "unknown field")
-    if not isinstance(payload.get("body"), dict):
-        raise errors.invalid("body", "required, and must be a JSON object")
     return payload
+
+
+def _check_item(item: Any, where: str = "") -> dict[str, Any]:
+    """One task's part of a request: `body` (an object) and an optional `callback`."""
+    if not isinstance(item, dict):
+        raise errors.invalid(where.rstrip("/"), "must be a JSON object")
+    unknown = sorted(set(item) - {"body", "callback"})
+    if unknown:
+        raise errors.invalid(where + unknown[0][:100], "unknown field")
+    if not isinstance(item.get("body"), dict):
+        raise errors.invalid(where + "body", "required, and must be a JSON object")
+    return item
 
 
 def _check_storable(payload: dict[str, Any]) -> None:
@@ -175,40 +184,136 @@ _CREATE_DOC: dict[str, Any] = {
 }
 
 
+_BATCH_DOC: dict[str, Any] = {
+    "status_code": 201,
+    "response_model": api_models.BatchEnvelope,
+    "responses": {
+        200: {"model": api_models.BatchEnvelope, "description": "Idempotent repeat"},
+        **api_models.error_responses(400, 403, 404, 413, 429, 431, 503),
+    },
+    "openapi_extra": {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": api_models.inline_schema(api_models.CreateBatch)}
+            },
+        },
+        "parameters": _CREATE_DOC["openapi_extra"]["parameters"],
+    },
+}
+
+
 @router.post("/v1/services/{service}/tasks", summary="Create a task", **_CREATE_DOC)
 @router.post("/v1/services/{service}/tasks/", include_in_schema=False, **_CREATE_DOC)
 async def create(service: str, request: Request) -> Json:
     rt = runtime(request)
+    client_id, access = await _granted(request, rt, service)
+    payload = _check_item(
+        _parse(
+            await _read_body(request, rt.settings.max_body_bytes),
+            request.headers.get("content-type"),
+        )
+    )
+    new = await _new_task(rt, client_id, access, payload, _idempotency_key(request))
+    accepted = await create_task(rt.pool, new, rt.intake)
+    await _publish(rt, request, [(new, accepted)])
+    data = {"taskId": str(accepted.task_id), "taskPosition": accepted.position}
+    return _ok(data, 201 if accepted.created else 200)
+
+
+@router.post("/v1/services/{service}/tasks/batch", summary="Create many tasks", **_BATCH_DOC)
+async def create_batch(service: str, request: Request) -> Json:
+    """All or nothing: one transaction, one insert, capacity counted for the whole batch."""
+    rt = runtime(request)
+    client_id, access = await _granted(request, rt, service)
+    payload = _parse(
+        await _read_body(request, rt.settings.max_batch_bytes), request.headers.get("content-type")
+    )
+    unknown = sorted(set(payload) - {"tasks"})
+    if unknown:
+        raise errors.invalid(unknown[0][:100], "unknown field")
+    items = payload.get("tasks")
+    limit = rt.settings.max_batch_items
+    if not isinstance(items, list) or not 1 <= len(items) <= limit:
+        raise errors.invalid("tasks", f"required: a list of 1 to {limit} tasks")
+    key = _idempotency_key(request)
+    checked = await asyncio.gather(
+        *(
+            _new_task(rt, client_id, access, item, key and f"{key}\n{i}", where=f"tasks/{i}/")
+            for i, item in enumerate(items)
+        ),
+        return_exceptions=True,
+    )
+    refused = [c for c in checked if isinstance(c, errors.ApiError)]
+    if refused:
+        raise _all_refusals(refused)
+    for outcome in checked:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    news = [c for c in checked if isinstance(c, NewTask)]
+    accepted = await create_tasks(rt.pool, news)
+    await _publish(rt, request, list(zip(news, accepted, strict=True)))
+    created = bool(accepted) and accepted[0].created
+    tasks = [{"taskId": str(a.task_id), "taskPosition": a.position} for a in accepted]
+    return _ok({"tasks": tasks}, 201 if created else 200)
+
+
+async def _granted(request: Request, rt: Runtime, service: str) -> tuple[str, catalog.Access]:
+    """The caller and their access to the service, in the SPEC's order of refusals."""
     client_id = await _client(request, rt)
     access = await _access(rt, client_id, service)
     if access is None:
         raise errors.ApiError(errors.SERVICE_NOT_FOUND)
     if not access.granted:
         raise errors.ApiError(errors.FORBIDDEN)
-    payload = _parse(
-        await _read_body(request, rt.settings.max_body_bytes), request.headers.get("content-type")
-    )
-    key = _idempotency_key(request)
+    return client_id, access
+
+
+async def _new_task(
+    rt: Runtime,
+    client_id: str,
+    access: catalog.Access,
+    item: Any,
+    key: str | None,
+    where: str = "",
+) -> NewTask:
+    """One task checked: its shape, its callback (SSRF guard) and the service's JSON Schema."""
+    item = _check_item(item, where)
     callback = None
-    if payload.get("callback") is not None:
+    if item.get("callback") is not None:
         try:
-            callback = await check_callback(payload["callback"], rt.policy)
+            callback = await check_callback(item["callback"], rt.policy)
         except CallbackRefused as exc:
-            raise errors.invalid("callback.url", str(exc)) from None
-    schema_errors = rt.schemas.errors(access.service, payload["body"])
+            raise errors.invalid(where + "callback.url", str(exc)) from None
+    schema_errors = rt.schemas.errors(access.service, item["body"])
     if schema_errors:
+        for error in schema_errors:
+            error["path"] = where + error["path"]
         raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
-    accepted = await create_task(
-        rt.pool, NewTask(client_id, access, payload["body"], callback, key), rt.intake
-    )
-    if accepted.created and accepted.outbox_id is not None:
-        metrics.SUBMITTED.labels(service=service).inc()
-        submission = submission_for(
-            accepted.task_id, access.service, payload["body"], request.headers.get("traceparent")
-        )
-        await rt.outbox.publish_now(accepted.outbox_id, submission, access.service.queue_name)
-    data = {"taskId": str(accepted.task_id), "taskPosition": accepted.position}
-    return _ok(data, 201 if accepted.created else 200)
+    return NewTask(client_id, access, item["body"], callback, key)
+
+
+def _all_refusals(refused: list[errors.ApiError]) -> errors.ApiError:
+    """A batch's refusals in one answer: 400002 if any item is malformed, else 400001."""
+    malformed = [r for r in refused if r.kind is errors.INVALID_REQUEST]
+    chosen = malformed or refused
+    found = [e for r in chosen for e in r.errors][:100]
+    return errors.ApiError(chosen[0].kind, found)
+
+
+async def _publish(rt: Runtime, request: Request, done: list[tuple[NewTask, Accepted]]) -> None:
+    """The fast path of the outbox, after the commit: the relay retries what fails here."""
+    trace = request.headers.get("traceparent")
+    publishes = []
+    for new, accepted in done:
+        if accepted.created and accepted.outbox_id is not None:
+            service = new.access.service
+            metrics.SUBMITTED.labels(service=service.name).inc()
+            submission = submission_for(accepted.task_id, service, new.body, trace)
+            publishes.append(
+                rt.outbox.publish_now(accepted.outbox_id, submission, service.queue_name)
+            )
+    await asyncio.gather(*publishes)
 
 
 @router.get(

@@ -27,6 +27,13 @@ class CreateTask(BaseModel):
     callback: Callback | None = None
 
 
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tasks: list[CreateTask] = Field(
+        min_length=1, max_length=1000, description="CONVEYOR_MAX_BATCH_ITEMS at most"
+    )
+
+
 class Created(BaseModel):
     taskId: str
     taskPosition: int = Field(description="1-based place among the service's PENDING tasks")
@@ -35,6 +42,15 @@ class Created(BaseModel):
 class CreatedEnvelope(BaseModel):
     status: Literal["success"]
     data: Created
+
+
+class CreatedBatch(BaseModel):
+    tasks: list[Created] = Field(description="In request order")
+
+
+class BatchEnvelope(BaseModel):
+    status: Literal["success"]
+    data: CreatedBatch
 
 
 class TaskData(BaseModel):

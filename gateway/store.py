@@ -87,6 +87,17 @@ _BY_KEY = """
     WHERE client_id = %(client_id)s AND service = %(service)s AND idempotency_key = %(key)s
     """
 _FORGET_KEY = "UPDATE tasks SET idempotency_key = NULL WHERE id = %(id)s"
+_BY_KEYS = """
+    SELECT t.id, t.task_id, t.submission_date, t.idempotency_key,
+           CASE WHEN t.status = 'PENDING' THEN
+               (SELECT count(*) FROM tasks p
+                 WHERE p.service = t.service AND p.status = 'PENDING' AND p.id <= t.id)
+           ELSE 0 END AS position
+      FROM tasks t
+     WHERE t.client_id = %(client_id)s AND t.service = %(service)s
+       AND t.idempotency_key >= %(key)s || E'\\n' AND t.idempotency_key < %(key)s || E'\\x0b'
+    """
+_FORGET_KEYS = "UPDATE tasks SET idempotency_key = NULL WHERE id = ANY(%(ids)s)"
 _POSITION = (
     "SELECT count(*) FROM tasks WHERE service = %(service)s AND status = 'PENDING' AND id <= %(id)s"
 )
@@ -108,6 +119,60 @@ async def create_task(pool: Pool, new: NewTask, intake: Intake) -> Accepted:
         if repeat is None:
             raise
         return repeat
+
+
+async def create_tasks(pool: Pool, tasks: list[NewTask]) -> list[Accepted]:
+    """A batch, all or nothing, in one transaction and one insert. Its tasks share one
+    service, client and Idempotency-Key: each task's key is the batch's, a newline and its
+    index (a header cannot hold a newline, so no single submission's key collides with one)."""
+    try:
+        async with pool.connection() as conn, conn.transaction():
+            return await _create_batch(conn, tasks)
+    except psycopg.errors.UniqueViolation:
+        if tasks[0].idempotency_key is None:
+            raise
+        async with pool.connection() as conn, conn.transaction():
+            repeat = await _batch_repeat(conn, tasks)
+        if repeat is None:
+            raise
+        return repeat
+
+
+async def _create_batch(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted]:
+    first = tasks[0]
+    limited = first.access.service.capacity is not None or first.access.client_capacity is not None
+    if limited:
+        await conn.execute(_LOCK, {"service": first.access.service.name})
+    if first.idempotency_key is not None:
+        repeat = await _batch_repeat(conn, tasks)
+        if repeat is not None:
+            return repeat
+    if limited:
+        await _check_capacity(conn, first, len(tasks))
+    return await insert_many(conn, tasks)
+
+
+async def _batch_repeat(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted] | None:
+    """The batch submitted earlier under the same key, in its order; None if there is none."""
+    first = tasks[0]
+    params = {
+        "client_id": first.client_id,
+        "service": first.access.service.name,
+        "key": (first.idempotency_key or "").rpartition("\n")[0],  # every task of the batch
+    }
+    rows = await (await conn.execute(_BY_KEYS, params)).fetchall()
+    if not rows:
+        return None
+    if rows[0].submission_date < datetime.now(UTC) - IDEMPOTENCY_WINDOW:
+        await conn.execute(_FORGET_KEYS, {"ids": [row.id for row in rows]})
+        return None
+    if len(rows) != len(tasks):  # the key was used for a batch of another size
+        raise errors.invalid("Idempotency-Key", "already used for a different batch")
+    by_key = {row.idempotency_key: row for row in rows}
+    return [
+        Accepted(row.task_id, row.position, False, None)
+        for row in (by_key[t.idempotency_key] for t in tasks)
+    ]
 
 
 def _single_statement(new: NewTask) -> bool:
@@ -156,15 +221,16 @@ async def _count(conn: AsyncConnection[Any], query: str, params: dict[str, Any])
     return row[0]
 
 
-async def _check_capacity(conn: AsyncConnection[Any], new: NewTask) -> None:
-    """Under the service's capacity lock (taken by `_create`): the counts see every commit."""
+async def _check_capacity(conn: AsyncConnection[Any], new: NewTask, count: int = 1) -> None:
+    """Under the service's capacity lock: the counts see every commit. `count` tasks of
+    `new`'s service and client must all fit."""
     service = new.access.service
     params = {"service": service.name, "client_id": new.client_id}
     if service.capacity is not None:
-        if await _count(conn, _PENDING_SERVICE, params) >= service.capacity:
+        if await _count(conn, _PENDING_SERVICE, params) + count > service.capacity:
             raise errors.ApiError(errors.SERVICE_CAPACITY)
     if new.access.client_capacity is not None:
-        if await _count(conn, _PENDING_CLIENT, params) >= new.access.client_capacity:
+        if await _count(conn, _PENDING_CLIENT, params) + count > new.access.client_capacity:
             raise errors.ApiError(errors.CLIENT_CAPACITY)
 
 

@@ -1,0 +1,162 @@
+"""POST …/tasks/batch (SPEC §11.2): all or nothing, capacity for the whole batch,
+idempotency for the batch, its own size limit; every accepted task is published."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import httpx
+
+from tests.support.amqp import message_count, wait_until
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.processes import Processes
+
+SCHEMA = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}
+
+
+def _batch_url(gateway: GatewayProcess, service: str) -> str:
+    return gateway.tasks_url(service) + "/batch"
+
+
+def _count(platform: Platform, service: str) -> int:
+    return platform.sql("SELECT count(*) FROM tasks WHERE service = %(s)s", {"s": service})[0][0]
+
+
+def test_a_batch_is_accepted_in_order_and_published(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    svc = platform.service()
+    items = [{"body": {"n": i}} for i in range(100)]
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(_batch_url(gateway, svc.name), json={"tasks": items})
+        assert answer.status_code == 201, answer.text
+        tasks = answer.json()["data"]["tasks"]
+        assert [t["taskPosition"] for t in tasks] == list(range(1, 101))
+        assert len({t["taskId"] for t in tasks}) == 100
+        for i in (0, 57, 99):
+            polled = http.get(f"{gateway.tasks_url(svc.name)}/{tasks[i]['taskId']}").json()
+            assert polled["data"]["status"] == "PENDING"
+    stored = platform.sql(
+        "SELECT task_id::text, request FROM tasks WHERE service = %(s)s", {"s": svc.name}
+    )
+    assert {row[0]: row[1]["n"] for row in stored} == {t["taskId"]: i for i, t in enumerate(tasks)}
+    assert wait_until(lambda: message_count(amqp_url, f"{svc.queue_name}-in") == 100, 15)
+
+
+def test_one_invalid_item_refuses_the_whole_batch(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    svc = platform.service(jsonSchema=SCHEMA)
+    with gateway.http(svc.clients[0]) as http:
+        shape = http.post(
+            _batch_url(gateway, svc.name),
+            json={"tasks": [{"body": {"n": 1}}, {"body": {"n": 2}}, {"body": [1]}]},
+        )
+        schema = http.post(
+            _batch_url(gateway, svc.name),
+            json={"tasks": [{"body": {"n": 1}}, {"body": {"n": "two"}}]},
+        )
+        callback = http.post(
+            _batch_url(gateway, svc.name),
+            json={"tasks": [{"body": {"n": 1}, "callback": {"type": "https", "url": "nope"}}]},
+        )
+        unknown = http.post(
+            _batch_url(gateway, svc.name), json={"tasks": [{"body": {"n": 1}, "extra": 1}]}
+        )
+    assert (shape.status_code, shape.json()["error"]["number"]) == (400, 400002)
+    assert [e["path"] for e in shape.json()["error"]["errors"]] == ["tasks/2/body"]
+    assert (schema.status_code, schema.json()["error"]["number"]) == (400, 400001)
+    assert schema.json()["error"]["errors"][0]["path"] == "tasks/1/body/n"
+    assert callback.json()["error"]["number"] == 400002
+    assert callback.json()["error"]["errors"][0]["path"] == "tasks/0/callback.url"
+    assert unknown.json()["error"]["errors"][0]["path"] == "tasks/0/extra"
+    assert _count(platform, svc.name) == 0
+
+
+def test_the_list_itself_is_checked(gateway: GatewayProcess, platform: Platform) -> None:
+    svc = platform.service()
+    with gateway.http(svc.clients[0]) as http:
+        for payload in ({"tasks": []}, {"tasks": {}}, {}, {"tasks": [{"body": {}}], "x": 1}):
+            answer = http.post(_batch_url(gateway, svc.name), json=payload)
+            assert (answer.status_code, answer.json()["error"]["number"]) == (400, 400002)
+        too_many = http.post(_batch_url(gateway, svc.name), json={"tasks": [{"body": {}}] * 1001})
+        assert too_many.json()["error"]["errors"][0]["path"] == "tasks"
+    assert _count(platform, svc.name) == 0
+
+
+def test_capacity_counts_the_whole_batch(gateway: GatewayProcess, platform: Platform) -> None:
+    svc = platform.service(capacity=5)
+    limited = platform.service(client_capacity=3)
+    with gateway.http(svc.clients[0]) as http:
+        over = http.post(_batch_url(gateway, svc.name), json={"tasks": [{"body": {}}] * 6})
+        assert (over.status_code, over.json()["error"]["number"]) == (429, 429001)
+        fits = http.post(_batch_url(gateway, svc.name), json={"tasks": [{"body": {}}] * 5})
+        assert fits.status_code == 201
+    with gateway.http(limited.clients[0]) as http:
+        over = http.post(_batch_url(gateway, limited.name), json={"tasks": [{"body": {}}] * 4})
+        assert (over.status_code, over.json()["error"]["number"]) == (429, 429002)
+    assert _count(platform, svc.name) == 5
+    assert _count(platform, limited.name) == 0
+
+
+def test_two_batches_racing_for_the_last_places(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    svc = platform.service(capacity=10, clients=2)
+    answers: list[int] = []
+
+    def submit(client_index: int) -> None:
+        with gateway.http(svc.clients[client_index]) as http:
+            answer = http.post(_batch_url(gateway, svc.name), json={"tasks": [{"body": {}}] * 6})
+            answers.append(answer.status_code)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(answers) == [201, 429]
+    assert _count(platform, svc.name) == 6
+
+
+def test_idempotency_key_applies_to_the_batch(gateway: GatewayProcess, platform: Platform) -> None:
+    svc = platform.service()
+    key = {"Idempotency-Key": f"batch-{uuid.uuid4().hex}"}
+    items = {"tasks": [{"body": {"n": i}} for i in range(3)]}
+    with gateway.http(svc.clients[0]) as http:
+        first = http.post(_batch_url(gateway, svc.name), json=items, headers=key)
+        again = http.post(_batch_url(gateway, svc.name), json=items, headers=key)
+        other = http.post(
+            _batch_url(gateway, svc.name), json={"tasks": [{"body": {}}] * 2}, headers=key
+        )
+        single = http.post(gateway.tasks_url(svc.name), json={"body": {}}, headers=key)
+    assert first.status_code == 201 and again.status_code == 200
+    ids = [t["taskId"] for t in first.json()["data"]["tasks"]]
+    assert [t["taskId"] for t in again.json()["data"]["tasks"]] == ids
+    assert (other.status_code, other.json()["error"]["number"]) == (400, 400002)
+    assert single.status_code == 201 and single.json()["data"]["taskId"] not in ids
+    assert _count(platform, svc.name) == 4
+
+
+def test_its_own_size_limit(
+    platform: Platform, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    svc = platform.service()
+    env = gateway_env(database_url, amqp_url, CONVEYOR_MAX_BATCH_BYTES="2000")
+    gateway = GatewayProcess(procs, env, "gateway-small-batches", "--no-background")
+    with gateway.http(svc.clients[0]) as http:
+        big = http.post(
+            _batch_url(gateway, svc.name), json={"tasks": [{"body": {"x": "y" * 3000}}]}
+        )
+        small = http.post(_batch_url(gateway, svc.name), json={"tasks": [{"body": {}}]})
+        single = http.post(gateway.tasks_url(svc.name), json={"body": {"x": "y" * 3000}})
+    assert (big.status_code, big.json()["error"]["number"]) == (413, 413001)
+    assert small.status_code == 201
+    assert single.status_code == 201  # the single-task limit is another setting
+
+
+def test_openapi_documents_the_batch(gateway: GatewayProcess) -> None:
+    document = httpx.get(f"{gateway.url}/openapi.json").json()
+    batch = document["paths"]["/v1/services/{service}/tasks/batch"]["post"]
+    assert {"201", "200", "400", "403", "404", "413", "429"} <= set(batch["responses"])

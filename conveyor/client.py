@@ -115,6 +115,12 @@ def _submit_call(
     return _Call("POST", _tasks_path(service), payload, headers)
 
 
+def _batch_call(service: str, tasks: list[dict[str, Any]], idempotency_key: str | None) -> _Call:
+    """`tasks`: items as the API takes them, `{"body": {...}, "callback": {...}}`."""
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    return _Call("POST", f"{_tasks_path(service)}/batch", {"tasks": tasks}, headers)
+
+
 def _get_call(service: str, task_id: str) -> _Call:
     return _Call("GET", f"{_tasks_path(service)}/{quote(task_id, safe='')}")
 
@@ -161,6 +167,14 @@ def _parse_submitted(response: httpx.Response) -> Submitted:
         position=data.get("taskPosition"),
         created=response.status_code == 201,
     )
+
+
+def _parse_batch(response: httpx.Response) -> list[Submitted]:
+    created = response.status_code == 201
+    return [
+        Submitted(str(t["taskId"]), t.get("taskPosition"), created)
+        for t in _unwrap(response)["tasks"]
+    ]
 
 
 def _parse_task(response: httpx.Response) -> Task:
@@ -258,6 +272,12 @@ class ConveyorClient(_FromEnv):
             self._send(_submit_call(service, body, callback_url, idempotency_key))
         )
 
+    def submit_batch(
+        self, service: str, tasks: list[dict[str, Any]], idempotency_key: str | None = None
+    ) -> list[Submitted]:
+        """All or nothing; the answers are in the order of `tasks`."""
+        return _parse_batch(self._send(_batch_call(service, tasks, idempotency_key)))
+
     def get(self, service: str, task_id: str) -> Task:
         return _parse_task(self._send(_get_call(service, task_id)))
 
@@ -327,6 +347,12 @@ class AsyncConveyorClient(_FromEnv):
     ) -> Submitted:
         call = _submit_call(service, body, callback_url, idempotency_key)
         return _parse_submitted(await self._send(call))
+
+    async def submit_batch(
+        self, service: str, tasks: list[dict[str, Any]], idempotency_key: str | None = None
+    ) -> list[Submitted]:
+        """All or nothing; the answers are in the order of `tasks`."""
+        return _parse_batch(await self._send(_batch_call(service, tasks, idempotency_key)))
 
     async def get(self, service: str, task_id: str) -> Task:
         return _parse_task(await self._send(_get_call(service, task_id)))

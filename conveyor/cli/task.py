@@ -94,22 +94,37 @@ def reported_errors(gateway: str) -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
-def parse_body(text: str) -> dict[str, Any]:
-    """`--body` is JSON, `@file.json`, or `-` for stdin; it must be an object."""
+def _read_json(text: str, option: str) -> Any:
+    """JSON given inline, as `@file.json`, or `-` for stdin."""
     if text == "-":
         text = sys.stdin.read()
     elif text.startswith("@"):
         try:
             text = Path(text[1:]).read_text(encoding="utf-8")
         except OSError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--body") from None
+            raise typer.BadParameter(str(exc), param_hint=option) from None
     try:
-        body = json.loads(text)
+        return json.loads(text)
     except ValueError as exc:
-        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint="--body") from None
+        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint=option) from None
+
+
+def parse_body(text: str) -> dict[str, Any]:
+    """`--body` is JSON, `@file.json`, or `-` for stdin; it must be an object."""
+    body = _read_json(text, "--body")
     if not isinstance(body, dict):
         raise typer.BadParameter("must be a JSON object", param_hint="--body")
     return body
+
+
+def parse_batch(source: str) -> list[dict[str, Any]]:
+    """`--batch FILE` (or - for stdin): `{"tasks": [...]}`, or the list of tasks itself,
+    each `{"body": {...}}` with an optional `"callback"`."""
+    loaded = _read_json(source if source == "-" else f"@{source}", "--batch")
+    tasks = loaded.get("tasks") if isinstance(loaded, dict) else loaded
+    if not isinstance(tasks, list) or not all(isinstance(t, dict) for t in tasks):
+        raise typer.BadParameter('a list of {"body": {...}} objects', param_hint="--batch")
+    return tasks
 
 
 def resolve_target(targets: list[str], service: str | None) -> tuple[str, str]:
@@ -182,7 +197,15 @@ def watch_task(
 @app.command()
 def submit(
     service: Annotated[str, typer.Argument(help="Target service.")],
-    body: Annotated[str, typer.Option("--body", "-b", help="JSON object, @file or - (stdin).")],
+    body: Annotated[
+        str | None, typer.Option("--body", "-b", help="JSON object, @file or - (stdin).")
+    ] = None,
+    batch: Annotated[
+        str | None,
+        typer.Option(
+            "--batch", help='Submit many at once: a JSON file (or -) of [{"body": {...}}, ...].'
+        ),
+    ] = None,
     callback: Annotated[str | None, typer.Option("--callback", help="Callback URL.")] = None,
     idempotency_key: Annotated[str | None, typer.Option("--idempotency-key")] = None,
     wait: Annotated[
@@ -195,8 +218,18 @@ def submit(
     client_id: ClientIdOpt = "",
     client_secret: SecretOpt = "",
 ) -> None:
-    """Submit a task; print its id and position in the queue."""
+    """Submit a task (or a batch); print its id and position in the queue."""
     creds = Credentials(gateway, client_id, client_secret)
+    if (body is None) == (batch is None):
+        fail("give either --body or --batch", 2)
+    if batch is not None:
+        tasks = parse_batch(batch)
+        with reported_errors(gateway), creds.client() as client:
+            done = client.submit_batch(service, tasks, idempotency_key)
+        for each in done:
+            typer.echo(each.task_id if quiet else f"{each.task_id} {each.position}")
+        return
+    assert body is not None
     payload = parse_body(body)
     with reported_errors(gateway), creds.client() as client:
         submitted = client.submit(service, payload, callback, idempotency_key)

@@ -3,11 +3,18 @@ idempotency for the batch, its own size limit; every accepted task is published.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 import uuid
+from pathlib import Path
 
 import httpx
 
+from conveyor.client import AsyncConveyorClient, ConveyorClient, Submitted
 from tests.support.amqp import message_count, wait_until
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
@@ -160,3 +167,39 @@ def test_openapi_documents_the_batch(gateway: GatewayProcess) -> None:
     document = httpx.get(f"{gateway.url}/openapi.json").json()
     batch = document["paths"]["/v1/services/{service}/tasks/batch"]["post"]
     assert {"201", "200", "400", "403", "404", "413", "429"} <= set(batch["responses"])
+
+
+def test_the_cli_and_the_sdk_submit_batches(
+    gateway: GatewayProcess, platform: Platform, tmp_path: Path
+) -> None:
+    svc = platform.service()
+    client = svc.clients[0]
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps([{"body": {"n": i}} for i in range(3)]))
+    env = {
+        **os.environ,
+        "CONVEYOR_GATEWAY_URL": gateway.url,
+        "CONVEYOR_CLIENT_ID": client.client_id,
+        "CONVEYOR_CLIENT_SECRET": client.secret,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "task", "submit", svc.name, "--batch", str(batch)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert [int(position) for _, position in lines] == [1, 2, 3]
+
+    async def with_the_async_sdk() -> list[Submitted]:
+        async with AsyncConveyorClient(gateway.url, client.client_id, client.secret) as sdk:
+            return await sdk.submit_batch(svc.name, [{"body": {"n": 9}}] * 2)
+
+    with ConveyorClient(gateway.url, client.client_id, client.secret) as sdk:
+        sync = sdk.submit_batch(svc.name, [{"body": {"n": 5}}], idempotency_key="k1")
+        again = sdk.submit_batch(svc.name, [{"body": {"n": 5}}], idempotency_key="k1")
+    assert sync[0].created and not again[0].created and again[0].task_id == sync[0].task_id
+    assert [s.position for s in asyncio.run(with_the_async_sdk())] == [5, 6]
+    assert _count(platform, svc.name) == 6

@@ -127,6 +127,11 @@ class DispatcherSettings(BaseSettings):
     retry_backoff: float = Field(0.5, ge=0, validation_alias=_env("RETRY_BACKOFF"))
     retry_backoff_max: float = Field(30.0, ge=0, validation_alias=_env("RETRY_BACKOFF_MAX"))
     progress_interval: float = Field(0.5, ge=0, validation_alias=_env("PROGRESS_INTERVAL"))
+    # The longest answer read from the function: a longer one fails its task (RabbitMQ's own
+    # limit on a message, 128 MiB by default, must never be reached: it closes the channel).
+    max_response_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, validation_alias=_env("MAX_RESPONSE_BYTES")
+    )
     function_wait_timeout: float = Field(
         300.0, ge=0, validation_alias=_env("FUNCTION_WAIT_TIMEOUT")
     )

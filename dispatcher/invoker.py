@@ -13,12 +13,21 @@ CPU per call in a profile), are not wanted anyway.
 | answer                               | outcome                          |
 |--------------------------------------|----------------------------------|
 | 2xx                                  | Success(JSON body / string / None)|
+| 2xx, JSON nested too deep to carry   | Failure, final                   |
 | 4xx except 408, 429 (and 1xx, 3xx)   | Failure, final                   |
 | 408, 429, 5xx, network error         | Failure, retryable               |
+| no whole answer by the deadline      | Failure, retryable (time allowing)|
+| an answer over MAX_RESPONSE_BYTES    | Failure, final                   |
+
+Nothing a function answers may crash the dispatcher or the gateway downstream:
+the deadline bounds the whole call (a trickled answer included), the body is
+read up to a cap, and NUL characters, which PostgreSQL cannot store, become
+U+FFFD.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +39,17 @@ import httpx
 ERROR_LIMIT = 4096  # bytes of errorMessage kept, UTF-8
 RETRYABLE_STATUS = frozenset({408, 429})
 _ERROR_FIELDS = ("errorMessage", "error", "detail")
+MAX_DEPTH = 128  # deeper answers are refused, as the gateway refuses deeper requests
+NUL = "\x00"
+REPLACEMENT = "\ufffd"
+
+
+class Unparseable(ValueError):
+    """JSON that cannot be carried on: nested deeper than MAX_DEPTH."""
+
+
+class TooLarge(Exception):
+    """The answer is longer than the dispatcher's cap."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +112,10 @@ def rfc3339(moment: datetime) -> str:
 def classify(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Outcome:
     """SPEC §7 table. `headers` only matters for Retry-After."""
     if 200 <= status < 300:
-        return Success(response_value(body))
+        try:
+            return Success(response_value(body))
+        except Unparseable as exc:
+            return Failure(f"The function's answer could not be parsed: {exc}.", retryable=False)
     cause = f"HTTP {status}"
     message = error_message(body)
     if message:
@@ -115,13 +138,16 @@ def network_failure(exc: httpx.HTTPError) -> Failure:
 
 
 def response_value(body: bytes) -> Any:
-    """2xx body: JSON when it parses, else the text as a JSON string; empty -> None."""
+    """2xx body: JSON when it parses, else the text as a JSON string; empty -> None.
+    Raises Unparseable for JSON too deep to carry."""
     if not body.strip():
         return None
     try:
         return _strict_json(body)
+    except Unparseable:
+        raise
     except ValueError:
-        return body.decode("utf-8", errors="replace")
+        return _text(body)
 
 
 def error_message(body: bytes) -> str:
@@ -131,7 +157,7 @@ def error_message(body: bytes) -> str:
     try:
         payload = _strict_json(body)
     except ValueError:
-        return body.decode("utf-8", errors="replace").strip()
+        return _text(body).strip()
     if isinstance(payload, dict):
         for name in _ERROR_FIELDS:
             value = payload.get(name)
@@ -149,8 +175,46 @@ def truncate(text: str, limit: int = ERROR_LIMIT) -> str:
 
 
 def _strict_json(body: bytes) -> Any:
-    # NaN/Infinity are not JSON and could not be published as such.
-    return json.loads(body, parse_constant=_reject)
+    """NaN/Infinity are not JSON and could not be published as such; depth and NUL are
+    checked only when the bytes say they may matter (cheap for ordinary answers)."""
+    try:
+        value = json.loads(body, parse_constant=_reject)
+    except RecursionError:
+        raise Unparseable(f"nested deeper than {MAX_DEPTH} levels") from None
+    if b"\\u0000" in body or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
+        value = _storable(value)
+    return value
+
+
+def _text(body: bytes) -> str:
+    return body.decode("utf-8", errors="replace").replace(NUL, REPLACEMENT)
+
+
+def _storable(value: Any) -> Any:
+    """A copy without NUL characters, refused (Unparseable) past MAX_DEPTH; iterative,
+    so that no answer can exhaust the stack."""
+    root: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any, int]] = [(value, root, 0, 1)]
+    while stack:
+        item, parent, key, depth = stack.pop()
+        if isinstance(item, str):
+            parent[key] = item.replace(NUL, REPLACEMENT)
+        elif isinstance(item, dict | list):
+            if depth > MAX_DEPTH:
+                raise Unparseable(f"nested deeper than {MAX_DEPTH} levels")
+            if isinstance(item, dict):
+                copy: Any = {}
+                for k, v in item.items():
+                    clean = k.replace(NUL, REPLACEMENT)
+                    copy[clean] = None
+                    stack.append((v, copy, clean, depth + 1))
+            else:
+                copy = [None] * len(item)
+                stack.extend((v, copy, i, depth + 1) for i, v in enumerate(item))
+            parent[key] = copy
+        else:
+            parent[key] = item
+    return root[0]
 
 
 def _reject(name: str) -> Any:
@@ -164,8 +228,11 @@ def _reject(name: str) -> Any:
 class Invoker:
     """Calls FUNCTION_URL; one shared keep-alive client for the whole process."""
 
-    def __init__(self, function_url: str, concurrency: int) -> None:
+    def __init__(
+        self, function_url: str, concurrency: int, max_response_bytes: int = 8 * 1024 * 1024
+    ) -> None:
         self.url = httpx.URL(function_url)
+        self.max_response_bytes = max_response_bytes
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         # CA certificates are loaded only when they can be needed (~1 MB of RSS).
         verify = function_url.startswith("https:")
@@ -180,10 +247,38 @@ class Invoker:
             extensions={"timeout": httpx.Timeout(timeout).as_dict()},
         )
         try:
-            answer = await self._client.send(request)
+            # The deadline bounds the whole call: a function trickling its answer a byte at
+            # a time never trips httpx's per-read timeout.
+            async with asyncio.timeout(timeout):
+                answer = await self._client.send(request, stream=True)
+                try:
+                    body = await self._read(answer)
+                finally:
+                    await answer.aclose()  # closes the connection of an unread answer
+        except TimeoutError:
+            return Failure(
+                f"The function did not answer within the task timeout ({timeout:.3g} s left).",
+                retryable=True,
+            )
+        except TooLarge:
+            limit = self.max_response_bytes
+            return Failure(f"The function's answer exceeded {limit} bytes.", retryable=False)
         except httpx.HTTPError as exc:
             return network_failure(exc)
-        return classify(answer.status_code, answer.content, answer.headers)
+        return classify(answer.status_code, body, answer.headers)
+
+    async def _read(self, answer: httpx.Response) -> bytes:
+        declared = answer.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_response_bytes:
+            raise TooLarge
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in answer.aiter_bytes():
+            size += len(chunk)
+            if size > self.max_response_bytes:
+                raise TooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -64,7 +64,9 @@ class Dispatcher:
             name=f"conveyor-dispatcher {settings.hostname}",
         )
         self.probe = FunctionProbe(settings.function_url, settings.function_ready_url)
-        self.invoker = Invoker(settings.function_url, settings.concurrency)
+        self.invoker = Invoker(
+            settings.function_url, settings.concurrency, settings.max_response_bytes
+        )
         self.endpoints = Endpoints(self.board, self.metrics, self.readiness)
         self.servers: list[ApiServer] = []
         self.worker: Worker | None = None

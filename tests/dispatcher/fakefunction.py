@@ -13,7 +13,9 @@ every scenario of a test:
      "progress": [10, 50],          # POSTed to X-Conveyor-Progress-Url first
      "progressPause": 0.1,
      "response": {...},             # 2xx JSON body (default: {"echo": <body>})
-     "rawResponse": "text"}         # 2xx raw body instead
+     "rawResponse": "text",         # 2xx raw body instead
+     "hostile": "deep" | "trickle" | "huge",  # a hostile 2xx answer, see `hostile()`
+     "size": 1000000}               # bytes of a huge answer
 
 Every call is logged twice to the JSON-lines file: `"phase": "start"` with its
 headers and body when it arrives, `"phase": "end"` with the answer (and the
@@ -98,6 +100,10 @@ class Handler(BaseHTTPRequestHandler):
             progress_answers.append(post_progress(headers["x-conveyor-progress-url"], value))
             time.sleep(float(spec.get("progressPause", 0)))
 
+        if spec.get("hostile"):
+            self.journal.write({"phase": "end", "id": task_id, "call": call, "status": 200})
+            self._hostile(spec)
+            return
         statuses = spec.get("statuses") or [200]
         status = int(statuses[min(call, len(statuses)) - 1])
         extra: dict[str, str] = {}
@@ -121,6 +127,28 @@ class Handler(BaseHTTPRequestHandler):
             }
         )
         self._answer(status, payload, extra)
+
+    def _hostile(self, spec: dict[str, Any]) -> None:
+        """Answers no dispatcher should trust: 100,000-deep JSON, a body trickled one byte
+        a second, or a body of `size` bytes."""
+        kind = spec["hostile"]
+        try:
+            if kind == "deep":
+                self._answer(200, b"[" * 100_000 + b"]" * 100_000, {})
+            elif kind == "huge":
+                self._answer(200, b'"' + b"x" * int(spec.get("size", 1_000_000)) + b'"', {})
+            elif kind == "trickle":
+                payload = b'{"slow": "' + b"x" * 120 + b'"}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                for byte in payload:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(1.0)
+        except OSError:
+            self.journal.write({"phase": "disconnected", "id": self.headers.get("ce-id", "")})
 
     def _answer(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
         try:

@@ -1,0 +1,74 @@
+"""Functions that answer what no dispatcher should trust: the task still ends, with the
+function's failure, on its first delivery, and nothing else in flight is disturbed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conveyor.events import EventKind
+from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit, eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_trickled_answer_is_cut_at_the_task_timeout(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    began = time.monotonic()
+    task_id = await rabbit.submit({"hostile": "trickle"}, timeout=3, max_attempts=1)
+
+    done = await rabbit.wait_terminal(task_id, timeout=30)
+
+    assert done.kind is EventKind.FAILED
+    assert "did not answer within" in (done.error_message or "")
+    assert time.monotonic() - began < 20  # the trickle alone would take 130 s
+    await eventually(lambda: function.calls(task_id, phase="disconnected"), 10, "disconnect")
+
+
+async def test_deeply_nested_json_is_the_functions_failure_not_a_crash(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"hostile": "deep"})
+
+    done = await rabbit.wait_terminal(task_id)
+
+    assert done.kind is EventKind.FAILED
+    assert "could not be parsed" in (done.error_message or "")
+    assert len(function.calls(task_id)) == 1  # not requeued, not called again
+
+
+async def test_an_answer_over_the_cap_fails_its_task_only(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(function.url, max_response_bytes=100_000)
+    await dispatcher.wait_ready()
+    huge = await rabbit.submit({"hostile": "huge", "size": 5_000_000})
+    others = [await rabbit.submit({"sleep": 0.5, "response": {"n": i}}) for i in range(3)]
+
+    done = await rabbit.wait_terminal(huge)
+
+    assert done.kind is EventKind.FAILED
+    assert "exceeded 100000 bytes" in (done.error_message or "")
+    for i, other in enumerate(others):
+        finished = await rabbit.wait_terminal(other)
+        assert (finished.kind, finished.response) == (EventKind.SUCCEEDED, {"n": i})
+
+
+async def test_nul_bytes_are_replaced_so_the_result_can_be_stored(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    text = await rabbit.submit({"rawResponse": "a\x00b"})
+    inside = await rabbit.submit({"response": {"k\x00": ["x\x00y"]}})
+    error = await rabbit.submit({"statuses": [400], "error": {"errorMessage": "bad\x00input"}})
+
+    assert (await rabbit.wait_terminal(text)).response == "a\ufffdb"
+    assert (await rabbit.wait_terminal(inside)).response == {"k\ufffd": ["x\ufffdy"]}
+    assert (await rabbit.wait_terminal(error)).error_message == "bad\ufffdinput"

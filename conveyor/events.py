@@ -115,6 +115,9 @@ class TaskEvent:
     time: datetime | None = None
     event_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     traceparent: str | None = None
+    # False for a legacy message without a message id: `event_id` was made up on receipt,
+    # so a duplicate of the message cannot be recognised by it.
+    identified: bool = True
 
 
 # ---------------------------------------------------------------------------
@@ -381,6 +384,7 @@ def _decode_legacy_event(message: WireMessage) -> TaskEvent:
         attempt=None,
         time=None,
         event_id=message.message_id or str(uuid.uuid4()),
+        identified=bool(message.message_id),
     )
 
 
@@ -399,6 +403,7 @@ def _event_from_fields(
     attempt: str | None,
     time: datetime | None,
     event_id: str,
+    identified: bool = True,
 ) -> TaskEvent:
     fields: dict[str, Any] = {}
     if kind is EventKind.STARTED:
@@ -417,5 +422,6 @@ def _event_from_fields(
         attempt=attempt,
         time=time,
         event_id=event_id,
+        identified=identified,
         **fields,
     )

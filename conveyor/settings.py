@@ -70,6 +70,9 @@ class GatewaySettings(CommonSettings):
     publish_timeout: float = 5.0
     relay_interval: float = 1.0
     reaper_interval: float = 30.0
+    # An IN_PROGRESS task whose worker says nothing for its service's taskTimeout times maxAttempts
+    # plus this margin fails: its worker is gone, or its result was lost.
+    silence_margin: float = 300.0
     service_refresh_interval: float = 5.0
 
     @property

@@ -74,15 +74,26 @@ async def _delete_in_batches(
 
 
 async def reaper_loop(
-    pool: Pool, ttl: float, interval: float, on_expired: Callable[[], None]
+    pool: Pool,
+    ttl: float,
+    interval: float,
+    on_expired: Callable[[], None],
+    silence_margin: float = 300.0,
 ) -> None:
+    """Ends what nothing else would: PENDING past its time to live, and IN_PROGRESS tasks
+    whose worker has said nothing for longer than the service allows (the watchdog)."""
     while True:
         try:
-            async with pool.connection() as conn:  # autocommit: one statement
+            async with pool.connection() as conn:  # autocommit: one statement each
                 expired = await lifecycle.expire_pending(conn, ttl)
+                abandoned = await lifecycle.abandon_silent(conn, silence_margin)
             if expired:
                 metrics.REAPED.inc(expired)
                 log.info("expired pending tasks", extra={"count": expired})
+            if abandoned:
+                metrics.ABANDONED.inc(abandoned)
+                log.warning("failed silent in-progress tasks", extra={"count": abandoned})
+            if expired or abandoned:
                 on_expired()
         except Exception as exc:
             log.warning("reaper pass failed", extra={"error": repr(exc)})

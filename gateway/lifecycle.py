@@ -57,7 +57,8 @@ _STARTED = """
          WHERE task_id = %(task_id)s
            AND (status = 'PENDING'
                 OR (status = 'IN_PROGRESS' AND attempt_id IS DISTINCT FROM %(attempt)s
-                    AND start_date < %(time)s))
+                    AND start_date < %(time)s
+                    AND NOT (%(same_host_continues)s AND worker_host = %(host)s)))
         RETURNING task_id
     ), closed AS (
         UPDATE task_attempts a SET end_date = %(time)s, outcome = 'interrupted'
@@ -113,6 +114,14 @@ class Transition:
     params: dict[str, Any]
     changed: Applied
 
+    @property
+    def task_id(self) -> uuid.UUID:
+        return self.params["task_id"]
+
+    @property
+    def terminal(self) -> bool:
+        return self.changed is Applied.FINISHED
+
     def outcome(self, answer: tuple[int, int] | None) -> Outcome:
         changed, callbacks = answer or (0, 0)
         return Outcome(self.changed if changed else Applied.IGNORED, callbacks > 0)
@@ -134,8 +143,13 @@ def transition(event: TaskEvent) -> Transition:
                 "task_id": task_id,
                 "host": event.host,
                 "time": time,
-                # Legacy workers send no attempt id: each of their `started` is a new attempt.
+                # Legacy workers send no attempt id: each of their `started` is a new attempt,
                 "attempt": event.attempt or event.event_id,
+                # ... unless it has no message id either and comes from the host already
+                # running the task: then it cannot be told from a duplicate of the first
+                # (a republished or redelivered message), and taking a duplicate for a new
+                # attempt would reset the task's progress and start date.
+                "same_host_continues": event.attempt is None and not event.identified,
             }
             return Transition(_STARTED, params, Applied.CHANGED)
         case EventKind.PROGRESS:
@@ -144,7 +158,10 @@ def transition(event: TaskEvent) -> Transition:
         case EventKind.SUCCEEDED:
             return _finish(task_id, "SUCCESS", time, event.attempt, _jsonb(event.response), None)
         case EventKind.FAILED:
-            message = event.error_message or "The function failed without a message."
+            message = (event.error_message or "The function failed without a message.").replace(
+                "\x00",
+                "\ufffd",  # PostgreSQL text cannot hold NUL
+            )
             return _finish(task_id, "FAILURE", time, event.attempt, None, message)
     raise ValueError(f"no transition for {event.kind!r}")
 
@@ -204,3 +221,31 @@ _EXPIRE = """
 async def expire_pending(conn: psycopg.AsyncConnection[Any], ttl: float) -> int:
     """The reaper's transition: PENDING past its time to live becomes FAILURE."""
     return (await conn.execute(_EXPIRE, {"ttl": ttl})).rowcount
+
+
+# No sign of life (started, progress) for longer than every attempt the service allows, plus
+# a margin: the worker is gone without a word (its result was lost, or it never reported).
+_ABANDON = """
+    WITH task AS (
+        UPDATE tasks t
+           SET status = 'FAILURE', end_date = now(), updated_at = now(),
+               error_message = 'No result from the worker within the task''s time limit'
+                   || ' (taskTimeout times maxAttempts, plus ' || %(margin)s || ' s).',
+               notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
+          FROM services s
+         WHERE s.name = t.service AND t.status = 'IN_PROGRESS'
+           AND t.updated_at < now() - make_interval(
+                 secs => s.task_timeout * s.max_attempts + %(margin)s)
+        RETURNING t.task_id
+    ), history AS (
+        UPDATE task_attempts a SET end_date = now(), outcome = 'abandoned'
+          FROM task WHERE a.task_id = task.task_id AND a.end_date IS NULL
+    )
+    SELECT count(*) FROM task
+    """
+
+
+async def abandon_silent(conn: psycopg.AsyncConnection[Any], margin: float) -> int:
+    """The watchdog's transition: IN_PROGRESS with no word for too long becomes FAILURE."""
+    row = await (await conn.execute(_ABANDON, {"margin": margin})).fetchone()
+    return row[0] if row else 0

@@ -12,6 +12,18 @@ POISON = Counter("conveyor_gateway_poison_messages_total", "Messages set aside",
 DEAD_LETTERED = Counter("conveyor_gateway_dead_lettered_total", "Submissions from -dlq")
 NOTIFICATIONS = Counter("conveyor_gateway_notifications_total", "Callbacks", ["outcome"])
 REAPED = Counter("conveyor_gateway_reaped_total", "PENDING tasks failed by the reaper")
+ABANDONED = Counter(
+    "conveyor_gateway_abandoned_total", "IN_PROGRESS tasks failed by the watchdog (no result)"
+)
+BROKEN_TOPOLOGY = Counter(
+    "conveyor_gateway_broken_topology_total",
+    "Services whose queues exist with other arguments than the gateway declares",
+    ["service"],
+)
+BATCHES_HANDED_BACK = Counter(
+    "conveyor_gateway_result_batches_handed_back_total",
+    "Result batches nacked back to the broker after an unexpected error",
+)
 LOOP_RESTARTS = Counter(
     "conveyor_gateway_loop_restarts_total", "Background loops restarted after a crash", ["loop"]
 )

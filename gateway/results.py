@@ -2,11 +2,19 @@
 
 Events are applied in small batches, one transaction per batch, and acked only
 after the commit: the ack follows durability, and a crash in between only
-replays events that the state machine ignores the second time. A message that
-cannot be understood never blocks its queue: it is stored in `poison_messages`
-(the operator's view, in SQL), counted, and acked. A message the database
-refuses on its own (e.g. a response PostgreSQL cannot store) is retried alone,
-and set aside the same way if it fails alone.
+replays events that the state machine ignores the second time.
+
+Every message ends, and no service can stop another's:
+
+* a message that cannot be understood is stored in `poison_messages` (the
+  operator's view, in SQL), counted, and acked;
+* a batch the database refuses is applied one message at a time; a terminal
+  event it still refuses (a response PostgreSQL cannot store) fails its task
+  with the reason, so the task ends and its callback goes out;
+* an unreachable database is waited for (the batch is retried, never dropped);
+* each service's queues are declared and consumed on their own: one whose
+  queues were declared with other arguments is reported (`broken()`, /readyz,
+  metrics) and its existing queues are still consumed.
 """
 
 from __future__ import annotations
@@ -18,9 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aio_pika
 import psycopg
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from psycopg.types.json import Jsonb
+from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from conveyor import topology
 from conveyor.events import WireError, WireMessage, decode_event, decode_submission
@@ -80,6 +90,11 @@ class ResultConsumer:
         self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
         self._channel: AbstractChannel | None = None
         self._subscribed: dict[str, list[tuple[AbstractQueue, str]]] = {}  # service -> consumers
+        self._broken: dict[str, str] = {}  # service -> why its topology could not be declared
+
+    def broken(self) -> dict[str, str]:
+        """Services whose queues could not be declared as this gateway would, and why."""
+        return dict(self._broken)
 
     # -- subscriptions -----------------------------------------------------
 
@@ -104,27 +119,67 @@ class ResultConsumer:
         for name in set(self._subscribed) - set(services):
             for queue, tag in self._subscribed.pop(name):
                 await queue.cancel(tag)
+        for name in set(self._broken) - set(services):
+            del self._broken[name]
         for service in services.values():
             if service.name not in self._subscribed:
                 await self._subscribe(self._channel, service)
 
     async def _subscribe(self, channel: AbstractChannel, service: catalog.Service) -> None:
-        await topology.declare_service(
-            channel, service.queue_name, service.message_format, self.delivery_limit
-        )
+        """Declares the service's queues on a channel of their own (a refused declaration
+        closes the channel it was made on), then consumes its `-out` and `-dlq` if they
+        exist, whatever their arguments."""
+        missing = await self._declare(service)
         tags = []
         for name, dead in (
             (topology.out_queue(service.queue_name), False),
             (topology.dead_letter_queue(service.queue_name), True),
         ):
+            if name in missing:
+                continue
             # The queue object the robust channel registered when declaring it: its consumers
-            # are restored with the channel after a reconnection. (`get_queue(ensure=False)`
-            # gave an unregistered one: the channel came back without consumers, and every
-            # task stayed PENDING or IN_PROGRESS until the gateway restarted.)
+            # are restored with the channel after a reconnection.
             queue = await channel.declare_queue(name, passive=True)
             tags.append((queue, await queue.consume(self._receiver(name, dead))))
-        self._subscribed[service.name] = tags
-        log.info("consuming results", extra={"service": service.name})
+        if tags:
+            self._subscribed[service.name] = tags
+            log.info("consuming results", extra={"service": service.name})
+
+    async def _declare(self, service: catalog.Service) -> set[str]:
+        """The service's topology; on a refusal, which of its result queues do not exist."""
+        channel = await self.broker.channel()
+        try:
+            await topology.declare_service(
+                channel, service.queue_name, service.message_format, self.delivery_limit
+            )
+            self._broken.pop(service.name, None)
+            return set()
+        except aio_pika.exceptions.AMQPError as exc:
+            reason = str(exc)[:300] or exc.__class__.__name__
+            if self._broken.get(service.name) != reason:
+                metrics.BROKEN_TOPOLOGY.labels(service=service.name).inc()
+                log.error(
+                    "queues of a service declared with other arguments; consuming as they are",
+                    extra={"service": service.name, "error": reason},
+                )
+            self._broken[service.name] = reason
+        finally:
+            await _close_quietly(channel)
+        names = (
+            topology.out_queue(service.queue_name),
+            topology.dead_letter_queue(service.queue_name),
+        )
+        return {name for name in names if not await self._exists(name)}
+
+    async def _exists(self, name: str) -> bool:
+        channel = await self.broker.channel()
+        try:
+            await channel.declare_queue(name, passive=True)
+            return True
+        except aio_pika.exceptions.AMQPError:
+            return False
+        finally:
+            await _close_quietly(channel)
 
     def _receiver(self, queue: str, dead: bool) -> Callable[[AbstractIncomingMessage], Any]:
         async def receive(message: AbstractIncomingMessage) -> None:
@@ -153,22 +208,38 @@ class ResultConsumer:
             batch.append(self._inbox.get_nowait())
 
     async def process(self, batch: list[Delivery]) -> None:
-        delay = 0.5
-        while True:
-            try:
-                callbacks = await self._apply_together(batch)
-                break
-            except Exception as exc:
-                if not _transient(exc):
-                    callbacks = await self._apply_alone(batch)
-                    break
-                log.warning("database unavailable; batch retried", extra={"error": repr(exc)})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        """Applies a batch, waiting out database outages, then acks it. Never raises: a
+        batch that fails for an unexpected reason is handed back to the broker."""
+        try:
+            retrying = AsyncRetrying(
+                retry=retry_if_exception(_transient),
+                wait=wait_exponential(multiplier=0.5, max=10.0),
+                before_sleep=lambda state: log.warning(
+                    "database unavailable; batch retried",
+                    extra={"error": repr(state.outcome.exception() if state.outcome else None)},
+                ),
+            )
+            async for attempt in retrying:
+                with attempt:
+                    callbacks = await self._apply(batch)
+        except Exception:
+            log.exception("batch not applied; handed back", extra={"size": len(batch)})
+            metrics.BATCHES_HANDED_BACK.inc()
+            for delivery in batch:
+                await _settle(delivery.message.nack, requeue=True)
+            return
         for delivery in batch:
-            await _ack(delivery.message)
+            await _settle(delivery.message.ack)
         if callbacks:
             self.on_finished()
+
+    async def _apply(self, batch: list[Delivery]) -> bool:
+        try:
+            return await self._apply_together(batch)
+        except Exception as exc:
+            if _transient(exc):
+                raise
+            return await self._apply_alone(batch)
 
     async def _apply_together(self, batch: list[Delivery]) -> bool:
         """The batch in one transaction and one round trip (psycopg's pipeline mode):
@@ -188,6 +259,7 @@ class ResultConsumer:
         return callbacks
 
     async def _apply_alone(self, batch: list[Delivery]) -> bool:
+        """One message at a time, after the database refused the batch as a whole."""
         callbacks = False
         for delivery in batch:
             plan = self._plan(delivery)
@@ -202,11 +274,23 @@ class ResultConsumer:
             except Exception as exc:
                 if _transient(exc):
                     raise
-                async with self.pool.connection() as conn:
-                    await _set_aside(
-                        conn, delivery, f"database refused it: {exc.__class__.__name__}"
-                    )
+                callbacks |= await self._refused(delivery, plan, exc)
         return callbacks
+
+    async def _refused(
+        self, delivery: Delivery, plan: tuple[lifecycle.Transition, str] | str, exc: Exception
+    ) -> bool:
+        """A message the database refuses alone. A terminal event still ends its task:
+        FAILURE, saying why, rather than a task IN_PROGRESS forever."""
+        reason = f"database refused it: {exc.__class__.__name__}: {str(exc)[:200]}"
+        async with self.pool.connection() as conn, conn.transaction():
+            await _set_aside(conn, delivery, reason)
+            if isinstance(plan, str) or not plan[0].terminal:
+                return False
+            failed = lifecycle.failure(
+                plan[0].task_id, f"The function's result could not be stored ({reason})."
+            )
+            return _counted(plan[1], await lifecycle.apply(conn, failed))
 
     def _plan(self, delivery: Delivery) -> tuple[lifecycle.Transition, str] | str:
         """The transition a message asks for and its kind, or why it is poison."""
@@ -292,10 +376,10 @@ async def _close_quietly(channel: AbstractChannel) -> None:
         log.debug("closing a stale channel failed")
 
 
-async def _ack(message: AbstractIncomingMessage) -> None:
+async def _settle(action: Callable[..., Any], **options: Any) -> None:
     try:
-        await message.ack()
+        await action(**options)
     except Exception:
         # The channel died since delivery: the broker has already requeued it and will
         # redeliver; applying it again is a no-op.
-        log.debug("ack on a closed channel skipped")
+        log.debug("settling on a closed channel skipped")

@@ -93,7 +93,11 @@ class Runtime:
                 "results-apply": self.results.apply_loop,
                 "notifier": self.notifier.loop,
                 "reaper": lambda: reaper_loop(
-                    self.pool, s.pending_ttl, s.reaper_interval, self.notifier.wake
+                    self.pool,
+                    s.pending_ttl,
+                    s.reaper_interval,
+                    self.notifier.wake,
+                    s.silence_margin,
                 ),
             }
         for name, loop in loops.items():
@@ -126,8 +130,9 @@ class Runtime:
         }
 
     def problems(self) -> dict[str, dict[str, str]]:
-        """What /readyz names when something is down: loops waiting for a restart."""
-        return {"loops": self.loops.down()}
+        """What /readyz names: loops waiting for a restart, services whose queues exist with
+        other arguments (their results are still consumed)."""
+        return {"loops": self.loops.down(), "services": self.results.broken()}
 
     async def stop(self) -> None:
         if self._connecting is not None:

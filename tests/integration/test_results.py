@@ -23,11 +23,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiormq.exceptions
+import httpx
 import pytest
 
 from conveyor import topology
 from conveyor.events import (
     EventKind,
+    MessageFormat,
     Submission,
     TaskEvent,
     WireMessage,
@@ -40,6 +42,7 @@ from tests.support.amqp import (
     declare_like_seed_worker,
     message_count,
     publish,
+    publish_without_id,
     queues_of,
     raw_json,
     reject_until_dead_lettered,
@@ -477,3 +480,137 @@ def test_dead_lettered_submission_with_x_death_fails_its_task(
     wait_until(lambda: _poison(platform, dlq), what="garbage set aside")
     assert _poison(platform, dlq)[0][1] == b"\x00garbage"
     wait_until(lambda: _drained(amqp_url, dlq), what="-dlq drained")
+
+
+# -- every task ends: what the database refuses, broken topologies, silence ----------
+
+
+def test_a_terminal_event_the_database_refuses_fails_its_task(
+    gateway: GatewayProcess, svc: Service, legacy_svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """PostgreSQL cannot store NUL in jsonb: the task still ends, saying why."""
+    ce_task = _submit(gateway, svc, {"n": 1})
+    legacy_task = _submit(gateway, legacy_svc, {"n": 2})
+    sane = _submit(gateway, svc, {"n": 3})
+    _publish_events(
+        amqp_url,
+        svc,
+        _event(svc, EventKind.STARTED, ce_task, host="h", attempt="a1"),
+        _event(svc, EventKind.SUCCEEDED, ce_task, response={"text": "a\x00b"}, attempt="a1"),
+        _event(svc, EventKind.SUCCEEDED, sane, response={"ok": True}),
+    )
+    _legacy(
+        amqp_url,
+        legacy_svc,
+        {"taskId": legacy_task, "data": {"messageType": "success", "response": "x\x00y"}},
+    )
+    for service, task_id in ((svc, ce_task), (legacy_svc, legacy_task)):
+        data = _poll_until(gateway, service, task_id, status="FAILURE")
+        assert "result could not be stored" in data["errorMessage"]
+    assert _poll_until(gateway, svc, sane, status="SUCCESS")["response"] == {"ok": True}
+    refused = platform.sql(
+        "SELECT count(*) FROM poison_messages WHERE reason LIKE 'database refused it%%'"
+        " AND queue = ANY(%(q)s)",
+        {"q": [topology.out_queue(svc.queue_name), topology.out_queue(legacy_svc.queue_name)]},
+    )
+    assert refused[0][0] == 2  # kept for the operator too
+
+
+def test_an_error_message_with_nul_is_stored_readably(
+    gateway: GatewayProcess, legacy_svc: Service, amqp_url: str
+) -> None:
+    task_id = _submit(gateway, legacy_svc, {"n": 1})
+    failure = {"messageType": "failure", "errorMessage": "bad\x00input"}
+    _legacy(amqp_url, legacy_svc, {"taskId": task_id, "data": failure})
+    data = _poll_until(gateway, legacy_svc, task_id, status="FAILURE")
+    assert data["errorMessage"] == "bad\ufffdinput"
+
+
+def test_a_duplicated_legacy_started_does_not_reset_the_task(
+    gateway: GatewayProcess, legacy_svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    task_id = _submit(gateway, legacy_svc, {"n": 1})
+    started = {"taskId": task_id, "data": {"messageType": "started", "hostName": "worker-1"}}
+    out = topology.out_queue(legacy_svc.queue_name)
+    publish_without_id(amqp_url, out, json.dumps(started).encode())
+    first = _poll_until(gateway, legacy_svc, task_id, status="IN_PROGRESS")
+    _legacy(
+        amqp_url,
+        legacy_svc,
+        {"taskId": task_id, "data": {"messageType": "progress", "progress": 40}},
+    )
+    _poll_until(gateway, legacy_svc, task_id, progress=40.0)
+    publish_without_id(amqp_url, out, json.dumps(started).encode())  # a retrying worker's copy
+    wait_until(lambda: _drained(amqp_url, topology.out_queue(legacy_svc.queue_name)), 10)
+    time.sleep(0.5)
+    again = _poll(gateway, legacy_svc, task_id)
+    assert (again["progress"], again["startDate"]) == (40.0, first["startDate"])
+    # A redelivery to another host is a new attempt, as the seed requires.
+    elsewhere = {"taskId": task_id, "data": {"messageType": "started", "hostName": "worker-2"}}
+    _legacy(amqp_url, legacy_svc, elsewhere)
+    _poll_until(gateway, legacy_svc, task_id, progress=0.0)
+    assert _column(platform, task_id, "worker_host") == "worker-2"
+
+
+@pytest.mark.timeout(60)
+def test_one_services_broken_topology_stops_no_other(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    """A queue declared with another delivery limit (an earlier gateway's settings): the
+    refresh goes on with every other service, and this one's results are still consumed."""
+    import asyncio
+
+    import aio_pika
+
+    broken_name = f"svc-{uuid.uuid4().hex[:10]}"
+
+    async def declare_with_another_limit() -> None:
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await topology.declare_service(channel, broken_name, MessageFormat.CLOUDEVENTS, 99)
+
+    asyncio.run(declare_with_another_limit())
+    broken = platform.service(name=broken_name)
+    others = [_service(platform, amqp_url) for _ in range(2)]
+    try:
+        tasks = {s.name: _submit(gateway, s, {"n": 1}) for s in (broken, *others)}
+        for service in (broken, *others):
+            _publish_events(
+                amqp_url, service, _event(service, EventKind.SUCCEEDED, tasks[service.name])
+            )
+        for service in (broken, *others):
+            _poll_until(gateway, service, tasks[service.name], timeout=20, status="SUCCESS")
+        ready = httpx.get(f"{gateway.url}/readyz").json()
+        assert broken_name in ready["services"], ready
+        assert "PRECONDITION_FAILED" in ready["services"][broken_name]
+        metrics = httpx.get(f"{gateway.url}/metrics").text
+        assert f'conveyor_gateway_broken_topology_total{{service="{broken_name}"}}' in metrics
+    finally:
+        for service in (broken, *others):
+            remove_service(platform, amqp_url, service)
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdog_fails_a_task_whose_worker_went_silent(
+    platform: Platform, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    env = gateway_env(
+        database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="1", CONVEYOR_REAPER_INTERVAL="0.3"
+    )
+    watchdog = GatewayProcess(procs, env, "gateway-watchdog")
+    service = _service(platform, amqp_url, taskTimeout=1, maxAttempts=1)
+    try:
+        task_id = _submit(watchdog, service, {"n": 1})
+        _publish_events(amqp_url, service, _event(service, EventKind.STARTED, task_id, host="h"))
+        _poll_until(watchdog, service, task_id, status="IN_PROGRESS")
+        data = _poll_until(watchdog, service, task_id, timeout=20, status="FAILURE")
+        assert data["errorMessage"].startswith("No result from the worker")
+        outcome = platform.sql(
+            "SELECT outcome, end_date IS NOT NULL FROM task_attempts WHERE task_id = %(t)s",
+            {"t": task_id},
+        )
+        assert outcome == [("abandoned", True)]
+        assert "conveyor_gateway_abandoned_total 1.0" in httpx.get(f"{watchdog.url}/metrics").text
+    finally:
+        remove_service(platform, amqp_url, service)

@@ -85,6 +85,21 @@ async def _publish(url: str, queue: str, messages: Sequence[WireMessage]) -> Non
         )
 
 
+def publish_without_id(url: str, queue: str, body: bytes) -> None:
+    """As the seed's JS worker (amqplib) publishes: no message id at all. aio-pika always
+    adds one, so this goes through pika, which does not."""
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        properties = pika.BasicProperties(content_type="application/json", delivery_mode=2)
+        channel.basic_publish("", queue, body, properties, mandatory=True)
+    finally:
+        connection.close()
+
+
 def publish(url: str, queue: str, messages: Iterable[WireMessage]) -> None:
     """Publishes to `queue` through the default exchange; returns once the broker confirmed."""
     run_sync(_publish(url, queue, list(messages)))

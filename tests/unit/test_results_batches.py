@@ -1,0 +1,96 @@
+"""The results consumer never drops nor strands a batch: a database that goes away while
+a refused batch is applied one message at a time is waited for, then every message is
+applied and acked (before, the apply loop died and the batch stayed unacked forever)."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from conveyor.events import EventKind, TaskEvent, encode_event
+from gateway import results
+
+
+class Message:
+    def __init__(self, task_id: str) -> None:
+        wire = encode_event(TaskEvent(kind=EventKind.SUCCEEDED, task_id=task_id), "svc")
+        self.body, self.headers = wire.body, wire.headers
+        self.content_type, self.message_id = wire.content_type, wire.message_id
+        self.settled: list[str] = []
+
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+    async def nack(self, requeue: bool = True) -> None:
+        self.settled.append("nack")
+
+
+class Cursor:
+    async def fetchone(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+class Database:
+    """Refuses any batch of several statements (as for a value it cannot store), then is
+    unreachable for the first `outage` single statements."""
+
+    def __init__(self, outage: int) -> None:
+        self.outage = outage
+        self.applied: list[uuid.UUID] = []
+        self._pipelined = False
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[Database]:
+        yield self
+
+    @contextlib.asynccontextmanager
+    async def pipeline(self) -> AsyncIterator[None]:
+        self._pipelined = True
+        try:
+            yield
+        finally:
+            self._pipelined = False
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        yield
+
+    async def execute(self, sql: str, params: dict[str, Any]) -> Cursor:
+        if self._pipelined:
+            raise psycopg.errors.DataError("refused as a batch")
+        if self.outage:
+            self.outage -= 1
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        self.applied.append(params["task_id"])
+        return Cursor()
+
+
+@pytest.mark.parametrize("outage", [0, 3])
+async def test_a_database_outage_in_the_one_by_one_path_is_waited_for(outage: int) -> None:
+    database = Database(outage)
+    consumer = results.ResultConsumer(database, broker=None, delivery_limit=5)  # type: ignore[arg-type]
+    ids = [str(uuid.uuid4()) for _ in range(3)]
+    batch = [results.Delivery("svc-out", False, Message(i)) for i in ids]  # type: ignore[arg-type]
+
+    await consumer.process(batch)  # returns: it neither raises nor leaves the batch unsettled
+
+    assert [str(t) for t in database.applied] == ids
+    assert [d.message.settled for d in batch] == [["ack"]] * 3  # type: ignore[attr-defined]
+
+
+async def test_an_unexpected_error_hands_the_batch_back() -> None:
+    class Broken(Database):
+        async def execute(self, sql: str, params: dict[str, Any]) -> Cursor:
+            raise RuntimeError("a bug")
+
+    consumer = results.ResultConsumer(Broken(0), broker=None, delivery_limit=5)  # type: ignore[arg-type]
+    batch = [results.Delivery("svc-out", False, Message(str(uuid.uuid4())))]  # type: ignore[arg-type]
+
+    await consumer.process(batch)
+
+    assert batch[0].message.settled == ["nack"]  # type: ignore[attr-defined]

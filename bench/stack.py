@@ -208,6 +208,7 @@ def gateway_env(database_url: str, **extra: str) -> dict[str, str]:
         "CONVEYOR_DATABASE_URL": database_url,
         "CONVEYOR_AMQP_URL": AMQP_URL,
         "CONVEYOR_SERVICE_REFRESH_INTERVAL": "0.5",
+        "CONVEYOR_CALLBACK_SIGNING_SECRET": "benchmark-signing-secret",
         "CONVEYOR_LOG_FORMAT": "json",
         **extra,
     }

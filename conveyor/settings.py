@@ -58,7 +58,8 @@ class GatewaySettings(CommonSettings):
     # Tasks of any status older than this are purged whatever their service says.
     purge_max_age: float = 90 * 24 * 3600
     purge_batch_size: int = 5000
-    callback_signing_secret: str = "change-me"
+    # Signs every callback (HMAC-SHA256); the gateway refuses to start without a real one.
+    callback_signing_secret: str = ""
     callback_allow_http: bool = False
     callback_allow_private: bool = False
     # Comma-separated host names exempt from the SSRF guard.
@@ -66,6 +67,10 @@ class GatewaySettings(CommonSettings):
     callback_timeout: float = 10.0
     callback_attempts: int = 3
     callback_backoff: float = 1.0
+    # Callbacks delivered at once by one gateway: a slow target holds one slot, not the rest.
+    callback_concurrency: int = 20
+    # A claimed callback is renewed while it is delivered; a dead replica's go out after this.
+    callback_lease: float = 30.0
     # How long the broker may take to confirm a publish (and, first, to reconnect if it must).
     publish_timeout: float = 5.0
     relay_interval: float = 1.0
@@ -84,6 +89,17 @@ class GatewaySettings(CommonSettings):
         publish a second copy of a submission whose confirm is merely slow.
         """
         return 2 * self.publish_timeout + 1.0
+
+    def signing_secret_problem(self) -> str | None:
+        """Why the callback signing secret is unfit to run a gateway with, if it is."""
+        secret = self.callback_signing_secret
+        if not secret or secret == "change-me":
+            return (
+                "CONVEYOR_CALLBACK_SIGNING_SECRET is not set: consumers could not verify callbacks"
+            )
+        if len(secret) < 16:
+            return "CONVEYOR_CALLBACK_SIGNING_SECRET must be at least 16 characters"
+        return None
 
     @field_validator("database_url")
     @classmethod

@@ -4,7 +4,9 @@ The gateway sits inside the cluster, so a callback URL is an attacker-chosen
 request from a privileged place. A URL is refused when any address its host
 resolves to is loopback, private, link-local (which includes cloud metadata
 endpoints), multicast, reserved or unspecified — at submission, and again at
-delivery, since DNS answers change. Redirects are never followed.
+delivery, since DNS answers change; at delivery the call then goes to the
+address that was checked (`destination`), never to a second resolution.
+Redirects are never followed.
 
 Signatures follow Stripe's scheme so consumers can reuse known verifiers:
 `X-Conveyor-Signature: t=<unix>,v1=<hex hmac-sha256(secret, "<t>.<body>")>`.
@@ -18,8 +20,11 @@ import hmac
 import ipaddress
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
+
+import httpx
 
 SIGNATURE_HEADER = "X-Conveyor-Signature"
 
@@ -52,7 +57,8 @@ def check_shape(callback: object, policy: CallbackPolicy) -> tuple[str, str]:
     try:
         parts = urlsplit(url)
         _ = parts.port  # raises on a malformed port
-    except ValueError:
+        httpx.URL(url)  # what will send it: control characters, bad hosts
+    except (ValueError, httpx.InvalidURL):
         raise CallbackRefused("callback url is not a valid URL") from None
     # `type` names the mechanism (an HTTP call); the URL's scheme says whether it is TLS.
     if parts.scheme not in allowed_types:
@@ -106,6 +112,33 @@ async def check_destination(url: str, policy: CallbackPolicy) -> None:
     for address in await resolve(host, parts.port):
         if forbidden_address(address):
             raise CallbackRefused("callback host resolves to a forbidden address")
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where to send a callback: the URL with its host replaced by the checked address, the
+    `Host` header and, for TLS, the name to present and verify (SNI)."""
+
+    url: httpx.URL
+    headers: dict[str, str] = field(default_factory=dict)
+    extensions: dict[str, Any] = field(default_factory=dict)
+
+
+async def destination(url: str, policy: CallbackPolicy) -> Destination:
+    """Resolves the URL's host once, checks every address, and pins the call to one."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        raise CallbackRefused("callback url is not a valid URL") from None
+    host = parsed.host.lower()
+    if not host or host in policy.allowed_hosts or policy.allow_private:
+        return Destination(parsed)
+    addresses = await resolve(host, parsed.port)
+    if not addresses or any(forbidden_address(a) for a in addresses):
+        raise CallbackRefused("callback host resolves to a forbidden address")
+    netloc = parsed.netloc.decode("ascii")
+    extensions = {"sni_hostname": host} if parsed.scheme == "https" else {}
+    return Destination(parsed.copy_with(host=addresses[0]), {"Host": netloc}, extensions)
 
 
 async def check_callback(callback: object, policy: CallbackPolicy) -> dict[str, str]:

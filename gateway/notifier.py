@@ -2,9 +2,17 @@
 
 Pending notifications live in the database (`notification_status = 'PENDING'`,
 set in the same UPDATE that finishes the task), so a gateway restart loses
-none. Rows are claimed with a lease and `FOR UPDATE SKIP LOCKED`, so replicas
-share the work without sending twice. Each notification gets a bounded number
-of attempts with exponential backoff (tenacity), then its outcome is recorded.
+none. Rows are claimed with a short lease and `FOR UPDATE SKIP LOCKED`, so
+replicas share the work without sending twice; the lease is renewed while a
+delivery is in progress, so the callbacks of a replica that dies are taken
+over within one lease.
+
+A callback target is someone else's server, so none may hold the notifier up:
+each attempt has a total deadline (a target trickling its answer included), only
+the status line is read, and deliveries run in a bounded pool that the claim
+loop never waits on as a whole. Each notification gets a bounded number of
+attempts with exponential backoff (tenacity); then its outcome is recorded,
+whatever went wrong.
 """
 
 from __future__ import annotations
@@ -12,16 +20,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from typing import Any
 
 import httpx
-from sqlalchemy import text
-from sqlalchemy.exc import InterfaceError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import (
     AsyncRetrying,
-    RetryError,
+    retry_if_exception,
     retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
@@ -29,36 +33,37 @@ from tenacity import (
 )
 
 from gateway import callbacks, metrics
+from gateway.pgpool import CONNECTION_ERRORS, Pool
 from gateway.store import task_view
 
 log = logging.getLogger("conveyor.gateway.notifier")
 
-RECORD_PATIENCE = 60.0  # seconds; the claim lease covers it, so no replica re-sends meanwhile
+RECORD_PATIENCE = 60.0  # seconds to wait out a database outage before giving a result up
 # The result consumer wakes the notifier after every batch that finished a task, callback or
 # not: under load, wake-ups are coalesced into at most one claim pass per WAKE_GAP seconds.
 WAKE_GAP = 0.05
 
-_CLAIM = text(
-    """
+_CLAIM = """
     UPDATE tasks
-       SET notify_claimed_until = now() + make_interval(secs => :lease),
+       SET notify_claimed_until = now() + make_interval(secs => %(lease)s),
            notification_attempts = notification_attempts + 1
      WHERE id IN (
              SELECT id FROM tasks
               WHERE notification_status = 'PENDING'
                 AND (notify_claimed_until IS NULL OR notify_claimed_until < now())
-              ORDER BY id LIMIT :limit
+              ORDER BY id LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED)
     RETURNING id, task_id, status, submission_date, start_date, end_date, progress, response,
               error_message, callback
     """
-)
-_RECORD = text(
+_RENEW = """
+    UPDATE tasks SET notify_claimed_until = now() + make_interval(secs => %(lease)s)
+     WHERE id = ANY(%(ids)s) AND notification_status = 'PENDING'
     """
-    UPDATE tasks SET notification_status = :outcome, notify_claimed_until = NULL
-     WHERE id = :id AND notification_status = 'PENDING'
+_RECORD = """
+    UPDATE tasks SET notification_status = %(outcome)s, notify_claimed_until = NULL
+     WHERE id = %(id)s AND notification_status = 'PENDING'
     """
-)
 
 
 class CallbackFailed(Exception):
@@ -68,59 +73,87 @@ class CallbackFailed(Exception):
 class Notifier:
     def __init__(
         self,
-        engine: AsyncEngine,
+        pool: Pool,
         policy: callbacks.CallbackPolicy,
         signing_secret: str,
         attempts: int = 3,
         backoff: float = 1.0,
         timeout: float = 10.0,
-        batch: int = 50,
+        concurrency: int = 20,
+        lease: float = 30.0,
     ) -> None:
-        self.engine = engine
+        self.pool = pool
         self.policy = policy
         self.signing_secret = signing_secret
         self.attempts = attempts
         self.backoff = backoff
-        self.timeout = timeout
-        self.batch = batch
+        self.timeout = timeout  # the whole of one attempt: connect, send, status line
+        self.concurrency = concurrency
+        self.lease = lease
         self._wakeup = asyncio.Event()
-        self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=False)
+        self._deliveries: dict[int, asyncio.Task[None]] = {}  # row id -> its delivery
+        self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False)
 
     def wake(self) -> None:
         self._wakeup.set()
 
     async def loop(self, idle: float = 1.0) -> None:
-        while True:
-            started = time.monotonic()
-            try:
-                while await self.run_once() >= self.batch:
+        """Claims while there is room in the pool, and keeps the claims' leases alive."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._keep_leases())
+            while True:
+                await self.claim()
+                await asyncio.sleep(WAKE_GAP)
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), idle)
+                except TimeoutError:
                     pass
-            except Exception as exc:
-                log.warning("notifier pass failed", extra={"error": repr(exc)})
-            await asyncio.sleep(max(0.0, WAKE_GAP - (time.monotonic() - started)))
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), idle)
-            except TimeoutError:
-                pass
-            self._wakeup.clear()
+                self._wakeup.clear()
 
-    async def run_once(self) -> int:
-        lease = (
-            self.attempts * (self.timeout + self.backoff * 2**self.attempts) + 30 + RECORD_PATIENCE
-        )
-        async with self.engine.begin() as conn:
-            rows = (await conn.execute(_CLAIM, {"lease": lease, "limit": self.batch})).all()
-        if rows:
-            await asyncio.gather(*(self._notify(row) for row in rows))
+    async def claim(self) -> int:
+        """Claims as many notifications as there are free delivery slots; starts them."""
+        room = self.concurrency - len(self._deliveries)
+        if room <= 0:
+            return 0
+        async with self.pool.connection() as conn:
+            cursor = await conn.execute(_CLAIM, {"lease": self.lease, "limit": room})
+            rows = await cursor.fetchall()
+        for row in rows:
+            task = asyncio.create_task(self._notify(row))
+            self._deliveries[row.id] = task
+            task.add_done_callback(lambda _, row_id=row.id: self._done(row_id))
         return len(rows)
+
+    async def drain(self) -> None:
+        """Waits for the deliveries in progress (tests, shutdown)."""
+        while self._deliveries:
+            await asyncio.gather(*self._deliveries.values(), return_exceptions=True)
+
+    def _done(self, row_id: int) -> None:
+        self._deliveries.pop(row_id, None)
+        self._wakeup.set()  # a slot is free
+
+    async def _keep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            if not self._deliveries:
+                continue
+            try:
+                async with self.pool.connection() as conn:
+                    await conn.execute(_RENEW, {"lease": self.lease, "ids": list(self._deliveries)})
+            except CONNECTION_ERRORS as exc:
+                log.warning("could not renew callback leases", extra={"error": repr(exc)})
 
     async def _notify(self, row: Any) -> None:
         outcome = "SUCCESS"
         try:
             await self._deliver(row.callback["url"], task_view(row))
-        except (CallbackFailed, callbacks.CallbackRefused, RetryError) as exc:
+        except (
+            Exception
+        ) as exc:  # whatever happens, the outcome is recorded: nothing retries forever
             outcome = "FAILURE"
-            log.info("callback failed", extra={"task_id": str(row.task_id), "reason": str(exc)})
+            reason = str(exc) or exc.__class__.__name__
+            log.info("callback failed", extra={"task_id": str(row.task_id), "reason": reason})
         metrics.NOTIFICATIONS.labels(outcome=outcome).inc()
         await self._record(row.id, outcome)
 
@@ -130,40 +163,56 @@ class Notifier:
         retrying = AsyncRetrying(
             stop=stop_after_delay(RECORD_PATIENCE),
             wait=wait_exponential(multiplier=0.2, max=5),
-            retry=retry_if_exception_type((OperationalError, InterfaceError)),
+            retry=retry_if_exception_type(CONNECTION_ERRORS),
             reraise=True,
         )
-        async for attempt in retrying:
-            with attempt:
-                async with self.engine.begin() as conn:
-                    await conn.execute(_RECORD, {"id": row_id, "outcome": outcome})
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    async with self.pool.connection() as conn:
+                        await conn.execute(_RECORD, {"id": row_id, "outcome": outcome})
+        except CONNECTION_ERRORS:
+            log.warning("callback outcome not recorded; its lease will expire")
 
     async def _deliver(self, url: str, data: dict[str, Any]) -> None:
         body = json.dumps(data, separators=(",", ":")).encode()
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.attempts),
             wait=wait_exponential(multiplier=self.backoff, max=30),
-            retry=retry_if_exception_type(CallbackFailed),  # a refused URL is final
-            reraise=True,
+            retry=retry_if_exception(lambda exc: isinstance(exc, CallbackFailed)),
+            reraise=True,  # a refused URL is final
         )
         async for attempt in retrying:
             with attempt:
-                # Re-checked at each attempt: a DNS answer may have changed since submission.
-                await callbacks.check_destination(url, self.policy)
-                await self._post(url, body)
+                # Resolved and checked at each attempt, and the connection goes to the very
+                # address that was checked: a DNS answer that changes in between (rebinding)
+                # cannot lead the call anywhere else.
+                target = await callbacks.destination(url, self.policy)
+                await self._post(target, body)
 
-    async def _post(self, url: str, body: bytes) -> None:
+    async def _post(self, target: callbacks.Destination, body: bytes) -> None:
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "conveyor-notifier",
             callbacks.SIGNATURE_HEADER: callbacks.sign(self.signing_secret, body),
+            **target.headers,
         }
+        request = self._client.build_request(
+            "POST", target.url, content=body, headers=headers, extensions=target.extensions
+        )
         try:
-            answer = await self._client.post(url, content=body, headers=headers)
+            async with asyncio.timeout(self.timeout):
+                answer = await self._client.send(request, stream=True)
+                await answer.aclose()  # the status is all we need: the body is never read
+        except TimeoutError:
+            raise CallbackFailed(f"no answer within {self.timeout:g} s") from None
         except httpx.HTTPError as exc:
             raise CallbackFailed(f"network error: {exc.__class__.__name__}") from None
         if not 200 <= answer.status_code < 300:
             raise CallbackFailed(f"answered {answer.status_code}")
 
     async def close(self) -> None:
+        for task in list(self._deliveries.values()):
+            task.cancel()
+        await asyncio.gather(*self._deliveries.values(), return_exceptions=True)
         await self._client.aclose()

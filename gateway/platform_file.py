@@ -79,6 +79,9 @@ class GrantSpec(BaseModel):
     capacity: int | None = Field(None, ge=0)
 
 
+MAX_SECRET_BYTES = 72  # bcrypt reads no further (and bcrypt 5 refuses longer secrets)
+
+
 class ClientSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str
@@ -92,6 +95,8 @@ class ClientSpec(BaseModel):
     def _one_secret(self) -> ClientSpec:
         if (self.secret is None) == (self.secretHash is None):
             raise ValueError("give exactly one of secret or secretHash")
+        if self.secret is not None and len(self.secret.encode()) > MAX_SECRET_BYTES:
+            raise ValueError(f"secret is longer than bcrypt's {MAX_SECRET_BYTES} bytes")
         if self.secretHash is not None and not self.secretHash.startswith("$2"):
             raise ValueError("secretHash must be a bcrypt hash ($2b$...)")
         return self

@@ -19,7 +19,6 @@ from gateway.auth import Authenticator
 from gateway.broker import Broker
 from gateway.callbacks import CallbackPolicy
 from gateway.catalog import SchemaCache
-from gateway.db import create_engine
 from gateway.housekeeping import reaper_loop
 from gateway.intake import Intake
 from gateway.notifier import Notifier
@@ -34,7 +33,6 @@ log = logging.getLogger("conveyor.gateway")
 class Runtime:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.engine = create_engine(settings)
         self.pool = Pool(settings.database_url, settings.db_pool_size)  # the API's hot path
         self.intake = Intake(self.pool)
         self.access = AccessCache(self.pool, settings.database_url)
@@ -54,12 +52,14 @@ class Runtime:
             self.pool, self.broker, grace=settings.outbox_grace, interval=settings.relay_interval
         )
         self.notifier = Notifier(
-            self.engine,
+            self.pool,
             self.policy,
             settings.callback_signing_secret,
             attempts=settings.callback_attempts,
             backoff=settings.callback_backoff,
             timeout=settings.callback_timeout,
+            concurrency=settings.callback_concurrency,
+            lease=settings.callback_lease,
         )
         self.results = ResultConsumer(
             self.pool,
@@ -144,4 +144,3 @@ class Runtime:
         await self.notifier.close()
         await self.broker.close()
         await self.pool.close()
-        await self.engine.dispose()

@@ -80,7 +80,13 @@ def setup_steps() -> list[list[str]]:
 
 def platform_programs(ports: Ports) -> list[Program]:
     conveyor = conveyor_command()
-    gateway_env = {"CONVEYOR_CALLBACK_ALLOW_HTTP": "1", "CONVEYOR_CALLBACK_ALLOW_PRIVATE": "1"}
+    gateway_env = {
+        "CONVEYOR_CALLBACK_ALLOW_HTTP": "1",
+        "CONVEYOR_CALLBACK_ALLOW_PRIVATE": "1",
+        # A local platform's own secret, unless one is given (production sets a real one).
+        "CONVEYOR_CALLBACK_SIGNING_SECRET": os.environ.get("CONVEYOR_CALLBACK_SIGNING_SECRET")
+        or "local-development-signing-secret",
+    }
     dispatcher_env = {
         "CONVEYOR_QUEUE": "sleeper",
         "FUNCTION_URL": f"http://127.0.0.1:{ports.function}/",

@@ -32,6 +32,10 @@ def gateway(
     logs.configure(settings.log_level, settings.log_format)
     if no_background and only_background:
         raise typer.BadParameter("--no-background and --only-background exclude each other")
+    problem = settings.signing_secret_problem()
+    if problem:
+        typer.echo(f"error: {problem} (e.g. export it from `openssl rand -hex 32`)", err=True)
+        raise typer.Exit(2)
     import uvicorn
 
     from gateway.app import create_app

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,16 +43,22 @@ class Received:
     body: bytes
 
 
+# Hostile answers a script may hold instead of a status.
+HANG = "hang"  # read the request, never answer
+TRICKLE = "trickle"  # the status line, one byte a second
+ENDLESS = "endless"  # 200, then a body that never ends
+
+
 @dataclass
 class Hook:
     """A consumer's callback endpoint: answers `script` in turn, then its last answer."""
 
-    script: list[int]
+    script: list[int | str]
     location: str | None = None
     received: list[Received] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def answer(self, request: Received) -> int:
+    def answer(self, request: Received) -> int | str:
         with self.lock:
             self.received.append(request)
             return self.script[min(len(self.received), len(self.script)) - 1]
@@ -67,11 +74,31 @@ def _handler(hook: Hook) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length", 0))
             request = Received(self.path, dict(self.headers.items()), self.rfile.read(length))
             status = hook.answer(request)
+            if isinstance(status, str):
+                self._hostile(status)
+                return
             self.send_response(status)
             if hook.location and 300 <= status < 400:
                 self.send_header("Location", hook.location)
             self.send_header("Content-Length", "0")
             self.end_headers()
+
+        def _hostile(self, kind: str) -> None:
+            try:
+                if kind == HANG:
+                    time.sleep(120)
+                elif kind == TRICKLE:
+                    for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(1)
+                elif kind == ENDLESS:
+                    self.send_response(200)
+                    self.end_headers()
+                    while True:
+                        self.wfile.write(b"x" * 65536)
+            except OSError:
+                pass  # the notifier hung up: what it should do
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -83,7 +110,7 @@ def _handler(hook: Hook) -> type[BaseHTTPRequestHandler]:
 def serve() -> Iterator[Any]:
     servers: list[ThreadingHTTPServer] = []
 
-    def start(*script: int, redirect_to: str | None = None) -> tuple[Hook, int]:
+    def start(*script: int | str, redirect_to: str | None = None) -> tuple[Hook, int]:
         hook = Hook(list(script))
         server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hook))
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -258,6 +285,107 @@ def test_pending_notification_survives_a_restart(
             (request,) = hook.requests()
             assert json.loads(request.body)["taskId"] == task_id
             assert verify(SECRET, request.body, request.headers[SIGNATURE_HEADER])
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
+# -- hostile targets, bad URLs, dead replicas ------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_a_slow_target_delays_no_other_callback(
+    database_url: str, amqp_url: str, procs: Processes, serve: Any
+) -> None:
+    """A trickling, a hanging and an endless target, and a normal one: the normal one is
+    delivered at once; the slow ones end after their attempts, each bounded by the timeout."""
+    trickle, trickle_port = serve(TRICKLE)
+    hang, hang_port = serve(HANG)
+    _, endless_port = serve(ENDLESS)
+    _, fast_port = serve(200)
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        env = gateway_env(
+            url,
+            amqp_url,
+            CONVEYOR_CALLBACK_TIMEOUT="2",
+            CONVEYOR_CALLBACK_ATTEMPTS="2",
+            CONVEYOR_CALLBACK_BACKOFF="0.1",
+        )
+        try:
+            gateway = GatewayProcess(procs, env, "gateway-notifier")
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            slow = [
+                _submit(gateway, svc, f"http://localhost:{port}/hook")
+                for port in (trickle_port, hang_port)
+            ]
+            unread = _submit(gateway, svc, f"http://localhost:{endless_port}/hook")
+            normal = _submit(gateway, svc, f"http://localhost:{fast_port}/hook")
+            for task_id in (*slow, unread, normal):
+                _finish_by_sql(platform, task_id)
+
+            assert _wait_notified(platform, normal) == "SUCCESS"
+            assert [_notification(platform, t) for t in slow] == ["PENDING", "PENDING"]
+            assert _wait_notified(platform, unread) == "SUCCESS"  # the status is enough
+            for task_id in slow:
+                assert _wait_notified(platform, task_id, timeout=30) == "FAILURE"
+            assert len(trickle.requests()) == len(hang.requests()) == 2
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
+def test_a_callback_url_with_a_control_character_is_refused_at_submission(
+    gateway: GatewayProcess, svc: Service
+) -> None:
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(
+            gateway.tasks_url(svc.name),
+            json={"body": {}, "callback": {"type": "http", "url": "http://localhost/a\x01"}},
+        )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["number"] == 400002
+    assert answer.json()["error"]["errors"][0]["path"] == "callback.url"
+
+
+@pytest.mark.timeout(60)
+def test_a_stored_url_that_cannot_be_sent_is_recorded_as_failed(
+    gateway: GatewayProcess, svc: Service, platform: Platform, serve: Any
+) -> None:
+    """A row written before URLs were checked this way: its notification still ends."""
+    hook, port = serve(200)
+    task_id = _submit(gateway, svc, f"http://localhost:{port}/hook")
+    _finish_by_sql(platform, task_id, callback_url=f"http://localhost:{port}/a\x01")
+    assert _wait_notified(platform, task_id) == "FAILURE"
+    assert hook.requests() == []
+
+
+@pytest.mark.timeout(90)
+def test_callbacks_of_a_dead_replica_go_out_within_its_lease(
+    database_url: str, amqp_url: str, procs: Processes, serve: Any
+) -> None:
+    hook, port = serve(HANG, 200)
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        env = gateway_env(
+            url, amqp_url, CONVEYOR_CALLBACK_LEASE="3", CONVEYOR_CALLBACK_TIMEOUT="60"
+        )
+        try:
+            first = GatewayProcess(procs, env, "gateway-dies")
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            task_id = _submit(first, svc, f"http://localhost:{port}/hook")
+            _finish_by_sql(platform, task_id)
+            wait_until(lambda: hook.requests(), 15, what="the first delivery under way")
+            time.sleep(4)  # longer than the lease: it must have been renewed meanwhile
+            assert _notification(platform, task_id) == "PENDING"
+            first.proc.signal(signal.SIGKILL)
+            first.proc.wait(timeout=10)
+
+            GatewayProcess(procs, env, "gateway-takes-over")
+            assert _wait_notified(platform, task_id, timeout=15) == "SUCCESS"
+            assert len(hook.requests()) == 2  # the lease was renewed: no second sender before
         finally:
             procs.stop_all()
             remove_service(platform, amqp_url, svc)

@@ -46,7 +46,8 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = 1024 * 1024
     # bcrypt verifications are cached under a keyed hash of the credentials.
     auth_cache_ttl: float = 30.0
-    # Failed authentications per client id and per source address, per minute.
+    # Failed authentications per (client id, source address) pair, per minute, before that
+    # pair's wrong secrets are refused without bcrypt when possible (the right one never is).
     auth_failures_per_minute: int = 20
     # Crash redeliveries allowed before a submission is dead-lettered (SPEC §7.1).
     delivery_limit: int = 5

@@ -126,6 +126,7 @@ class Runtime:
         await self.broker.close()
         await self.pool.close()
         await self.engine.dispose()
+        self.auth.close()
 
 
 def _report_crash(task: asyncio.Task[None]) -> None:

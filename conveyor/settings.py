@@ -64,7 +64,7 @@ class GatewaySettings(CommonSettings):
     callback_timeout: float = 10.0
     callback_attempts: int = 3
     callback_backoff: float = 1.0
-    # How long the broker may take to confirm a publish (and, first, to reconnect if it must).
+    # How long a publish may take in all (reconnecting if it must, then the broker's confirm).
     publish_timeout: float = 5.0
     relay_interval: float = 1.0
     reaper_interval: float = 30.0
@@ -74,11 +74,11 @@ class GatewaySettings(CommonSettings):
     def outbox_grace(self) -> float:
         """How long an outbox row is left to its fast-path publish before the relay takes it.
 
-        Longer than that publish can last (a reconnect, then a confirm: two publish
-        timeouts) plus the flush of its confirmation, so that the relay does not
-        publish a second copy of a submission whose confirm is merely slow.
+        Twice the publish timeout: that publish ends (confirmed or failed) within one, and
+        the other covers its wait before it starts and the flush of its confirmation, so
+        that the relay does not publish a second copy of a submission whose confirm is slow.
         """
-        return 2 * self.publish_timeout + 1.0
+        return 2 * self.publish_timeout
 
     @field_validator("database_url")
     @classmethod

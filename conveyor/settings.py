@@ -49,7 +49,8 @@ class GatewaySettings(CommonSettings):
     max_batch_bytes: int = 16 * 1024 * 1024
     # bcrypt verifications are cached under a keyed hash of the credentials.
     auth_cache_ttl: float = 30.0
-    # Failed authentications per client id and per source address, per minute.
+    # Failed authentications per (client id, source address) pair, per minute, before that
+    # pair's wrong secrets are refused without bcrypt when possible (the right one never is).
     auth_failures_per_minute: int = 20
     # Crash redeliveries allowed before a submission is dead-lettered (SPEC §7.1).
     delivery_limit: int = 5
@@ -71,7 +72,7 @@ class GatewaySettings(CommonSettings):
     callback_concurrency: int = 20
     # A claimed callback is renewed while it is delivered; a dead replica's go out after this.
     callback_lease: float = 30.0
-    # How long the broker may take to confirm a publish (and, first, to reconnect if it must).
+    # How long a publish may take in all (reconnecting if it must, then the broker's confirm).
     publish_timeout: float = 5.0
     relay_interval: float = 1.0
     reaper_interval: float = 30.0
@@ -84,11 +85,11 @@ class GatewaySettings(CommonSettings):
     def outbox_grace(self) -> float:
         """How long an outbox row is left to its fast-path publish before the relay takes it.
 
-        Longer than that publish can last (a reconnect, then a confirm: two publish
-        timeouts) plus the flush of its confirmation, so that the relay does not
-        publish a second copy of a submission whose confirm is merely slow.
+        Twice the publish timeout: that publish ends (confirmed or failed) within one, and
+        the other covers its wait before it starts and the flush of its confirmation, so
+        that the relay does not publish a second copy of a submission whose confirm is slow.
         """
-        return 2 * self.publish_timeout + 1.0
+        return 2 * self.publish_timeout
 
     def signing_secret_problem(self) -> str | None:
         """Why the callback signing secret is unfit to run a gateway with, if it is."""

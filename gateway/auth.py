@@ -4,11 +4,24 @@ bcrypt costs about 0.25 s by design, so successful verifications are cached in
 memory under a keyed hash of the presented credentials (never the secret
 itself), for a short TTL: a revoked client or a changed secret stops working
 within that TTL. Concurrent first requests with the same credentials share one
-verification instead of queueing a bcrypt each.
+verification instead of queueing a bcrypt each. bcrypt runs on a small pool of
+its own, so a burst of logins cannot starve the default executor (DNS look-ups
+of the callback checks run there).
 
 Every failure looks the same (403001). An unknown client costs one bcrypt
-against a dummy hash, so it takes as long as a wrong secret, and failures are
-throttled per client id and per source address against brute force.
+against a dummy hash, so it takes as long as a wrong secret.
+
+Brute force is slowed per (client id, source address), and only for wrong
+credentials: client ids are not secret, and behind an ingress every consumer
+shares one address, so a throttle that refused before verifying would let
+anyone lock any client out. The right secret is never refused. Over its
+failure budget, a pair is answered without bcrypt only when the answer is
+certain: for an unknown client, and for a client whose secret this process has
+already verified against the hash stored now (the presented secret either is
+that one, accepted, or is wrong). Otherwise its verifications still run, one at
+a time for that pair. The trade-off: a throttled attacker can tell an existing
+client that has not authenticated here since the process started (slow answer)
+from the others (fast answer); client ids are not secret.
 """
 
 from __future__ import annotations
@@ -18,15 +31,17 @@ import base64
 import binascii
 import hashlib
 import hmac
+import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import bcrypt
 
 SecretLookup = Callable[[str], Awaitable[str | None]]
-SOURCE_ALLOWANCE = 5
 
 
 def hash_secret(secret: str, rounds: int = 12) -> str:
@@ -91,6 +106,20 @@ class FailureThrottle:
             self._windows.clear()
 
 
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    """A client's secret as last verified here: its cache key, and the hash it matched."""
+
+    key: bytes
+    stored_hash: str
+
+
+@dataclass
+class _Lane:
+    lock: asyncio.Lock
+    users: int = 0
+
+
 class Authenticator:
     def __init__(
         self,
@@ -98,15 +127,17 @@ class Authenticator:
         cache_ttl: float = 30.0,
         failures_per_minute: int = 20,
         dummy_rounds: int = 12,
+        bcrypt_threads: int = min(4, os.cpu_count() or 1),
     ) -> None:
         self._lookup = lookup
         self._ttl = cache_ttl
         self._key = secrets.token_bytes(32)  # per process: cache keys mean nothing elsewhere
         self._cache: dict[bytes, tuple[str, float]] = {}
         self._inflight: dict[bytes, asyncio.Future[str | None]] = {}
-        self._by_client = FailureThrottle(failures_per_minute)
-        # Many clients may share one address (an ingress, a NAT): allow more per address.
-        self._by_source = FailureThrottle(failures_per_minute * SOURCE_ALLOWANCE)
+        self._verified: dict[str, _Verified] = {}  # one entry per client that authenticated
+        self._failures = FailureThrottle(failures_per_minute)  # per (client id, source)
+        self._lanes: dict[str, _Lane] = {}
+        self._bcrypt = ThreadPoolExecutor(bcrypt_threads, thread_name_prefix="conveyor-bcrypt")
         self._dummy_hash = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(dummy_rounds))
 
     def _cache_key(self, client_id: str, secret: str) -> bytes:
@@ -122,13 +153,42 @@ class Authenticator:
         cached = self._cache.get(key)
         if cached and cached[1] > time.monotonic():
             return cached[0]
-        if self._by_client.blocked(client_id) or self._by_source.blocked(source):
-            return None
-        result = await self._verify_once(key, client_id, secret)
+        pair = f"{client_id}\0{source}"
+        if self._failures.blocked(pair):
+            result = await self._verify_throttled(pair, key, client_id, secret)
+        else:
+            result = await self._verify_once(key, client_id, secret)
         if result is None:
-            self._by_client.record(client_id)
-            self._by_source.record(source)
+            self._failures.record(pair)
         return result
+
+    async def _verify_throttled(
+        self, pair: str, key: bytes, client_id: str, secret: str
+    ) -> str | None:
+        """Over the pair's failure budget: no bcrypt when the answer is certain without it."""
+        stored = await self._lookup(client_id)
+        if stored is None:
+            return None  # no such client: nothing could be accepted
+        verified = self._verified.get(client_id)
+        if verified is not None and hmac.compare_digest(verified.stored_hash, stored):
+            if not hmac.compare_digest(verified.key, key):
+                return None  # not the secret that matched this very hash
+            self._remember(key, client_id, stored)
+            return client_id
+        async with self._one_at_a_time(pair):
+            return await self._verify_once(key, client_id, secret)
+
+    @asynccontextmanager
+    async def _one_at_a_time(self, pair: str) -> AsyncIterator[None]:
+        lane = self._lanes.setdefault(pair, _Lane(asyncio.Lock()))
+        lane.users += 1
+        try:
+            async with lane.lock:
+                yield
+        finally:
+            lane.users -= 1
+            if not lane.users:
+                del self._lanes[pair]
 
     async def _verify_once(self, key: bytes, client_id: str, secret: str) -> str | None:
         pending = self._inflight.get(key)
@@ -137,9 +197,7 @@ class Authenticator:
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            result = await self._verify(client_id, secret)
-            if result is not None:
-                self._cache[key] = (result, time.monotonic() + self._ttl)
+            result = await self._verify(key, client_id, secret)
             future.set_result(result)
             return result
         except BaseException as exc:
@@ -149,14 +207,25 @@ class Authenticator:
         finally:
             del self._inflight[key]
 
-    async def _verify(self, client_id: str, secret: str) -> str | None:
+    async def _verify(self, key: bytes, client_id: str, secret: str) -> str | None:
         stored = await self._lookup(client_id)
         hashed = stored.encode() if stored else self._dummy_hash
-        ok = await asyncio.to_thread(_checkpw, secret.encode(), hashed)
-        return client_id if ok and stored else None
+        loop = asyncio.get_running_loop()
+        ok = await loop.run_in_executor(self._bcrypt, _checkpw, secret.encode(), hashed)
+        if not (ok and stored):
+            return None
+        self._remember(key, client_id, stored)
+        return client_id
+
+    def _remember(self, key: bytes, client_id: str, stored: str) -> None:
+        self._cache[key] = (client_id, time.monotonic() + self._ttl)
+        self._verified[client_id] = _Verified(key, stored)
 
     def forget(self) -> None:
         self._cache.clear()
+
+    def close(self) -> None:
+        self._bcrypt.shutdown(wait=False, cancel_futures=True)
 
 
 def _checkpw(secret: bytes, hashed: bytes) -> bool:

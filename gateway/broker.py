@@ -56,9 +56,17 @@ class Broker:
         return channel
 
     async def publish(self, message: WireMessage, routing_key: str) -> None:
+        """Confirmed within `publish_timeout` in all, connecting included, or PublishError."""
+        try:
+            async with asyncio.timeout(self.publish_timeout):
+                await self._publish(message, routing_key)
+        except TimeoutError:  # _publish turns every error of its own into PublishError
+            raise PublishError(f"publish to {routing_key} not confirmed in time") from None
+
+    async def _publish(self, message: WireMessage, routing_key: str) -> None:
         if not self.connected:
             try:
-                await asyncio.wait_for(self.connect(), self.publish_timeout)
+                await self.connect()
             except Exception as exc:
                 raise PublishError(f"broker unavailable: {exc.__class__.__name__}") from None
         assert self._channel is not None
@@ -70,11 +78,8 @@ class Broker:
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         try:
-            await asyncio.wait_for(
-                self._channel.default_exchange.publish(
-                    amqp_message, routing_key=routing_key, mandatory=True
-                ),
-                self.publish_timeout,
+            await self._channel.default_exchange.publish(
+                amqp_message, routing_key=routing_key, mandatory=True
             )
         except Exception as exc:
             raise PublishError(f"publish to {routing_key} not confirmed: {exc!r}") from None

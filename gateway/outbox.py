@@ -175,12 +175,9 @@ class Outbox:
             if done.published < self.batch:
                 return
 
-    async def relay_once(self, grace: float | None = None) -> RelayPass:
-        params = {
-            "lease": 30.0,
-            "grace": self.grace if grace is None else grace,
-            "limit": self.batch,
-        }
+    async def relay_once(self) -> RelayPass:
+        """Claims up to a batch of rows past the grace and settles each one."""
+        params = {"lease": 30.0, "grace": self.grace, "limit": self.batch}
         async with self.pool.connection() as conn:
             rows = await (await conn.execute(_CLAIM, params)).fetchall()
         if not rows:
@@ -192,13 +189,17 @@ class Outbox:
         errors = await asyncio.gather(*(self._relay_row(row) for row in live))
         done = [row.id for row, error in zip(live, errors, strict=True) if error is None]
         failed = [(row.id, error) for row, error in zip(live, errors, strict=True) if error]
+        if done or failed:
+            await self._settle(done, failed)
+        return RelayPass(len(rows), len(done) + len(orphans))
+
+    async def _settle(self, done: list[int], failed: list[tuple[int, str]]) -> None:
         async with self.pool.connection() as conn:
             if done:
                 await conn.execute(_DELETE, {"ids": done})
             if failed:
                 ids, messages = zip(*failed, strict=True)
                 await conn.execute(_NOTE_ERRORS, {"ids": list(ids), "errors": list(messages)})
-        return RelayPass(len(rows), len(done) + len(orphans))
 
     async def _end_orphans(self, rows: list[Any]) -> None:
         """Tasks whose service was deleted: nothing can run them, so they fail and leave."""

@@ -144,3 +144,4 @@ class Runtime:
         await self.notifier.close()
         await self.broker.close()
         await self.pool.close()
+        self.auth.close()

@@ -177,7 +177,7 @@ class Stack:
             "CONVEYOR_CALLBACK_ALLOW_HTTP": "1",
             "CONVEYOR_CALLBACK_ALLOWED_HOSTS": "localhost",
             "CONVEYOR_CALLBACK_SIGNING_SECRET": SIGNING_SECRET,
-            "CONVEYOR_PUBLISH_TIMEOUT": "2",  # outbox grace: 5 s
+            "CONVEYOR_PUBLISH_TIMEOUT": "1.5",  # outbox grace: 3 s
             "CONVEYOR_RELAY_INTERVAL": "0.5",
             "CONVEYOR_SERVICE_REFRESH_INTERVAL": "1",
             "CONVEYOR_LOG_FORMAT": "json",

@@ -299,6 +299,7 @@ def _outage_backs_off_then_publishes_once(
     # A relay that retried the whole backlog at every row's lease expiry would have made
     # thousands of attempts by now; one that backs off after a fruitless pass, a few passes.
     attempts = _outbox_attempts(platform, svc.name)
+    print(f"relay attempts during the outage: {attempts}")
     assert attempts <= 7 * RELAY_BATCH, attempts
     assert message_count(amqp_url, in_queue) == 0
 

@@ -1,6 +1,8 @@
 """Authentication as an attacker sees it, against real gateway processes.
 
 * brute force is throttled: past the limit, attempts are refused without a bcrypt check;
+* someone else's failures never lock a client out: the right secret is always accepted,
+  from any address, however many wrong ones were tried for that client from there;
 * "unknown client" and "wrong secret" take the same time (no client enumeration);
 * secrets, Authorization values, the signing secret and bodies never reach the logs,
   and `conveyor admin client create` shows the secret once and stores only a hash;
@@ -105,6 +107,64 @@ def test_brute_force_is_throttled_without_bcrypt(
     )
     assert statistics.median(checked) > 0.05, checked  # a real bcrypt check ran for these
     assert statistics.median(blocked) < statistics.median(checked) / 3, (checked, blocked)
+
+
+def from_address(gateway: GatewayProcess, address: str) -> httpx.Client:
+    """A client whose requests come from another loopback address (another consumer)."""
+    return gateway.http(transport=httpx.HTTPTransport(local_address=address))
+
+
+@pytest.mark.timeout(90)
+def test_someone_elses_failures_never_lock_a_client_out(
+    procs: Processes, database_url: str, amqp_url: str, platform: Platform
+) -> None:
+    ttl = 1.0
+    gateway = start_gateway(
+        procs,
+        database_url,
+        amqp_url,
+        CONVEYOR_AUTH_FAILURES_PER_MINUTE="3",
+        CONVEYOR_AUTH_CACHE_TTL=str(ttl),
+    )
+    svc = platform.service(clients=2)
+    victim, neighbour = svc.clients
+
+    def guesses(http: httpx.Client, count: int) -> list[httpx.Response]:
+        return [attempt(http, svc, victim.client_id, f"guess-{n}") for n in range(count)]
+
+    # Behind one ingress, the attacker and the victim share a source address.
+    with gateway.http() as shared, from_address(gateway, "127.0.0.2") as elsewhere:
+        refusals = guesses(shared, 8) + guesses(elsewhere, 8)
+        refusals.append(attempt(shared, svc, f"ghost-{uuid.uuid4().hex[:8]}", "guess"))
+        assert {error_number(r) for r in refusals} == {(403, 403001)}
+        assert len({r.content for r in refusals}) == 1  # throttled or not: the same bytes
+
+        # The right secret, never verified by this gateway yet, from the attacker's addresses.
+        created = attempt(shared, svc, victim.client_id, victim.secret)
+        assert created.status_code == 201, created.text
+        task_url = f"{gateway.tasks_url(svc.name)}/{created.json()['data']['taskId']}"
+        assert shared.get(task_url, auth=victim.auth).status_code == 200
+        assert attempt(elsewhere, svc, victim.client_id, victim.secret).status_code == 201
+
+        # The attack goes on past the credential cache's lifetime.
+        assert {error_number(r) for r in guesses(shared, 5)} == {(403, 403001)}
+        time.sleep(ttl + 0.5)
+        assert attempt(shared, svc, victim.client_id, victim.secret).status_code == 201
+        assert attempt(shared, svc, *neighbour.auth).status_code == 201
+
+        # A new secret while the attacker's pair is still over its budget: it works at once
+        # (once the old one's cache entry expired), and the old one no longer does.
+        new_secret = uuid.uuid4().hex
+        platform.sql(
+            "UPDATE clients SET secret_hash = %(h)s WHERE client_id = %(id)s",
+            {"h": fast_hash(new_secret), "id": victim.client_id},
+        )
+        time.sleep(ttl + 0.5)
+        assert {error_number(r) for r in guesses(shared, 3)} == {(403, 403001)}
+        assert attempt(shared, svc, victim.client_id, new_secret).status_code == 201
+        old = attempt(shared, svc, victim.client_id, victim.secret)
+        assert error_number(old) == (403, 403001)
+        assert old.content == refusals[0].content
 
 
 # --- enumeration by timing ------------------------------------------------------------------

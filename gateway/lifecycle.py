@@ -212,9 +212,11 @@ _EXPIRE = """
        SET status = 'FAILURE', end_date = now(), updated_at = now(),
            error_message = 'The task expired: it stayed PENDING longer than its time to live.',
            notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
-      FROM services s
-     WHERE s.name = t.service AND t.status = 'PENDING'
-       AND t.submission_date < now() - make_interval(secs => LEAST(%(ttl)s, s.retention_seconds))
+     WHERE t.status = 'PENDING'
+       AND t.submission_date < now() - make_interval(secs => LEAST(%(ttl)s,
+             -- a deleted service's tasks expire too, after the TTL alone
+             COALESCE((SELECT s.retention_seconds FROM services s WHERE s.name = t.service),
+                      %(ttl)s)))
     """
 
 
@@ -222,6 +224,8 @@ async def expire_pending(conn: psycopg.AsyncConnection[Any], ttl: float) -> int:
     """The reaper's transition: PENDING past its time to live becomes FAILURE."""
     return (await conn.execute(_EXPIRE, {"ttl": ttl})).rowcount
 
+
+DEFAULT_TIME_LIMIT = 300 * 3  # taskTimeout x maxAttempts by default, for a deleted service
 
 # No sign of life (started, progress) for longer than every attempt the service allows, plus
 # a margin: the worker is gone without a word (its result was lost, or it never reported).
@@ -232,10 +236,10 @@ _ABANDON = """
                error_message = 'No result from the worker within the task''s time limit'
                    || ' (taskTimeout times maxAttempts, plus ' || %(margin)s || ' s).',
                notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
-          FROM services s
-         WHERE s.name = t.service AND t.status = 'IN_PROGRESS'
-           AND t.updated_at < now() - make_interval(
-                 secs => s.task_timeout * s.max_attempts + %(margin)s)
+         WHERE t.status = 'IN_PROGRESS'
+           AND t.updated_at < now() - make_interval(secs => %(margin)s + COALESCE(
+                 (SELECT s.task_timeout * s.max_attempts FROM services s WHERE s.name = t.service),
+                 %(default_limit)s))
         RETURNING t.task_id
     ), history AS (
         UPDATE task_attempts a SET end_date = now(), outcome = 'abandoned'
@@ -247,5 +251,6 @@ _ABANDON = """
 
 async def abandon_silent(conn: psycopg.AsyncConnection[Any], margin: float) -> int:
     """The watchdog's transition: IN_PROGRESS with no word for too long becomes FAILURE."""
-    row = await (await conn.execute(_ABANDON, {"margin": margin})).fetchone()
+    params = {"margin": margin, "default_limit": DEFAULT_TIME_LIMIT}
+    row = await (await conn.execute(_ABANDON, params)).fetchone()
     return row[0] if row else 0

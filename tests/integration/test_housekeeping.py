@@ -216,3 +216,23 @@ def _reap(gateway: GatewayProcess, platform: Platform, svc: Service) -> None:
     assert "expired" in data["errorMessage"]
     assert "endDate" in data
     assert _poll(gateway, svc, fresh)["status"] == "PENDING"
+
+
+@pytest.mark.timeout(60)
+def test_pending_tasks_of_a_deleted_service_expire_too(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    svc = platform.service()
+    stale = _submit(gateway, svc)
+    platform.sql("DELETE FROM outbox WHERE task_id = %(t)s", {"t": stale})  # published already
+    platform.sql(
+        "UPDATE tasks SET submission_date = now() - interval '2 days' WHERE task_id = %(t)s",
+        {"t": stale},
+    )
+    remove_service(platform, amqp_url, svc)
+
+    def status() -> str:
+        rows = platform.sql("SELECT status FROM tasks WHERE task_id = %(t)s", {"t": stale})
+        return rows[0][0]
+
+    wait_until(lambda: status() == "FAILURE", timeout=10, what="task of a deleted service reaped")

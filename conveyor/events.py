@@ -17,7 +17,7 @@ import enum
 import json
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -86,6 +86,9 @@ class WireMessage:
     headers: dict[str, Any] = field(default_factory=dict)
     content_type: str | None = "application/json"
     message_id: str | None = None
+    # Seconds after which the broker drops the message (dead-lettering it where it can):
+    # a submission is worth running only until its task expires.
+    expiration: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,7 @@ class Submission:
     max_attempts: int | None = None
     timeout: float | None = None
     traceparent: str | None = None
+    expires_at: datetime | None = None  # the task fails then: no worker should start it after
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +222,14 @@ def _from_wire(message: WireMessage) -> CloudEvent:
 
 
 def encode_submission(sub: Submission) -> WireMessage:
+    wire = _encode_submission(sub)
+    if sub.expires_at is not None:
+        left = (sub.expires_at - now()).total_seconds()
+        wire = replace(wire, expiration=max(left, 0.001))
+    return wire
+
+
+def _encode_submission(sub: Submission) -> WireMessage:
     if sub.message_format is MessageFormat.LEGACY:
         return _encode_legacy_submission(sub)
     attributes: dict[str, Any] = {

@@ -99,6 +99,9 @@ class Publisher:
             type=original.type,
             app_id=original.app_id,
             priority=original.priority,
+            # The time to live starts again from here: a requeued task may outlive its
+            # expiry by that much, and the gateway (terminal wins) ignores its late result.
+            expiration=original.expiration,
             delivery_mode=_PERSISTENT,
         )
         await self._publish(copy, self.in_queue)

@@ -309,7 +309,9 @@ async def _publish(rt: Runtime, request: Request, done: list[tuple[NewTask, Acce
         if accepted.created and accepted.outbox_id is not None:
             service = new.access.service
             metrics.SUBMITTED.labels(service=service.name).inc()
-            submission = submission_for(accepted.task_id, service, new.body, trace)
+            submission = submission_for(
+                accepted.task_id, service, new.body, rt.settings.pending_ttl, trace
+            )
             publishes.append(
                 rt.outbox.publish_now(accepted.outbox_id, submission, service.queue_name)
             )

@@ -75,6 +75,7 @@ class Broker:
             headers=message.headers or None,
             content_type=message.content_type,
             message_id=message.message_id,
+            expiration=message.expiration,
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         try:

@@ -29,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from conveyor import topology
-from conveyor.events import MessageFormat, Submission, encode_submission
+from conveyor.events import MessageFormat, Submission, encode_submission, now
 from gateway import lifecycle, metrics
 from gateway.broker import Broker, PublishError
 from gateway.catalog import Service
@@ -56,7 +57,8 @@ _CLAIM = """
               FOR UPDATE SKIP LOCKED)
        AND t.task_id = o.task_id
     RETURNING o.id, t.task_id, t.status, t.request, t.service, s.name IS NULL AS orphan,
-              s.queue_name, s.message_format, s.max_attempts, s.task_timeout
+              s.queue_name, s.message_format, s.max_attempts, s.task_timeout,
+              t.submission_date, s.retention_seconds
     """
 # A failed publish gives its lease back after a short, growing pause (capped at 10 s): the
 # row must not wait out the whole 30 s lease, meant for a relay that died mid-publish.
@@ -79,9 +81,19 @@ class RelayPass:
     published: int  # confirmed by the broker, or nothing left to send for the task
 
 
+def expiry(submitted: datetime, ttl: float, retention: float) -> datetime:
+    """When a PENDING task fails (the reaper's rule): its message is worth nothing after."""
+    return submitted + timedelta(seconds=min(ttl, retention))
+
+
 def submission_for(
-    task_id: Any, service: Service, body: dict[str, Any], traceparent: str | None = None
+    task_id: Any,
+    service: Service,
+    body: dict[str, Any],
+    ttl: float,
+    traceparent: str | None = None,
 ) -> Submission:
+    """A task just accepted, as published on `-in`."""
     return Submission(
         task_id=str(task_id),
         service=service.name,
@@ -90,6 +102,7 @@ def submission_for(
         max_attempts=service.max_attempts,
         timeout=float(service.task_timeout),
         traceparent=traceparent,
+        expires_at=expiry(now(), ttl, service.retention_seconds),
     )
 
 
@@ -99,6 +112,7 @@ class Outbox:
         pool: Pool,
         broker: Broker,
         grace: float,
+        ttl: float,
         interval: float = 1.0,
         batch: int = 200,
         flush_every: float = 0.2,
@@ -107,6 +121,7 @@ class Outbox:
         self.pool = pool
         self.broker = broker
         self.grace = grace
+        self.ttl = ttl  # the reaper's time to live of a PENDING task
         self.interval = interval
         self.batch = batch
         self.max_backoff = max_backoff
@@ -221,6 +236,7 @@ class Outbox:
             message_format=MessageFormat(row.message_format),
             max_attempts=row.max_attempts,
             timeout=float(row.task_timeout),
+            expires_at=expiry(row.submission_date, self.ttl, row.retention_seconds),
         )
         try:
             await self.broker.publish(

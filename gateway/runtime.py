@@ -49,7 +49,11 @@ class Runtime:
             failures_per_minute=settings.auth_failures_per_minute,
         )
         self.outbox = Outbox(
-            self.pool, self.broker, grace=settings.outbox_grace, interval=settings.relay_interval
+            self.pool,
+            self.broker,
+            grace=settings.outbox_grace,
+            ttl=settings.pending_ttl,
+            interval=settings.relay_interval,
         )
         self.notifier = Notifier(
             self.pool,

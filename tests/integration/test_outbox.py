@@ -310,3 +310,37 @@ def _outage_backs_off_then_publishes_once(
     assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} duplicates"
     assert set(ids) == expected
     wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox emptied")
+
+
+@pytest.mark.timeout(60)
+def test_a_submission_nobody_takes_expires_with_its_task(
+    platform: Platform, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """Its message leaves `-in` when the task's time to live ends: no function runs an
+    expired task later (the reaper has failed it, or the dead letter does)."""
+    from tests.support.amqp import message_count, queues_of, remove_service, wait_for_queues
+
+    env = gateway_env(database_url, amqp_url, CONVEYOR_PENDING_TTL="2")
+    short_lived = GatewayProcess(procs, env, "gateway-short-ttl")
+    svc = platform.service()
+    try:
+        wait_for_queues(amqp_url, queues_of(svc.queue_name))
+        with short_lived.http(svc.clients[0]) as http:
+            answer = http.post(short_lived.tasks_url(svc.name), json={"body": {}})
+            task_id = answer.json()["data"]["taskId"]
+            in_queue = f"{svc.queue_name}-in"
+            assert wait_until(lambda: message_count(amqp_url, in_queue) == 1, 10)
+            assert wait_until(lambda: message_count(amqp_url, in_queue) == 0, 15)
+            data = wait_until(
+                lambda: (
+                    (d := http.get(f"{short_lived.tasks_url(svc.name)}/{task_id}").json())["data"][
+                        "status"
+                    ]
+                    == "FAILURE"
+                    and d
+                ),
+                15,
+            )
+        assert "expired" in data["data"]["errorMessage"]
+    finally:
+        remove_service(platform, amqp_url, svc)

@@ -74,6 +74,9 @@ class GatewaySettings(CommonSettings):
     callback_lease: float = 30.0
     # How long a publish may take in all (reconnecting if it must, then the broker's confirm).
     publish_timeout: float = 5.0
+    # A confirmed submission stays in the outbox this long, and is published again if the
+    # broker connection drops meanwhile: a crashed broker may lose what it just confirmed.
+    outbox_keep_confirmed: float = 5.0
     relay_interval: float = 1.0
     reaper_interval: float = 30.0
     # An IN_PROGRESS task whose worker says nothing for its service's taskTimeout times maxAttempts
@@ -85,11 +88,11 @@ class GatewaySettings(CommonSettings):
     def outbox_grace(self) -> float:
         """How long an outbox row is left to its fast-path publish before the relay takes it.
 
-        Twice the publish timeout: that publish ends (confirmed or failed) within one, and
-        the other covers its wait before it starts and the flush of its confirmation, so
-        that the relay does not publish a second copy of a submission whose confirm is slow.
+        Twice the publish timeout (that publish ends, confirmed or failed, within one; the
+        other covers its wait before it starts), plus the time a confirmed row is kept: the
+        relay does not publish a second copy of a submission whose confirm is merely slow.
         """
-        return 2 * self.publish_timeout
+        return 2 * self.publish_timeout + self.outbox_keep_confirmed
 
     def signing_secret_problem(self) -> str | None:
         """Why the callback signing secret is unfit to run a gateway with, if it is."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
@@ -26,6 +27,15 @@ class Broker:
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._connect_lock = asyncio.Lock()
+        self._on_reconnect: list[Callable[[], None]] = []
+
+    def on_reconnect(self, callback: Callable[[], None]) -> None:
+        """`callback()` after the connection was lost and made again."""
+        self._on_reconnect.append(callback)
+
+    def _reconnected(self, *_: object) -> None:
+        for callback in self._on_reconnect:
+            callback()
 
     @property
     def connected(self) -> bool:
@@ -42,6 +52,7 @@ class Broker:
                 self._connection = await aio_pika.connect_robust(
                     self.url, client_properties={"connection_name": "conveyor-gateway"}
                 )
+                self._connection.reconnect_callbacks.add(self._reconnected)
                 self._channel = await self._connection.channel(
                     publisher_confirms=True, on_return_raises=True
                 )

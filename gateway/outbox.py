@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -117,6 +118,7 @@ class Outbox:
         batch: int = 200,
         flush_every: float = 0.2,
         max_backoff: float = 5.0,
+        keep_confirmed: float = 5.0,
     ) -> None:
         self.pool = pool
         self.broker = broker
@@ -125,9 +127,30 @@ class Outbox:
         self.interval = interval
         self.batch = batch
         self.max_backoff = max_backoff
-        self.flush_every = flush_every  # well within `grace`: the relay never sees these rows
-        self._confirmed: list[int] = []
+        self.flush_every = flush_every
+        # A confirmed row is deleted only `keep_confirmed` seconds later (less than `grace`:
+        # the relay never sees it meanwhile). A broker that crashes within that time may lose
+        # what it confirmed (seen with RabbitMQ 3.10 quorum queues on one node): when the
+        # connection drops, the rows still kept are left to the relay, which publishes them
+        # again. A duplicate is harmless; a lost submission would leave its task PENDING.
+        self.keep_confirmed = keep_confirmed
+        self._confirmed: list[tuple[float, int]] = []  # (when confirmed, outbox row id)
         self._flush_wakeup = asyncio.Event()
+        broker.on_reconnect(self._distrust_recent)
+
+    def _distrust_recent(self) -> None:
+        if self._confirmed:
+            log.warning(
+                "broker connection lost: recently confirmed submissions will be published again",
+                extra={"count": len(self._confirmed)},
+            )
+        self._confirmed.clear()
+
+    def _note_confirmed(self, ids: list[int]) -> None:
+        at = time.monotonic()
+        self._confirmed.extend((at, outbox_id) for outbox_id in ids)
+        if len(self._confirmed) >= self.batch:
+            self._flush_wakeup.set()
 
     # -- fast path ---------------------------------------------------------
 
@@ -141,9 +164,7 @@ class Outbox:
             log.warning("fast-path publish failed; relay will retry", extra={"error": str(exc)})
             return False
         metrics.PUBLISHED.labels(path="fast").inc()
-        self._confirmed.append(outbox_id)
-        if len(self._confirmed) >= self.batch:
-            self._flush_wakeup.set()
+        self._note_confirmed([outbox_id])
         return True
 
     async def flush_loop(self) -> None:
@@ -156,10 +177,14 @@ class Outbox:
             self._flush_wakeup.clear()
             await self.flush()
 
-    async def flush(self) -> None:
-        if not self._confirmed:
+    async def flush(self, everything: bool = False) -> None:
+        """Deletes the rows confirmed long enough ago (all of them with `everything`)."""
+        trusted = time.monotonic() - self.keep_confirmed
+        ripe = [entry for entry in self._confirmed if everything or entry[0] <= trusted]
+        if not ripe:
             return
-        ids, self._confirmed = self._confirmed, []
+        self._confirmed = self._confirmed[len(ripe) :]
+        ids = [outbox_id for _, outbox_id in ripe]
         try:
             async with self.pool.connection() as conn:
                 await conn.execute(_DELETE, {"ids": ids})
@@ -204,17 +229,12 @@ class Outbox:
         errors = await asyncio.gather(*(self._relay_row(row) for row in live))
         done = [row.id for row, error in zip(live, errors, strict=True) if error is None]
         failed = [(row.id, error) for row, error in zip(live, errors, strict=True) if error]
-        if done or failed:
-            await self._settle(done, failed)
-        return RelayPass(len(rows), len(done) + len(orphans))
-
-    async def _settle(self, done: list[int], failed: list[tuple[int, str]]) -> None:
-        async with self.pool.connection() as conn:
-            if done:
-                await conn.execute(_DELETE, {"ids": done})
-            if failed:
-                ids, messages = zip(*failed, strict=True)
+        self._note_confirmed(done)  # deleted once the broker has had time to keep them
+        if failed:
+            ids, messages = zip(*failed, strict=True)
+            async with self.pool.connection() as conn:
                 await conn.execute(_NOTE_ERRORS, {"ids": list(ids), "errors": list(messages)})
+        return RelayPass(len(rows), len(done) + len(orphans))
 
     async def _end_orphans(self, rows: list[Any]) -> None:
         """Tasks whose service was deleted: nothing can run them, so they fail and leave."""

@@ -54,6 +54,7 @@ class Runtime:
             grace=settings.outbox_grace,
             ttl=settings.pending_ttl,
             interval=settings.relay_interval,
+            keep_confirmed=settings.outbox_keep_confirmed,
         )
         self.notifier = Notifier(
             self.pool,
@@ -144,7 +145,7 @@ class Runtime:
             await asyncio.gather(self._connecting, return_exceptions=True)
         await self.loops.stop()
         await self.intake.close()
-        await self.outbox.flush()
+        await self.outbox.flush(everything=True)
         await self.notifier.close()
         await self.broker.close()
         await self.pool.close()

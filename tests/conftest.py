@@ -18,6 +18,7 @@ import pytest
 from conveyor.settings import DEFAULT_AMQP_URL, normalize_database_url
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
+from tests.support.servers import RabbitNode, rabbitmq_available
 
 ADMIN_DB_URL = normalize_database_url(
     os.environ.get("CONVEYOR_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -108,6 +109,16 @@ def gateway(
         yield GatewayProcess(procs, gateway_env(database_url, amqp_url))
     finally:
         procs.stop_all()
+
+
+@pytest.fixture(scope="session")
+def private_rabbit() -> Iterator[RabbitNode]:
+    """A RabbitMQ node of the run's own, for tests that restart or kill a broker."""
+    if not rabbitmq_available():
+        pytest.skip("rabbitmq-server is not installed here: no private node to break")
+    node = RabbitNode().start()
+    yield node
+    node.stop()
 
 
 @pytest.fixture

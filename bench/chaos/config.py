@@ -31,12 +31,22 @@ class FaultKind(enum.StrEnum):
     DISPATCHER_SIGTERM_DRAIN = "dispatcher_sigterm_drain"
     FUNCTION_SIGKILL = "function_sigkill"
     RABBITMQ_RESTART = "rabbitmq_restart"
+    RABBITMQ_SIGKILL = "rabbitmq_sigkill"
     POSTGRES_RESTART = "postgres_restart"
+    POSTGRES_SIGKILL = "postgres_sigkill"
+    # RabbitMQ and PostgreSQL SIGKILLed at once, and a dispatcher with them
+    OVERLAPPING = "overlapping"
     GATEWAY_SIGKILL = "gateway_sigkill"
 
 
 SPARSE_KINDS = tuple(k for k in FaultKind if k is not FaultKind.DISPATCHER_SIGKILL)
-INFRA_KINDS = (FaultKind.RABBITMQ_RESTART, FaultKind.POSTGRES_RESTART)
+INFRA_KINDS = (
+    FaultKind.RABBITMQ_RESTART,
+    FaultKind.RABBITMQ_SIGKILL,
+    FaultKind.POSTGRES_RESTART,
+    FaultKind.POSTGRES_SIGKILL,
+    FaultKind.OVERLAPPING,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +118,9 @@ class ChaosConfig:
     drain_timeout_setting: float = 5.0  # DRAIN_TIMEOUT of the dispatchers
     callback_fraction: float = 0.2
     repeat_fraction: float = 0.02  # deliberate idempotent repeats of accepted tasks
+    keyless_fraction: float = 0.3  # submitted without Idempotency-Key (the group-commit path)
+    hostile_fraction: float = 0.01  # tasks whose function answers NUL, deep, huge or trickled
+    hostile_hook_fraction: float = 0.05  # callbacks to a trickling or an endless endpoint
     fail_rate: float = 0.1
     max_sleep: float = 0.2
     retry_budget: float = 120.0  # how long a submitter keeps retrying one key

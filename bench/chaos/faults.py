@@ -124,11 +124,35 @@ class FaultInjector(threading.Thread):
             case FaultKind.RABBITMQ_RESTART:
                 assert self.rabbitmq is not None
                 return {"seconds": round(self.rabbitmq.restart(), 2)}
+            case FaultKind.RABBITMQ_SIGKILL:
+                assert self.rabbitmq is not None
+                return {"seconds": round(self.rabbitmq.crash(), 2)}
             case FaultKind.POSTGRES_RESTART:
                 assert self.postgres is not None
                 return {"seconds": round(self.postgres.restart(), 2)}
+            case FaultKind.POSTGRES_SIGKILL:
+                assert self.postgres is not None
+                return {"seconds": round(self.postgres.crash(), 2)}
             case FaultKind.GATEWAY_SIGKILL:
                 return self._kill_gateway_mid_burst()
+            case FaultKind.OVERLAPPING:
+                return self._overlapping()
+
+    def _overlapping(self) -> dict[str, Any]:
+        """Both servers crash at once while a dispatcher is killed: recoveries overlap."""
+        assert self.rabbitmq is not None and self.postgres is not None
+        timings: dict[str, float] = {}
+        crashes = [
+            threading.Thread(target=lambda: timings.update(rabbitmq=self.rabbitmq.crash())),
+            threading.Thread(target=lambda: timings.update(postgres=self.postgres.crash())),
+        ]
+        for crash in crashes:
+            crash.start()
+        slot = self.rng.choice(self.stack.slots)
+        self.stack.kill_dispatcher(slot)
+        for crash in crashes:
+            crash.join()
+        return {"dispatcher": slot.index, **{k: round(v, 2) for k, v in timings.items()}}
 
     def _terminate(self, mode: str) -> dict[str, Any]:
         slots = [s for s in self.stack.slots if s.mode == mode]

@@ -1,36 +1,33 @@
-"""PostgreSQL and RabbitMQ for a chaos run: its own database, its platform data, its
-queues, and restarts of the real servers (always left running afterwards).
+"""PostgreSQL and RabbitMQ for a chaos run: its own servers (started for the run, on
+other ports, killed by pid), its database, its platform data and its queues.
 
-Restarts are only possible when the servers are the local ones managed by
-`rabbitmqctl` and `pg_ctlcluster`; `restart_blockers` says why not otherwise,
-and the run then skips those two fault kinds.
+The machine's shared servers are never stopped, killed or restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import socket
-import subprocess
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import aio_pika
-import bcrypt
 import psycopg
 from psycopg import sql
 
 from conveyor import topology
 from conveyor.events import MessageFormat
 from conveyor.settings import GatewaySettings, normalize_database_url
+from tests.support.servers import (
+    PostgresServer,
+    RabbitNode,
+    postgres_available,
+    rabbitmq_available,
+)
 
 log = logging.getLogger("bench.chaos")
-
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
 # ---------------------------------------------------------------------------
@@ -93,8 +90,7 @@ def apply_platform(database_url: str, amqp_url: str) -> PlatformData:
         "clients": [
             {
                 "id": data.client_id,
-                # A low bcrypt cost keeps set-up fast; verification is the production path.
-                "secretHash": bcrypt.hashpw(data.secret.encode(), bcrypt.gensalt(4)).decode(),
+                "secret": data.secret,
                 "grants": [{"service": data.service}],
             }
         ],
@@ -106,14 +102,15 @@ def apply_platform(database_url: str, amqp_url: str) -> PlatformData:
 
 async def _apply(database_url: str, spec: dict[str, Any]) -> None:
     from gateway import admin
-    from gateway.db import create_engine
+    from gateway.auth import hash_secret
+    from gateway.pgpool import connect
     from gateway.platform_file import PlatformSpec
 
-    engine = create_engine(GatewaySettings(database_url=database_url))
-    try:
-        await admin.apply(engine, PlatformSpec.model_validate(spec))
-    finally:
-        await engine.dispose()
+    for client in spec["clients"]:
+        # A low bcrypt cost keeps set-up fast; verification is the production path.
+        client["secretHash"] = hash_secret(client.pop("secret"), rounds=4)
+    async with await connect(database_url) as conn:
+        await admin.apply(conn, PlatformSpec.model_validate(spec))
 
 
 async def _declare(amqp_url: str, queue: str) -> None:
@@ -167,104 +164,61 @@ def queue_state(amqp_url: str, name: str) -> QueueState | None:
 # restarting the servers
 
 
-def _host_port(url: str, default_port: int) -> tuple[str, int]:
-    parts = urlsplit(url)
-    return parts.hostname or "127.0.0.1", parts.port or default_port
-
-
-def port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def restart_blockers(admin_db_url: str, amqp_url: str) -> dict[str, str]:
-    """Why each server cannot be restarted here ({} when both can)."""
-    blockers: dict[str, str] = {}
-    if shutil.which("rabbitmqctl") is None:
-        blockers["rabbitmq"] = "rabbitmqctl is not installed"
-    elif _host_port(amqp_url, 5672)[0] not in LOCAL_HOSTS:
-        blockers["rabbitmq"] = "the AMQP URL points at a broker elsewhere"
-    if shutil.which("pg_ctlcluster") is None or shutil.which("pg_lsclusters") is None:
-        blockers["postgres"] = "pg_ctlcluster is not installed"
-    elif _host_port(psycopg_url(admin_db_url), 5432)[0] not in LOCAL_HOSTS:
-        blockers["postgres"] = "the database URL points at a server elsewhere"
-    elif pg_cluster(admin_db_url) is None:
-        blockers["postgres"] = "no local PostgreSQL cluster listens on the URL's port"
-    return blockers
-
-
-def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
-
-
 class RabbitMQ:
-    def __init__(self, amqp_url: str) -> None:
-        self.host, self.port = _host_port(amqp_url, 5672)
+    """The run's own RabbitMQ node: restarted cleanly or killed, never the shared one."""
+
+    def __init__(self) -> None:
+        self.node = RabbitNode().start()
+        self.url = self.node.url
 
     def restart(self, down_for: float = 1.0) -> float:
         """stop_app / start_app: connections drop, durable queues survive. Returns seconds."""
         began = time.monotonic()
-        try:
-            _run(["rabbitmqctl", "stop_app"], 60)
-            time.sleep(down_for)
-        finally:
-            self.ensure_running()
+        self.node.restart(down_for)
         return time.monotonic() - began
 
-    def ensure_running(self, timeout: float = 90.0) -> bool:
-        if port_open(self.host, self.port):
-            return True
-        _run(["rabbitmqctl", "start_app"], timeout)
-        _run(["rabbitmqctl", "await_startup"], timeout)
-        return _wait_port(self.host, self.port, 60)
+    def crash(self, down_for: float = 1.0) -> float:
+        """SIGKILL of the node, then a start on the same data. Returns seconds."""
+        began = time.monotonic()
+        self.node.kill()
+        time.sleep(down_for)
+        self.node.start()
+        return time.monotonic() - began
 
-
-def pg_cluster(admin_db_url: str) -> tuple[str, str] | None:
-    """(version, name) of the local cluster on the URL's port, from pg_lsclusters."""
-    _, port = _host_port(psycopg_url(admin_db_url), 5432)
-    try:
-        listing = _run(["pg_lsclusters", "--no-header"], 10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in listing.splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and fields[2] == str(port):
-            return fields[0], fields[1]
-    return None
+    def stop(self) -> None:
+        self.node.stop()
 
 
 class PostgreSQL:
-    def __init__(self, admin_db_url: str) -> None:
-        self.host, self.port = _host_port(psycopg_url(admin_db_url), 5432)
-        self.cluster = pg_cluster(admin_db_url) or ("15", "main")
+    """The run's own PostgreSQL: a fast restart, or a crash of the postmaster and its
+    backends (recovered from the WAL at the next start)."""
 
-    def _ctl(self, action: str, timeout: float = 60) -> None:
-        version, name = self.cluster
-        _run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, action], timeout)
+    def __init__(self) -> None:
+        self.server = PostgresServer().start()
+        self.admin_url = self.server.admin_url
 
     def restart(self) -> float:
-        """A fast shutdown and start: every connection drops. Returns seconds."""
         began = time.monotonic()
-        try:
-            self._ctl("restart")
-        finally:
-            self.ensure_running()
+        self.server.shut_down()
+        self.server.start()
         return time.monotonic() - began
 
-    def ensure_running(self) -> bool:
-        if port_open(self.host, self.port):
-            return True
-        self._ctl("start")
-        return _wait_port(self.host, self.port, 60)
+    def crash(self) -> float:
+        began = time.monotonic()
+        self.server.kill()
+        self.server.start()
+        return time.monotonic() - began
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
-def _wait_port(host: str, port: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if port_open(host, port):
-            return True
-        time.sleep(0.2)
-    return False
+def private_servers_missing() -> dict[str, str]:
+    """Why the run cannot start its own servers: then it uses the configured ones and the
+    server faults are skipped (the shared servers are never restarted)."""
+    missing = {}
+    if not rabbitmq_available():
+        missing["rabbitmq"] = "rabbitmq-server is not installed: no private node to break"
+    if not postgres_available():
+        missing["postgres"] = "PostgreSQL is not installed: no private cluster to break"
+    return missing

@@ -4,12 +4,13 @@
                gateway, sleeper function, dispatchers, callback receiver
     storm      submit N tasks at a steady rate while the injector runs the
                fault schedule (dispatcher SIGKILL/SIGTERM, function SIGKILL,
-               RabbitMQ and PostgreSQL restarts, gateway SIGKILL mid-burst)
+               RabbitMQ and PostgreSQL restarts and SIGKILLs, gateway SIGKILL
+               mid-burst)
     settle     wait until every task is terminal, notified and `-in` is empty
     verify     stop the dispatchers, then check everything (verify.py)
     report     bench/results/chaos-<timestamp>.json and a summary table
-    tear down  kill every process started, leave PostgreSQL and RabbitMQ
-               running, drop the database and the queues
+    tear down  kill every process started, including the run's own RabbitMQ
+               node and PostgreSQL cluster (the shared servers are never touched)
 
 A watchdog bounds the whole run (`--hard-timeout`): when it fires, every
 process is killed and the run reports a failure.
@@ -57,11 +58,15 @@ class ChaosRun:
         self.receiver = CallbackReceiver()
         self.submitter: Submitter | None = None
         self.injector: FaultInjector | None = None
-        self.blockers = infra.restart_blockers(config.database_url, config.amqp_url)
-        self.rabbitmq = None if "rabbitmq" in self.blockers else infra.RabbitMQ(config.amqp_url)
-        self.postgres = (
-            None if "postgres" in self.blockers else infra.PostgreSQL(config.database_url)
-        )
+        # The run's own servers, so that it can restart and kill them; without them it uses
+        # the configured ones and injects no server fault.
+        self.blockers = infra.private_servers_missing()
+        self.rabbitmq = None if "rabbitmq" in self.blockers else infra.RabbitMQ()
+        self.postgres = None if "postgres" in self.blockers else infra.PostgreSQL()
+        if self.rabbitmq is not None:
+            config.amqp_url = self.rabbitmq.url
+        if self.postgres is not None:
+            config.database_url = self.postgres.admin_url
         self.timings: dict[str, float | None] = {}
         self.dispatcher_exits: list[int | None] = []
 
@@ -70,9 +75,13 @@ class ChaosRun:
     def skipped(self) -> dict[str, str]:
         reasons = {k.value: "not in the plan (--skip)" for k in self.config.skip}
         if self.rabbitmq is None:
-            reasons[FaultKind.RABBITMQ_RESTART.value] = self.blockers["rabbitmq"]
+            for kind in (FaultKind.RABBITMQ_RESTART, FaultKind.RABBITMQ_SIGKILL):
+                reasons[kind.value] = self.blockers["rabbitmq"]
         if self.postgres is None:
-            reasons[FaultKind.POSTGRES_RESTART.value] = self.blockers["postgres"]
+            for kind in (FaultKind.POSTGRES_RESTART, FaultKind.POSTGRES_SIGKILL):
+                reasons[kind.value] = self.blockers["postgres"]
+        if self.rabbitmq is None or self.postgres is None:
+            reasons[FaultKind.OVERLAPPING.value] = "needs both private servers"
         return reasons
 
     def plan(self) -> FaultPlan:
@@ -100,12 +109,15 @@ class ChaosRun:
             max_sleep=c.max_sleep,
             callback_fraction=c.callback_fraction,
             repeat_fraction=c.repeat_fraction,
+            keyless_fraction=c.keyless_fraction,
+            hostile_fraction=c.hostile_fraction,
+            hostile_hook_fraction=c.hostile_hook_fraction,
         )
         self.submitter = Submitter(
             self.stack.gateway_url,
             self.platform.service,
             (self.platform.client_id, self.platform.secret),
-            self.receiver.url,
+            self.receiver.url_for,
             concurrency=c.submit_concurrency,
             rate=c.rate,
             retry_budget=c.retry_budget,
@@ -165,16 +177,16 @@ class ChaosRun:
         self.receiver.stop()
         if self.stack is not None:
             self.stack.kill_all()
-        for server in (self.rabbitmq, self.postgres):
-            if server is not None and not server.ensure_running():
-                print(f"chaos: WARNING: {type(server).__name__} is not running", flush=True)
-        if self.database_url is not None:
+        if self.database_url is not None and self.postgres is None:
             try:
                 infra.drop_database(self.config.database_url, self.database_url)
             except Exception as exc:
                 print(f"chaos: could not drop the database: {exc!r}", flush=True)
-        if self.platform is not None:
+        if self.platform is not None and self.rabbitmq is None:
             infra.delete_queues(self.config.amqp_url, self.platform.queue)
+        for server in (self.rabbitmq, self.postgres):
+            if server is not None:
+                server.stop()  # the run's own: its data goes with it
 
     # -- the watchdog --------------------------------------------------------------
 
@@ -242,6 +254,9 @@ def _settings(c: ChaosConfig, plan: FaultPlan) -> dict[str, Any]:
         "dispatcher_drain_timeout_s": c.drain_timeout_setting,
         "callback_fraction": c.callback_fraction,
         "repeat_fraction": c.repeat_fraction,
+        "keyless_fraction": c.keyless_fraction,
+        "hostile_fraction": c.hostile_fraction,
+        "hostile_hook_fraction": c.hostile_hook_fraction,
         "fail_rate": c.fail_rate,
         "max_sleep_s": c.max_sleep,
         "service": {"maxAttempts": 3, "taskTimeout": 30, "capacity": None},
@@ -271,6 +286,8 @@ def _verdict_numbers(v: verify.Verdict) -> dict[str, Any]:
     return {
         "rows": v.rows,
         "rows_never_acknowledged": v.rows_never_acknowledged,
+        "keyless": v.keyless,
+        "hostile_outcomes": v.hostile,
         "statuses": v.statuses,
         "lost": len(v.lost),
         "stuck": len(v.stuck),

@@ -23,18 +23,24 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+HOSTILE_KINDS = ("nul", "deep", "huge", "trickle")
+HOOKS = ("ok", "slow", "endless")
+
 
 @dataclass(frozen=True, slots=True)
 class TaskSpec:
-    key: str
+    key: str  # sent as Idempotency-Key when `keyed`; the run's own name for the task anyway
     body: dict[str, Any]
     callback: bool
     repeat: bool  # submit again once accepted: the answer must be 200 with the same taskId
+    keyed: bool = True  # without a key, the submission takes the group-commit path
+    hook: str = "ok"  # which callback endpoint (HOOKS), when `callback`
 
 
 def make_specs(
@@ -46,22 +52,38 @@ def make_specs(
     max_sleep: float,
     callback_fraction: float,
     repeat_fraction: float,
+    keyless_fraction: float = 0.0,
+    hostile_fraction: float = 0.0,
+    hostile_hook_fraction: float = 0.0,
 ) -> list[TaskSpec]:
-    return [
-        TaskSpec(
-            key=f"chaos-{run_id}-{i}",
-            body={"sleep": round(rng.uniform(0, max_sleep), 3), "failRate": fail_rate},
-            callback=rng.random() < callback_fraction,
-            repeat=rng.random() < repeat_fraction,
+    specs = []
+    for i in range(count):
+        body: dict[str, Any] = {"sleep": round(rng.uniform(0, max_sleep), 3), "failRate": fail_rate}
+        if rng.random() < hostile_fraction:
+            body = {"sleep": 0, "hostile": rng.choice(HOSTILE_KINDS)}
+        callback = rng.random() < callback_fraction
+        hook = rng.choice(HOOKS[1:]) if callback and rng.random() < hostile_hook_fraction else "ok"
+        keyed = rng.random() >= keyless_fraction
+        specs.append(
+            TaskSpec(
+                key=f"chaos-{run_id}-{i}",
+                body=body,
+                callback=callback,
+                repeat=keyed and rng.random() < repeat_fraction,
+                keyed=keyed,
+                hook=hook,
+            )
         )
-        for i in range(count)
-    ]
+    return specs
 
 
 @dataclass
 class SubmitResult:
     accepted: dict[str, str] = field(default_factory=dict)  # key -> taskId
-    callbacks: set[str] = field(default_factory=set)  # taskIds submitted with a callback
+    callbacks: set[str] = field(default_factory=set)  # taskIds with a well-behaved callback
+    hostile_callbacks: set[str] = field(default_factory=set)  # taskIds with a hostile one
+    keyless: int = 0  # accepted without an Idempotency-Key
+    keyless_unknown: int = 0  # keyless, and no answer said whether it was accepted
     answers: Counter[str] = field(default_factory=Counter)  # "201", "503", "ConnectError"...
     retried: int = 0  # keys that needed more than one request
     found_after_failure: int = 0  # 200 after a failed attempt: the first one had gone through
@@ -128,7 +150,7 @@ class Submitter:
         base_url: str,
         service: str,
         auth: tuple[str, str],
-        callback_url: str,
+        callback_url: Callable[[str], str],
         *,
         concurrency: int,
         rate: float,
@@ -137,7 +159,7 @@ class Submitter:
     ) -> None:
         self.url = f"{base_url}/v1/services/{service}/tasks"
         self.auth = auth
-        self.callback_url = callback_url
+        self.callback_url = callback_url  # hook name -> URL
         self.concurrency = concurrency
         self.retry_budget = retry_budget
         self.transport = transport
@@ -181,7 +203,7 @@ class Submitter:
     def _payload(self, spec: TaskSpec) -> dict[str, Any]:
         payload: dict[str, Any] = {"body": spec.body}
         if spec.callback:
-            payload["callback"] = {"type": "http", "url": self.callback_url}
+            payload["callback"] = {"type": "http", "url": self.callback_url(spec.hook)}
         return payload
 
     async def _submit(self, client: httpx.AsyncClient, spec: TaskSpec) -> None:
@@ -190,7 +212,10 @@ class Submitter:
         self.submitted += 1
         answer, requests = await self._post_until_answered(client, spec)
         if answer is None:
-            self.result.abandoned.append(spec.key)
+            if spec.keyed:
+                self.result.abandoned.append(spec.key)
+            else:  # it may or may not exist: the verifier counts rows nobody acknowledged
+                self.result.keyless_unknown += 1
             return
         status, task_id = answer
         if status not in (200, 201):
@@ -198,8 +223,10 @@ class Submitter:
             return
         self.result.accepted[spec.key] = task_id
         self.result.last_accept = time.monotonic()
+        self.result.keyless += not spec.keyed
         if spec.callback:
-            self.result.callbacks.add(task_id)
+            hooked = self.result.callbacks if spec.hook == "ok" else self.result.hostile_callbacks
+            hooked.add(task_id)
         if requests > 1:
             self.result.retried += 1
             self.result.found_after_failure += status == 200
@@ -221,31 +248,35 @@ class Submitter:
         requests = 0
         while not self.stop.is_set():
             requests += 1
-            answer = await self._post(client, spec)
+            answer, nothing_made = await self._post(client, spec)
             if answer is not None:
                 return answer, requests
+            if not spec.keyed and not nothing_made:
+                break  # without a key, a retry could make a second task
             if time.monotonic() + pause > give_up:
                 break
             await asyncio.sleep(pause * random.uniform(0.5, 1.0))
             pause = min(pause * 2, 2.0)
         return None, requests
 
-    async def _post(self, client: httpx.AsyncClient, spec: TaskSpec) -> tuple[int, str] | None:
-        """One request: (status, taskId) when final, None when it should be retried."""
+    async def _post(
+        self, client: httpx.AsyncClient, spec: TaskSpec
+    ) -> tuple[tuple[int, str] | None, bool]:
+        """One request: ((status, taskId) when final, else None to retry; whether the failure
+        proves no task was made: the connection was refused, or a 429 refused it first)."""
         self.in_flight += 1
+        headers = {"Idempotency-Key": spec.key} if spec.keyed else {}
         try:
-            response = await client.post(
-                self.url, json=self._payload(spec), headers={"Idempotency-Key": spec.key}
-            )
+            response = await client.post(self.url, json=self._payload(spec), headers=headers)
         except httpx.TransportError as exc:
             self.result.answers[type(exc).__name__] += 1
-            return None
+            return None, isinstance(exc, httpx.ConnectError)
         finally:
             self.in_flight -= 1
         self.result.answers[str(response.status_code)] += 1
         if response.status_code >= 500 or response.status_code == 429:
-            return None
+            return None, response.status_code == 429
         task_id = ""
         if response.status_code in (200, 201):
             task_id = response.json()["data"]["taskId"]
-        return response.status_code, task_id
+        return (response.status_code, task_id), False

@@ -30,6 +30,13 @@ from conveyor import topology
 
 TERMINAL = ("SUCCESS", "FAILURE")
 EXPECTED_FAILURE = "Argh!"  # the sleeper's errorMessage for a doomed task
+# What each hostile answer of the sleeper must end as: (status, a phrase of errorMessage).
+HOSTILE_EXPECTED: dict[str, tuple[str, str | None]] = {
+    "nul": ("SUCCESS", None),  # the NUL is replaced by U+FFFD, the text stored
+    "deep": ("FAILURE", "could not be parsed"),
+    "huge": ("FAILURE", "exceeded"),
+    "trickle": ("FAILURE", "did not answer within"),
+}
 SAMPLE = 20  # task ids listed in the report per problem
 
 
@@ -141,6 +148,8 @@ class Verdict:
     wrong_outcome: list[dict[str, Any]] = field(default_factory=list)
     unexpected_failure_reasons: dict[str, int] = field(default_factory=dict)
     rows_never_acknowledged: int = 0  # committed although the client never got an answer
+    keyless: dict[str, int] = field(default_factory=dict)
+    hostile: dict[str, int] = field(default_factory=dict)  # "<kind> <status>" -> tasks
     idempotency: dict[str, Any] = field(default_factory=dict)
     duplicates: dict[str, Any] = field(default_factory=dict)
     callbacks: dict[str, Any] = field(default_factory=dict)
@@ -174,6 +183,7 @@ class Verdict:
             and self.in_queue_empty
             and self.idempotent
             and self.notifications_set
+            and not self.callbacks.get("well_behaved_not_delivered")
         )
 
 
@@ -182,7 +192,7 @@ def _rows(database_url: str, service: str) -> list[tuple]:
         database_url,
         """
         SELECT task_id::text, status, idempotency_key, error_message, notification_status,
-               callback IS NOT NULL, attempts
+               callback IS NOT NULL, attempts, request->>'hostile'
           FROM tasks WHERE service = %(s)s
         """,
         {"s": service},
@@ -233,9 +243,18 @@ def verify(
 
 def _check_outcomes(verdict: Verdict, rows: list[tuple], fail_rate: float) -> None:
     reasons: Counter[str] = Counter()
-    for task_id, status, _key, error, *_ in rows:
+    hostile: Counter[str] = Counter()
+    for task_id, status, _key, error, *_, kind in rows:
         if status not in TERMINAL:
             verdict.stuck.append({"taskId": task_id, "status": status})
+            continue
+        if kind is not None:
+            hostile[f"{kind} {status}"] += 1
+            expected, phrase = HOSTILE_EXPECTED[kind]
+            if status != expected or (phrase is not None and phrase not in (error or "")):
+                verdict.wrong_outcome.append(
+                    {"taskId": task_id, "hostile": kind, "status": status, "error": error}
+                )
             continue
         expected = "FAILURE" if doomed(task_id, fail_rate) else "SUCCESS"
         if status != expected:
@@ -244,6 +263,7 @@ def _check_outcomes(verdict: Verdict, rows: list[tuple], fail_rate: float) -> No
             )
         if status == "FAILURE" and error != EXPECTED_FAILURE:
             reasons[(error or "")[:200]] += 1
+    verdict.hostile = dict(hostile)
     verdict.unexpected_failure_reasons = dict(reasons.most_common(10))
 
 
@@ -258,6 +278,12 @@ def _check_idempotency(verdict: Verdict, rows: list[tuple], submitted: SubmitRes
     verdict.rows_never_acknowledged = sum(
         1 for k in by_key if k is not None and k not in submitted.accepted
     )
+    acknowledged = set(submitted.accepted.values())
+    verdict.keyless = {
+        "accepted": submitted.keyless,
+        "no_answer": submitted.keyless_unknown,  # neither accepted nor lost: nobody knows
+        "rows_never_acknowledged": sum(1 for t in by_key.get(None, []) if t not in acknowledged),
+    }
     verdict.idempotency = {
         "keys_with_several_rows": len(several),
         "rows_without_key": len(by_key.get(None, [])),
@@ -296,8 +322,13 @@ def _check_callbacks(
     statuses = Counter(str(r[4]) for r in with_callback.values())
     not_set = [t for t, r in with_callback.items() if r[4] not in TERMINAL]
     delivered = {t for t, r in with_callback.items() if r[4] == "SUCCESS"}
+    well_behaved = submitted.callbacks & set(with_callback)
     verdict.callbacks = {
         "expected": len(with_callback),
+        "hostile_targets": len(submitted.hostile_callbacks),
+        "well_behaved_not_delivered": sorted(
+            t for t in well_behaved if with_callback[t][4] != "SUCCESS"
+        )[:SAMPLE],
         "accepted_with_callback": len(submitted.callbacks),
         "received_tasks": len(set(received) & set(with_callback)),
         "received_total": sum(received.values()),

@@ -4,7 +4,7 @@ It is the proof that the dispatcher contract needs nothing but the standard
 library: no AMQP, no SDK, no framework. It reads the CloudEvents binary-mode
 headers the dispatcher sends, POSTs progress to `X-Conveyor-Progress-Url`, and
 answers with plain JSON. It also carries the knobs the tests and the chaos run
-need (`failRate`, `FAIL_FIRST_N_CALLS_PER_TASK`, `CALL_LOG`).
+need (`failRate`, `hostile`, `FAIL_FIRST_N_CALLS_PER_TASK`, `CALL_LOG`).
 
 Environment:
     HOST, PORT                     where to listen (default 127.0.0.1:8080)
@@ -82,6 +82,15 @@ def parse_task(raw: bytes) -> tuple[float, bool, float]:
     return float(sleep), must_succeed, float(fail_rate)
 
 
+def _hostile_kind(raw: bytes) -> str | None:
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError:
+        return None
+    kind = body.get("hostile") if isinstance(body, dict) else None
+    return kind if kind in ("nul", "deep", "huge", "trickle") else None
+
+
 def doomed(task_id: str, fail_rate: float) -> bool:
     """Decides failure from the task id alone, so every attempt decides the same way."""
     digest = int(hashlib.sha256(task_id.encode()).hexdigest(), 16)
@@ -125,6 +134,11 @@ class Handler(BaseHTTPRequestHandler):
         attempt = self.headers.get("X-Conveyor-Attempt") or "-"
         raw = self.read_body()
         print(f"call ce-id={task_id} attempt={attempt}", flush=True)
+        hostile = _hostile_kind(raw)
+        if hostile:
+            CALLS.record(task_id, attempt, f"hostile-{hostile}")
+            self.hostile(hostile)
+            return
         if CALLS.count_call(task_id) <= FAIL_FIRST_N:
             self.finish_call(task_id, attempt, "unavailable", 503, {"errorMessage": "warming up"})
             return
@@ -159,6 +173,30 @@ class Handler(BaseHTTPRequestHandler):
                 if progress_url:
                     post_progress(progress_url, 100 * second / sleep)
         return True
+
+    def hostile(self, kind: str) -> None:
+        """Answers a platform must survive: a NUL byte, JSON 100,000 deep, 16 MiB, or a body
+        trickled a byte a second until the caller gives up."""
+        body = {
+            "nul": b"text with a \x00 in it",
+            "deep": b"[" * 100_000 + b"]" * 100_000,
+            "huge": b'"' + b"x" * (16 << 20) + b'"',
+        }.get(kind, b'{"slow": true}' + b" " * 3600)
+        content_type = "text/plain" if kind == "nul" else "application/json"
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if kind != "trickle":
+                self.wfile.write(body)
+                return
+            for i in range(len(body)):
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                time.sleep(1.0)
+        except OSError:
+            self.close_connection = True  # the caller hung up, as it should
 
     def read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)

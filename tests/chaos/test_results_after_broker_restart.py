@@ -20,9 +20,9 @@ import pytest
 from bench.chaos.infra import queue_state
 from conveyor import topology
 from conveyor.events import EventKind, TaskEvent, encode_event
-from tests.support.broker import require_local_broker, restart_rabbitmq
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
+from tests.support.servers import RabbitNode
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,9 +56,9 @@ def test_results_are_consumed_again_after_a_broker_restart(
     procs: Processes,
     platform: Platform,
     database_url: str,
-    amqp_url: str,
+    private_rabbit: RabbitNode,
 ) -> None:
-    require_local_broker()
+    amqp_url = private_rabbit.url
     service = platform.service()
     # A refresh period longer than aio-pika's channel restoration (the default is 5 s):
     # the channel is restored before the next refresh can notice it was closed.
@@ -70,7 +70,7 @@ def test_results_are_consumed_again_after_a_broker_restart(
     )
     _eventually(lambda: _consumers(amqp_url, out) == 1, 20, "consuming -out")
 
-    restart_rabbitmq(down_for=1.0)
+    private_rabbit.restart(down_for=1.0)
     # Several refresh periods after the reconnection: whatever the race, it has settled.
     _eventually(lambda: _consumers(amqp_url, out) is not None, 60, "broker back")
     time.sleep(8)

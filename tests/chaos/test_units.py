@@ -11,6 +11,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import httpx
 import pytest
@@ -69,7 +70,7 @@ def _submitter(handler: httpx.MockTransport, **kwargs: float) -> Submitter:
         "http://gateway.test",
         "svc",
         ("client", "secret"),
-        "http://localhost:1/hook",
+        lambda hook: f"http://localhost:1/{hook}",
         concurrency=kwargs.get("concurrency", 4),
         rate=kwargs.get("rate", 0),
         retry_budget=kwargs.get("retry_budget", 5.0),
@@ -148,9 +149,9 @@ def test_checks_flag_stuck_wrong_and_duplicated_keys() -> None:
         if not verify.doomed(str(uuid.UUID(int=i)), 0.1)
     )
     rows = [
-        (doomed_id, "SUCCESS", "a", None, None, False, 1),  # the function said FAILURE
-        (fine_id, "SUCCESS", "b", None, None, False, 1),
-        (str(uuid.uuid4()), "IN_PROGRESS", "b", None, None, False, 1),  # stuck, key repeated
+        (doomed_id, "SUCCESS", "a", None, None, False, 1, None),  # the function said FAILURE
+        (fine_id, "SUCCESS", "b", None, None, False, 1, None),
+        (str(uuid.uuid4()), "IN_PROGRESS", "b", None, None, False, 1, None),  # stuck, key again
     ]
     verdict = verify.Verdict()
     verify._check_outcomes(verdict, rows, 0.1)
@@ -160,3 +161,78 @@ def test_checks_flag_stuck_wrong_and_duplicated_keys() -> None:
     assert len(verdict.stuck) == 1
     assert verdict.idempotency["keys_with_several_rows"] == 1
     assert not verdict.idempotent and not verdict.ok
+
+
+def test_a_keyless_submission_is_retried_only_when_nothing_can_have_been_made() -> None:
+    calls: Counter[str] = Counter()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = request.content.decode()
+        assert "Idempotency-Key" not in request.headers
+        kind = "refused" if "refused" in body else "lost"
+        calls[kind] += 1
+        if calls[kind] == 1:
+            if kind == "refused":
+                raise httpx.ConnectError("refused", request=request)  # never reached the server
+            raise httpx.ReadTimeout("no answer", request=request)  # may have been committed
+        return httpx.Response(201, json={"data": {"taskId": str(uuid.uuid4())}})
+
+    specs = [
+        TaskSpec("a", {"case": "refused"}, callback=False, repeat=False, keyed=False),
+        TaskSpec("b", {"case": "lost"}, callback=False, repeat=False, keyed=False),
+    ]
+    result = asyncio.run(_submitter(httpx.MockTransport(answer)).run(specs))
+    assert list(result.accepted) == ["a"] and result.keyless == 1
+    assert result.keyless_unknown == 1 and not result.abandoned
+    assert calls == Counter({"refused": 2, "lost": 1})
+
+
+def test_hostile_answers_must_end_as_the_platform_promises() -> None:
+    rows = [
+        ("t1", "SUCCESS", None, None, None, False, 1, "nul"),
+        (
+            "t2",
+            "FAILURE",
+            None,
+            "The function's answer could not be parsed: x",
+            None,
+            False,
+            1,
+            "deep",
+        ),
+        ("t3", "SUCCESS", None, None, None, False, 1, "trickle"),  # should have been cut
+        ("t4", "FAILURE", None, "workers crashed", None, False, 1, "huge"),  # wrong reason
+    ]
+    verdict = verify.Verdict()
+    verify._check_outcomes(verdict, rows, 0.0)
+    assert sorted(w["taskId"] for w in verdict.wrong_outcome) == ["t3", "t4"]
+    assert verdict.hostile == {
+        "nul SUCCESS": 1,
+        "deep FAILURE": 1,
+        "trickle SUCCESS": 1,
+        "huge FAILURE": 1,
+    }
+
+
+def test_the_verifier_catches_a_planted_lost_task(
+    platform: Any, database_url: str, tmp_path: Path
+) -> None:
+    """Self-check on the real database: a task the client was told about and the platform
+    does not have must make the verdict fail."""
+    from bench.chaos.infra import QueueState
+
+    svc = platform.service()
+    planted = str(uuid.uuid4())
+    submitted = SubmitResult(accepted={"k": planted})
+    verdict = verify.verify(
+        database_url,
+        svc.name,
+        submitted,
+        tmp_path / "calls.log",
+        0.0,
+        {},
+        QueueState(0, 0),
+        None,
+    )
+    assert verdict.lost == [planted]
+    assert not verdict.ok

@@ -63,7 +63,8 @@ def gateway_env(database_url: str, amqp_url: str, **extra: str) -> dict[str, str
         "CONVEYOR_CALLBACK_BACKOFF": "0.1",
         "CONVEYOR_SERVICE_REFRESH_INTERVAL": "0.3",
         "CONVEYOR_RELAY_INTERVAL": "0.3",
-        "CONVEYOR_PUBLISH_TIMEOUT": "1.5",  # the relay takes rows 3 s old (outbox_grace)
+        "CONVEYOR_PUBLISH_TIMEOUT": "1.5",  # the relay takes rows 3 s old (outbox_grace) ...
+        "CONVEYOR_OUTBOX_KEEP_CONFIRMED": "0",  # ... on the shared broker, nobody kills
         "CONVEYOR_REAPER_INTERVAL": "0.5",
         "CONVEYOR_AUTH_CACHE_TTL": "2",
         # Every test connects from 127.0.0.1: a low limit would let one test lock out the others.

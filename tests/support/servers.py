@@ -1,0 +1,295 @@
+"""Private RabbitMQ and PostgreSQL servers for fault tests and the chaos run.
+
+Fault tests never stop, kill or restart the machine's shared servers: they start
+their own, on free ports, with their own data directories, and kill those by pid.
+
+* `RabbitNode`: one RabbitMQ node from the package's own `sbin/` scripts (Debian's
+  `/usr/sbin` wrappers would use the shared node's environment), with its own node
+  name, ports, config file, empty env file and HOME (the Erlang cookie).
+  `restart()` is a clean stop and start, `kill()` a SIGKILL of the Erlang VM,
+  `start()` brings it back on the same data (durable queues and messages survive).
+* `PostgresServer`: one PostgreSQL cluster (`initdb`, run as the `postgres` user
+  when we are root), `kill()` SIGKILLs the postmaster and its backends, `start()`
+  recovers from the crash.
+
+Both clean up after themselves (`stop()`, and at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from tests.support.processes import free_port
+
+_RABBIT_SBIN = sorted(glob.glob("/usr/lib/rabbitmq/lib/rabbitmq_server-*/sbin"))
+_PG_BIN = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
+
+
+def rabbitmq_available() -> bool:
+    return bool(_RABBIT_SBIN)
+
+
+def postgres_available() -> bool:
+    return bool(_PG_BIN)
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_port(port: int, timeout: float, up: bool = True) -> None:
+    deadline = time.monotonic() + timeout
+    while _port_open(port) != up:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"port {port} not {'open' if up else 'closed'} after {timeout}s")
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid`, from /proc (our own processes only, by pid)."""
+    found: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        found.setdefault(ppid, []).append(int(entry.name))
+    result, todo = [], [pid]
+    while todo:
+        for child in found.get(todo.pop(), []):
+            result.append(child)
+            todo.append(child)
+    return result
+
+
+def _kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    for member in [pid, *_children(pid)]:
+        try:
+            os.kill(member, sig)
+        except ProcessLookupError:
+            pass
+
+
+class RabbitNode:
+    def __init__(self, base: Path | None = None, cookie: str | None = None) -> None:
+        if not _RABBIT_SBIN:
+            raise RuntimeError("rabbitmq-server is not installed")
+        self.sbin = Path(_RABBIT_SBIN[-1])
+        self.base = base or Path(tempfile.mkdtemp(prefix="conveyor-rabbit-"))
+        self.name = f"conveyor-{uuid.uuid4().hex[:8]}@localhost"
+        self.port = free_port()
+        self.dist_port = free_port()
+        home = self.base / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        (home / ".erlang.cookie").write_text(cookie or uuid.uuid4().hex)
+        (home / ".erlang.cookie").chmod(0o400)
+        (self.base / "empty.env").write_text("")
+        (self.base / "enabled_plugins").write_text("[].\n")
+        (self.base / "rabbitmq.conf").write_text(
+            f"listeners.tcp.default = 127.0.0.1:{self.port}\nloopback_users = none\n"
+        )
+        self.env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(home),
+            "RABBITMQ_NODENAME": self.name,
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(self.base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.base / "log"),
+            "RABBITMQ_CONF_ENV_FILE": str(self.base / "empty.env"),
+            "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
+            # A frozen or killed peer is noticed in seconds, not a minute.
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel net_ticktime 10",
+        }
+        self._proc: subprocess.Popen[bytes] | None = None
+        atexit.register(self.stop)
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/"
+
+    @property
+    def pid(self) -> int | None:
+        """The Erlang VM's pid (the server script's child)."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        beams = [p for p in _children(self._proc.pid) if _comm(p) == "beam.smp"]
+        return beams[0] if beams else None
+
+    def start(self, timeout: float = 90.0) -> RabbitNode:
+        log = open(self.base / "server.out", "ab")
+        self._proc = subprocess.Popen(
+            [str(self.sbin / "rabbitmq-server")],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        _wait_port(self.port, timeout)  # the AMQP listener opens last, once the node booted
+        return self
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+        done = subprocess.run(
+            [str(self.sbin / "rabbitmqctl"), "-n", self.name, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {done.stderr[-500:]}")
+        return done.stdout
+
+    def kill(self) -> None:
+        """SIGKILL: no socket is closed cleanly, nothing is flushed."""
+        if self._proc is not None:
+            _kill_tree(self._proc.pid)
+            self._proc.wait(timeout=30)
+            self._proc = None
+        _wait_port(self.port, 30, up=False)
+
+    def restart(self, down_for: float = 1.0) -> None:
+        """A clean stop_app / start_app: every connection drops, the VM stays."""
+        self.ctl("stop_app")
+        time.sleep(down_for)
+        self.ctl("start_app")
+        _wait_port(self.port, 60)
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            _kill_tree(self._proc.pid)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            self._proc = None
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+class PostgresServer:
+    def __init__(self) -> None:
+        if not _PG_BIN:
+            raise RuntimeError("PostgreSQL is not installed")
+        self.bin = Path(_PG_BIN[-1])
+        self.base = Path(tempfile.mkdtemp(prefix="conveyor-pg-"))
+        self.data = self.base / "data"
+        self.port = free_port()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._as_user: list[str] = []
+        if os.geteuid() == 0:  # PostgreSQL refuses to run as root
+            shutil.chown(self.base, "postgres", "postgres")
+            self._as_user = ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
+        subprocess.run(
+            [
+                *self._as_user,
+                str(self.bin / "initdb"),
+                "-D",
+                str(self.data),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        atexit.register(self.stop)
+
+    @property
+    def admin_url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None or self._proc.poll() is not None else self._proc.pid
+
+    def start(self, timeout: float = 60.0) -> PostgresServer:
+        log = open(self.base / "server.out", "ab")
+        self._proc = subprocess.Popen(
+            [
+                *self._as_user,
+                str(self.bin / "postgres"),
+                "-D",
+                str(self.data),
+                "-p",
+                str(self.port),
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                f"unix_socket_directories={self.base}",
+                "-c",
+                "max_connections=200",
+                "-c",
+                "fsync=on",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        _wait_port(self.port, timeout)
+        self._wait_accepting(timeout)
+        return self
+
+    def _wait_accepting(self, timeout: float) -> None:
+        import psycopg
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with psycopg.connect(self.admin_url, connect_timeout=2):
+                    return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL of the postmaster and its backends: a crash, recovered at the next start."""
+        if self._proc is not None:
+            _kill_tree(self._proc.pid)
+            self._proc.wait(timeout=30)
+            self._proc = None
+        _wait_port(self.port, 30, up=False)
+
+    def shut_down(self) -> None:
+        """A fast shutdown (SIGINT): sessions end, the data is left consistent."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGINT)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _kill_tree(self._proc.pid)
+            self._proc = None
+
+    def stop(self) -> None:
+        self.shut_down()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

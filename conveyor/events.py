@@ -25,7 +25,10 @@ from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 
-SPECVERSION_HEADER = "ce-specversion"
+from conveyor import headers as h
+from conveyor import strict_json
+
+SPECVERSION_HEADER = h.CE_SPECVERSION
 TRACEPARENT = "traceparent"
 
 # Extension attributes (CloudEvents names: lowercase alphanumerics only).
@@ -138,13 +141,9 @@ def _json_bytes(value: Any) -> bytes:
 
 def _load_json(body: bytes) -> Any:
     try:
-        return json.loads(body, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        return strict_json.loads(body)
+    except strict_json.NotJson as exc:
         raise WireError(f"body is not JSON: {exc.__class__.__name__}") from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
 def _header_str(headers: dict[str, Any], name: str) -> str | None:
@@ -190,7 +189,7 @@ def _progress(value: Any) -> float:
 
 
 def is_cloudevent(headers: dict[str, Any] | None) -> bool:
-    return bool(headers) and SPECVERSION_HEADER in headers
+    return headers is not None and SPECVERSION_HEADER in headers
 
 
 def _to_wire(attributes: dict[str, Any], data: Any, traceparent: str | None) -> WireMessage:
@@ -201,7 +200,11 @@ def _to_wire(attributes: dict[str, Any], data: Any, traceparent: str | None) -> 
 
 
 def _from_wire(message: WireMessage) -> CloudEvent:
-    headers = {k: _header_str(message.headers, k) for k in message.headers if k.startswith("ce-")}
+    headers = {
+        k: value
+        for k in message.headers
+        if k.startswith("ce-") and (value := _header_str(message.headers, k)) is not None
+    }
     if message.body:
         _load_json(message.body)  # the binding's own error would not be a WireError
     try:
@@ -214,6 +217,7 @@ def _from_wire(message: WireMessage) -> CloudEvent:
         )
     except Exception as exc:  # the binding raises several unrelated types
         raise WireError(f"invalid CloudEvent: {exc}") from None
+    assert isinstance(event, CloudEvent)
     return event
 
 

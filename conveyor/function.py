@@ -21,10 +21,8 @@ from datetime import UTC, datetime
 
 import httpx
 
-TASK_ID_HEADER = "x-conveyor-task-id"
-ATTEMPT_HEADER = "x-conveyor-attempt"
-DEADLINE_HEADER = "x-conveyor-deadline"
-PROGRESS_URL_HEADER = "x-conveyor-progress-url"
+from conveyor import headers as h
+
 PROGRESS_TIMEOUT_S = 2.0
 
 
@@ -63,10 +61,10 @@ class TaskContext:
         """Reads the dispatcher's headers; any case, any Mapping (dict, httpx, Starlette...)."""
         lowered = _lower_keys(headers)
         return cls(
-            task_id=lowered.get("ce-id") or lowered.get(TASK_ID_HEADER),
-            attempt=_parse_attempt(lowered.get(ATTEMPT_HEADER)),
-            deadline=_parse_deadline(lowered.get(DEADLINE_HEADER)),
-            progress_url=lowered.get(PROGRESS_URL_HEADER) or None,
+            task_id=lowered.get(h.CE_ID) or lowered.get(h.TASK_ID),
+            attempt=_parse_attempt(lowered.get(h.ATTEMPT)),
+            deadline=_parse_deadline(lowered.get(h.DEADLINE)),
+            progress_url=lowered.get(h.PROGRESS_URL) or None,
         )
 
     def seconds_left(self, now: datetime | None = None) -> float | None:

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -34,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from conveyor import envelope, strict_json
 from dispatcher.metrics import Metrics
 from dispatcher.progress import ProgressBoard
 
@@ -43,11 +42,10 @@ MAX_PROGRESS_BODY = 64 * 1024
 ReadinessCheck = Callable[[], Awaitable[dict[str, bool]]]
 
 
-def _error(status: int, number: int, description: str, **extra: Any) -> JSONResponse:
-    return JSONResponse(
-        {"status": "error", "error": {"number": number, "description": description, **extra}},
-        status_code=status,
-    )
+def _error(
+    status: int, number: int, description: str, errors: list[dict[str, str]] | None = None
+) -> JSONResponse:
+    return JSONResponse(envelope.error(number, description, errors), status_code=status)
 
 
 def _invalid(message: str) -> JSONResponse:
@@ -59,8 +57,8 @@ def _invalid(message: str) -> JSONResponse:
 def parse_progress(raw: bytes) -> float | str:
     """The progress value, or why it is refused."""
     try:
-        payload = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
+        payload = strict_json.loads(raw)
+    except strict_json.NotJson:
         return "body is not JSON"
     if not isinstance(payload, dict) or "progress" not in payload:
         return 'expected {"progress": <number>}'
@@ -71,10 +69,6 @@ def parse_progress(raw: bytes) -> float | str:
     if not math.isfinite(value) or not 0.0 <= value <= 100.0:
         return "progress must be between 0 and 100"
     return value
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(name)
 
 
 class Endpoints:

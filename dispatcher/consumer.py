@@ -31,12 +31,12 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustConnection
 
+from conveyor import headers as h
+from conveyor.amqp import from_amqp
 from conveyor.events import WireMessage
 
 log = logging.getLogger(__name__)
 
-REQUEUES_HEADER = "x-conveyor-requeues"
-DELIVERY_COUNT_HEADER = "x-delivery-count"
 RECONNECT_INTERVAL = 1.0
 # What a broker outage looks like to a caller (ChannelInvalidStateError is a RuntimeError).
 BROKER_ERRORS = (*aio_pika.exceptions.CONNECTION_EXCEPTIONS, TimeoutError)
@@ -90,12 +90,7 @@ class Delivery:
         return self.message.processed
 
     def wire(self) -> WireMessage:
-        return WireMessage(
-            body=self.message.body,
-            headers=self.headers,
-            content_type=self.message.content_type,
-            message_id=self.message_id,
-        )
+        return from_amqp(self.message)
 
     def previous_deliveries(self) -> int:
         """Deliveries of this task before this one.
@@ -106,10 +101,10 @@ class Delivery:
         A classic queue has no delivery count: its `redelivered` flag counts one.
         """
         headers = self.message.headers or {}
-        count = _int_header(headers, DELIVERY_COUNT_HEADER)
-        if not count and DELIVERY_COUNT_HEADER not in headers and self.message.redelivered:
+        count = _int_header(headers, h.DELIVERY_COUNT)
+        if not count and h.DELIVERY_COUNT not in headers and self.message.redelivered:
             count = 1
-        return _int_header(headers, REQUEUES_HEADER) + count
+        return _int_header(headers, h.REQUEUES) + count
 
     async def ack(self) -> bool:
         return await self._settle("ack", self.message.ack)

@@ -12,13 +12,22 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from dispatcher.consumer import Delivery
 from dispatcher.metrics import Metrics
 from dispatcher.shutdown import AbortToken
 
-if TYPE_CHECKING:
-    from dispatcher.worker import Attempt
+
+class Attempt(Protocol):
+    """What `Orphans` reads of a run (the worker's `Attempt`)."""
+
+    delivery: Delivery
+    done: asyncio.Event
+    confirmed: bool
+
+    @property
+    def task_id(self) -> str: ...
 
 
 class InFlight:

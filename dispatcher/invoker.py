@@ -36,6 +36,9 @@ from typing import Any
 
 import httpx
 
+from conveyor import headers as h
+from conveyor import strict_json
+
 ERROR_LIMIT = 4096  # bytes of errorMessage kept, UTF-8
 RETRYABLE_STATUS = frozenset({408, 429})
 _ERROR_FIELDS = ("errorMessage", "error", "detail")
@@ -83,21 +86,21 @@ class Invocation:
 
     def headers(self, retry: int) -> dict[str, str]:
         headers = {
-            "ce-id": self.task_id,
-            "ce-type": self.ce_type,
-            "ce-source": self.ce_source,
-            "ce-subject": self.task_id,
-            "ce-specversion": "1.0",
-            "ce-time": self.ce_time or rfc3339(datetime.now(UTC)),
+            h.CE_ID: self.task_id,
+            h.CE_TYPE: self.ce_type,
+            h.CE_SOURCE: self.ce_source,
+            h.CE_SUBJECT: self.task_id,
+            h.CE_SPECVERSION: "1.0",
+            h.CE_TIME: self.ce_time or rfc3339(datetime.now(UTC)),
             "content-type": "application/json",
-            "x-conveyor-task-id": self.task_id,
-            "x-conveyor-attempt": str(self.attempt),
-            "x-conveyor-retry": str(retry),
-            "x-conveyor-deadline": rfc3339(self.deadline),
-            "x-conveyor-progress-url": self.progress_url,
+            h.TASK_ID: self.task_id,
+            h.ATTEMPT: str(self.attempt),
+            h.RETRY: str(retry),
+            h.DEADLINE: rfc3339(self.deadline),
+            h.PROGRESS_URL: self.progress_url,
         }
         if self.traceparent:
-            headers["traceparent"] = self.traceparent
+            headers[h.TRACEPARENT] = self.traceparent
         return headers
 
 
@@ -178,8 +181,8 @@ def _strict_json(body: bytes) -> Any:
     """NaN/Infinity are not JSON and could not be published as such; depth and NUL are
     checked only when the bytes say they may matter (cheap for ordinary answers)."""
     try:
-        value = json.loads(body, parse_constant=_reject)
-    except RecursionError:
+        value = strict_json.loads(body)
+    except strict_json.TooDeep:
         raise Unparseable(f"nested deeper than {MAX_DEPTH} levels") from None
     if b"\\u0000" in body or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
         value = _storable(value)
@@ -215,10 +218,6 @@ def _storable(value: Any) -> Any:
         else:
             parent[key] = item
     return root[0]
-
-
-def _reject(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 # ---------------------------------------------------------------------------

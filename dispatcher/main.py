@@ -124,7 +124,7 @@ class Dispatcher:
         return await self.broker.wait_for_queues(stop) and await self.broker.connect(stop)
 
     async def _wait_for_the_end(self) -> None:
-        waiters = [asyncio.ensure_future(self.shutdown.requested.wait())]
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.shutdown.requested.wait())]
         if self.settings.one_shot:
             waiters.append(asyncio.ensure_future(self._one_shot()))
         _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

@@ -22,8 +22,10 @@ import time
 import aio_pika
 from aio_pika.abc import AbstractRobustChannel
 
-from conveyor.events import MessageFormat, TaskEvent, WireMessage, encode_event
-from dispatcher.consumer import BROKER_ERRORS, DELIVERY_COUNT_HEADER, REQUEUES_HEADER, Delivery
+from conveyor import headers as h
+from conveyor.amqp import to_amqp
+from conveyor.events import MessageFormat, TaskEvent, encode_event
+from dispatcher.consumer import BROKER_ERRORS, Delivery
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +43,11 @@ class Publisher:
 
     async def publish_event(self, event: TaskEvent, fmt: MessageFormat) -> None:
         """One attempt; raises one of BROKER_ERRORS when it is not confirmed."""
-        await self._publish(_message(encode_event(event, self.service, fmt)), self.out_queue)
+        await self._publish(to_amqp(encode_event(event, self.service, fmt)), self.out_queue)
 
     async def publish_reliably(self, event: TaskEvent, fmt: MessageFormat, patience: float) -> bool:
         """Retries through reconnections for up to `patience` seconds."""
-        message = _message(encode_event(event, self.service, fmt))
+        message = to_amqp(encode_event(event, self.service, fmt))
         give_up = time.monotonic() + patience
         pause = 0.1
         while True:
@@ -85,8 +87,8 @@ class Publisher:
         `x-conveyor-requeues`, so X-Conveyor-Attempt keeps increasing.
         """
         original = delivery.message
-        headers = {k: v for k, v in (original.headers or {}).items() if k != DELIVERY_COUNT_HEADER}
-        headers[REQUEUES_HEADER] = previous_deliveries
+        headers = {k: v for k, v in (original.headers or {}).items() if k != h.DELIVERY_COUNT}
+        headers[h.REQUEUES] = previous_deliveries
         copy = aio_pika.Message(
             body=original.body,
             headers=headers,
@@ -108,13 +110,3 @@ class Publisher:
 
     async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
         await self.channel.default_exchange.publish(message, routing_key, mandatory=True)
-
-
-def _message(wire: WireMessage) -> aio_pika.Message:
-    return aio_pika.Message(
-        body=wire.body,
-        headers=wire.headers,
-        content_type=wire.content_type,
-        message_id=wire.message_id,
-        delivery_mode=_PERSISTENT,
-    )

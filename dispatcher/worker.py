@@ -34,6 +34,7 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
 
+from conveyor import headers as h
 from conveyor.events import (
     SUBMITTED,
     EventKind,
@@ -210,9 +211,9 @@ class Worker:
             attempt=delivery.previous_deliveries() + 1,
             deadline=wall_deadline,
             body=json.dumps(submission.body).encode() if legacy else delivery.message.body,
-            ce_type=_text(headers.get("ce-type")) or SUBMITTED,
-            ce_source=_text(headers.get("ce-source")) or f"/v1/services/{self.settings.queue}",
-            ce_time=_text(headers.get("ce-time")),
+            ce_type=_text(headers.get(h.CE_TYPE)) or SUBMITTED,
+            ce_source=_text(headers.get(h.CE_SOURCE)) or f"/v1/services/{self.settings.queue}",
+            ce_time=_text(headers.get(h.CE_TIME)),
             progress_url=f"{self.progress_base}/{submission.task_id}/progress",
             traceparent=submission.traceparent,
         )

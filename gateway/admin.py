@@ -64,13 +64,13 @@ def _service_params(spec: ServiceSpec) -> dict[str, Any]:
     }
 
 
-async def upsert_service(conn: AsyncConnection, spec: ServiceSpec) -> Change:
+async def upsert_service(conn: AsyncConnection[Any], spec: ServiceSpec) -> Change:
     row = await (await conn.execute(_SERVICE_UPSERT, _service_params(spec))).fetchone()
     action = "unchanged" if row is None else ("created" if row.created else "updated")
     return Change("service", spec.name, action)
 
 
-async def _stored_hash(conn: AsyncConnection, client_id: str) -> str | None:
+async def _stored_hash(conn: AsyncConnection[Any], client_id: str) -> str | None:
     cursor = await conn.execute(
         "SELECT secret_hash FROM clients WHERE client_id = %s", (client_id,)
     )
@@ -91,7 +91,7 @@ def _hash_for(spec: ClientSpec, stored: str | None) -> str:
     return hash_secret(spec.secret)
 
 
-async def upsert_client(conn: AsyncConnection, spec: ClientSpec) -> Change:
+async def upsert_client(conn: AsyncConnection[Any], spec: ClientSpec) -> Change:
     stored = await _stored_hash(conn, spec.id)
     wanted = _hash_for(spec, stored)
     action = "unchanged"
@@ -106,7 +106,7 @@ async def upsert_client(conn: AsyncConnection, spec: ClientSpec) -> Change:
     return Change("client", spec.id, action)
 
 
-async def _set_secret_hash(conn: AsyncConnection, client_id: str, secret_hash: str) -> None:
+async def _set_secret_hash(conn: AsyncConnection[Any], client_id: str, secret_hash: str) -> None:
     await conn.execute(
         """
         INSERT INTO clients (client_id, secret_hash) VALUES (%(id)s, %(hash)s)
@@ -117,7 +117,7 @@ async def _set_secret_hash(conn: AsyncConnection, client_id: str, secret_hash: s
     )
 
 
-async def _set_grants(conn: AsyncConnection, spec: ClientSpec) -> bool:
+async def _set_grants(conn: AsyncConnection[Any], spec: ClientSpec) -> bool:
     cursor = await conn.execute(
         "SELECT service, capacity FROM authorizations WHERE client_id = %s", (spec.id,)
     )
@@ -133,7 +133,7 @@ async def _set_grants(conn: AsyncConnection, spec: ClientSpec) -> bool:
     return True
 
 
-async def apply(conn: AsyncConnection, spec: PlatformSpec) -> list[Change]:
+async def apply(conn: AsyncConnection[Any], spec: PlatformSpec) -> list[Change]:
     """The whole file in one transaction: a refused entry leaves nothing half-applied."""
     async with conn.transaction():
         changes = [await upsert_service(conn, s) for s in spec.services]
@@ -152,7 +152,7 @@ async def apply(conn: AsyncConnection, spec: PlatformSpec) -> list[Change]:
 # -- imperative commands -----------------------------------------------------
 
 
-async def create_client(conn: AsyncConnection, client_id: str) -> str:
+async def create_client(conn: AsyncConnection[Any], client_id: str) -> str:
     """Creates a client with a generated secret, returned once and never stored in clear."""
     if await _stored_hash(conn, client_id) is not None:
         raise PlatformError(f"client {client_id} already exists")
@@ -161,17 +161,19 @@ async def create_client(conn: AsyncConnection, client_id: str) -> str:
     return secret
 
 
-async def delete_client(conn: AsyncConnection, client_id: str) -> bool:
+async def delete_client(conn: AsyncConnection[Any], client_id: str) -> bool:
     cursor = await conn.execute("DELETE FROM clients WHERE client_id = %s", (client_id,))
     return bool(cursor.rowcount)
 
 
-async def delete_service(conn: AsyncConnection, name: str) -> bool:
+async def delete_service(conn: AsyncConnection[Any], name: str) -> bool:
     cursor = await conn.execute("DELETE FROM services WHERE name = %s", (name,))
     return bool(cursor.rowcount)
 
 
-async def grant(conn: AsyncConnection, client_id: str, service: str, capacity: int | None) -> None:
+async def grant(
+    conn: AsyncConnection[Any], client_id: str, service: str, capacity: int | None
+) -> None:
     cursor = await conn.execute(
         "SELECT EXISTS (SELECT 1 FROM clients WHERE client_id = %s) AS client,"
         " EXISTS (SELECT 1 FROM services WHERE name = %s) AS service",
@@ -193,14 +195,14 @@ async def grant(conn: AsyncConnection, client_id: str, service: str, capacity: i
     )
 
 
-async def revoke(conn: AsyncConnection, client_id: str, service: str) -> bool:
+async def revoke(conn: AsyncConnection[Any], client_id: str, service: str) -> bool:
     cursor = await conn.execute(
         "DELETE FROM authorizations WHERE client_id = %s AND service = %s", (client_id, service)
     )
     return bool(cursor.rowcount)
 
 
-async def listing(conn: AsyncConnection) -> dict[str, list[dict[str, Any]]]:
+async def listing(conn: AsyncConnection[Any]) -> dict[str, list[dict[str, Any]]]:
     services = await conn.execute(
         "SELECT name, queue_name, capacity, message_format, task_timeout, max_attempts,"
         " retention_seconds FROM services ORDER BY name"

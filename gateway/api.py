@@ -20,6 +20,7 @@ from fastapi.routing import APIRoute
 from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.responses import Response
 
+from conveyor import envelope
 from gateway import api_models, catalog, errors, metrics, pgpool
 from gateway.callbacks import CallbackRefused, check_callback
 from gateway.outbox import submission_for
@@ -144,7 +145,7 @@ def _idempotency_key(request: Request) -> str | None:
 
 
 def _ok(data: dict[str, Any], status: int) -> Json:
-    return Json({"status": "success", "data": data}, status_code=status)
+    return Json(envelope.success(data), status_code=status)
 
 
 # How API tools chain a create to the poll of the task it made (OpenAPI links).
@@ -215,7 +216,7 @@ async def create(service: str, request: Request) -> Json:
         )
     )
     new = await _new_task(rt, client_id, access, payload, _idempotency_key(request))
-    accepted = await create_task(rt.pool, new, rt.intake)
+    accepted = await create_task(rt.pool, new, rt.intake.insert)
     await _publish(rt, request, [(new, accepted)])
     data = {"taskId": str(accepted.task_id), "taskPosition": accepted.position}
     return _ok(data, 201 if accepted.created else 200)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
+from conveyor.amqp import to_amqp
 from conveyor.events import WireMessage
 
 log = logging.getLogger("conveyor.gateway.broker")
@@ -81,14 +82,7 @@ class Broker:
             except Exception as exc:
                 raise PublishError(f"broker unavailable: {exc.__class__.__name__}") from None
         assert self._channel is not None
-        amqp_message = aio_pika.Message(
-            body=message.body,
-            headers=message.headers or None,
-            content_type=message.content_type,
-            message_id=message.message_id,
-            expiration=message.expiration,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        )
+        amqp_message = to_amqp(message)
         try:
             await self._channel.default_exchange.publish(
                 amqp_message, routing_key=routing_key, mandatory=True

@@ -26,7 +26,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-SIGNATURE_HEADER = "X-Conveyor-Signature"
+from conveyor import headers as h
+
+SIGNATURE_HEADER = h.SIGNATURE
 
 
 class CallbackRefused(ValueError):
@@ -100,18 +102,12 @@ async def resolve(host: str, port: int | None) -> list[str]:
         )
     except (OSError, TimeoutError, ValueError):  # ValueError: a name IDNA cannot encode
         raise CallbackRefused("callback host does not resolve") from None
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 async def check_destination(url: str, policy: CallbackPolicy) -> None:
     """Raises CallbackRefused unless every address of the URL's host may be called."""
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
-    if host in policy.allowed_hosts or policy.allow_private:
-        return
-    for address in await resolve(host, parts.port):
-        if forbidden_address(address):
-            raise CallbackRefused("callback host resolves to a forbidden address")
+    await destination(url, policy)
 
 
 @dataclass(frozen=True, slots=True)

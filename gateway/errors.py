@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor import envelope
+
 
 @dataclass(frozen=True, slots=True)
 class ErrorKind:
@@ -39,10 +41,7 @@ class ApiError(Exception):
     headers: dict[str, str] = field(default_factory=dict)
 
     def envelope(self) -> dict[str, Any]:
-        error: dict[str, Any] = {"number": self.kind.number, "description": self.kind.description}
-        if self.errors:
-            error["errors"] = self.errors
-        return {"status": "error", "error": error}
+        return envelope.error(self.kind.number, self.kind.description, self.errors)
 
 
 def invalid(path: str, message: str) -> ApiError:

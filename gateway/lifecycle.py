@@ -153,8 +153,12 @@ def transition(event: TaskEvent) -> Transition:
             }
             return Transition(_STARTED, params, Applied.CHANGED)
         case EventKind.PROGRESS:
-            params = {"task_id": task_id, "progress": event.progress, "attempt": event.attempt}
-            return Transition(_PROGRESS, params, Applied.CHANGED)
+            progress: dict[str, Any] = {
+                "task_id": task_id,
+                "progress": event.progress,
+                "attempt": event.attempt,
+            }
+            return Transition(_PROGRESS, progress, Applied.CHANGED)
         case EventKind.SUCCEEDED:
             return _finish(task_id, "SUCCESS", time, event.attempt, _jsonb(event.response), None)
         case EventKind.FAILED:

@@ -18,6 +18,7 @@ whatever went wrong.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from typing import Any
@@ -121,7 +122,7 @@ class Notifier:
         for row in rows:
             task = asyncio.create_task(self._notify(row))
             self._deliveries[row.id] = task
-            task.add_done_callback(lambda _, row_id=row.id: self._done(row_id))
+            task.add_done_callback(functools.partial(self._done, row.id))
         return len(rows)
 
     async def drain(self) -> None:
@@ -129,7 +130,7 @@ class Notifier:
         while self._deliveries:
             await asyncio.gather(*self._deliveries.values(), return_exceptions=True)
 
-    def _done(self, row_id: int) -> None:
+    def _done(self, row_id: int, _: asyncio.Task[None]) -> None:
         self._deliveries.pop(row_id, None)
         self._wakeup.set()  # a slot is free
 

@@ -130,7 +130,8 @@ class Outbox:
         self.flush_every = flush_every
         # A confirmed row is deleted only `keep_confirmed` seconds later (less than `grace`:
         # the relay never sees it meanwhile). A broker that crashes within that time may lose
-        # what it confirmed (seen with RabbitMQ 3.10 quorum queues on one node): when the
+        # what it confirmed (seen with a RabbitMQ 3.10 quorum queue declared seconds before a
+        # crash of its one node): when the
         # connection drops, the rows still kept are left to the relay, which publishes them
         # again. A duplicate is harmless; a lost submission would leave its task PENDING.
         self.keep_confirmed = keep_confirmed
@@ -179,6 +180,8 @@ class Outbox:
 
     async def flush(self, everything: bool = False) -> None:
         """Deletes the rows confirmed long enough ago (all of them with `everything`)."""
+        if not everything and not self.broker.connected:
+            return  # the broker may have crashed: what it confirmed last is not trusted yet
         trusted = time.monotonic() - self.keep_confirmed
         ripe = [entry for entry in self._confirmed if everything or entry[0] <= trusted]
         if not ripe:

@@ -33,6 +33,7 @@ from psycopg.types.json import Jsonb
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from conveyor import topology
+from conveyor.amqp import from_amqp
 from conveyor.events import WireError, WireMessage, decode_event, decode_submission
 from gateway import catalog, lifecycle, metrics
 from gateway.broker import Broker
@@ -58,8 +59,7 @@ class Delivery:
     message: AbstractIncomingMessage
 
     def wire(self) -> WireMessage:
-        m = self.message
-        return WireMessage(m.body, dict(m.headers or {}), m.content_type, m.message_id)
+        return from_amqp(self.message)
 
 
 class Poison(Exception):
@@ -130,6 +130,13 @@ class ResultConsumer:
         closes the channel it was made on), then consumes its `-out` and `-dlq` if they
         exist, whatever their arguments."""
         missing = await self._declare(service)
+        broken = service.name in self._broken
+        specs = {
+            spec.name: spec
+            for spec in topology.service_queues(
+                service.queue_name, service.message_format, self.delivery_limit
+            )
+        }
         tags = []
         for name, dead in (
             (topology.out_queue(service.queue_name), False),
@@ -137,9 +144,14 @@ class ResultConsumer:
         ):
             if name in missing:
                 continue
-            # The queue object the robust channel registered when declaring it: its consumers
-            # are restored with the channel after a reconnection.
-            queue = await channel.declare_queue(name, passive=True)
+            # Declared on the consuming channel, so that the robust channel restores the queue
+            # and its consumer after a reconnection: in full (a broker that crashed may have
+            # lost a queue declared just before), or passively when its arguments differ.
+            if broken:
+                queue = await channel.declare_queue(name, passive=True)
+            else:
+                arguments = specs[name].arguments or None
+                queue = await channel.declare_queue(name, durable=True, arguments=arguments)
             tags.append((queue, await queue.consume(self._receiver(name, dead))))
         if tags:
             self._subscribed[service.name] = tags

@@ -15,9 +15,10 @@ the others run their statements in an explicit transaction.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection
@@ -26,9 +27,6 @@ from gateway import errors
 from gateway.catalog import Access
 from gateway.models import TaskStatus
 from gateway.pgpool import Pool, jsonb
-
-if TYPE_CHECKING:
-    from gateway.intake import Intake
 
 IDEMPOTENCY_WINDOW = timedelta(hours=24)
 
@@ -103,11 +101,14 @@ _POSITION = (
 )
 
 
-async def create_task(pool: Pool, new: NewTask, intake: Intake) -> Accepted:
-    """Stores a task and its outbox entry; `intake` batches the common case with others."""
+async def create_task(
+    pool: Pool, new: NewTask, batched: Callable[[NewTask], Awaitable[Accepted]]
+) -> Accepted:
+    """Stores a task and its outbox entry; `batched` (the intake) writes the common case
+    together with others."""
     try:
         if _single_statement(new):
-            return await intake.insert(new)
+            return await batched(new)
         async with pool.connection() as conn, conn.transaction():
             return await _create(conn, new)
     except psycopg.errors.UniqueViolation:

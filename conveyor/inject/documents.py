@@ -91,8 +91,8 @@ def classify(doc: Doc) -> str:
 
 
 def _is_generated_dispatcher(doc: Doc) -> bool:
-    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
-    labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
+    meta: Doc = doc["metadata"] if isinstance(doc.get("metadata"), dict) else {}
+    labels: Doc = meta["labels"] if isinstance(meta.get("labels"), dict) else {}
     return (
         doc.get("apiVersion") == "apps/v1"
         and doc.get("kind") == "Deployment"
@@ -101,7 +101,7 @@ def _is_generated_dispatcher(doc: Doc) -> bool:
 
 
 def object_key(doc: Doc) -> Key:
-    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    meta: Doc = doc["metadata"] if isinstance(doc.get("metadata"), dict) else {}
     return (doc["kind"], str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
 

@@ -174,7 +174,7 @@ def _inject_job(
     target = spec.get("jobTargetRef")
     if not isinstance(target, dict):
         raise InjectError(f"{owner} has no spec.jobTargetRef")
-    wiring = wire_pod(target.get("template"), options, Mode.JOB, name, owner, warnings)
+    wiring = wire_pod(target.get("template") or {}, options, Mode.JOB, name, owner, warnings)
     spec.setdefault("pollingInterval", 10)
     spec.setdefault("successfulJobsHistoryLimit", 3)
     spec.setdefault("failedJobsHistoryLimit", 5)

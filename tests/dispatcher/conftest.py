@@ -25,12 +25,12 @@ import aio_pika
 import httpx
 import pytest
 
+from conveyor.amqp import from_amqp
 from conveyor.events import (
     EventKind,
     MessageFormat,
     Submission,
     TaskEvent,
-    WireMessage,
     decode_event,
     encode_submission,
 )
@@ -95,9 +95,7 @@ class Rabbit:
         await out.consume(self._on_event)
 
     async def _on_event(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        wire = WireMessage(
-            message.body, dict(message.headers or {}), message.content_type, message.message_id
-        )
+        wire = from_amqp(message)
         try:
             self.events.append(decode_event(wire))
         except ValueError:

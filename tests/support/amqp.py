@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 
 import aio_pika
 import aiormq.exceptions
-from aio_pika.abc import AbstractIncomingMessage
 
 from conveyor import topology
+from conveyor.amqp import from_amqp, to_amqp
 from conveyor.events import WireMessage
 from tests.support.gateway import Platform, Service, run_sync
 
@@ -70,13 +70,7 @@ async def _publish(url: str, queue: str, messages: Sequence[WireMessage]) -> Non
         await asyncio.gather(
             *(
                 exchange.publish(
-                    aio_pika.Message(
-                        body=message.body,
-                        headers=message.headers or None,
-                        content_type=message.content_type,
-                        message_id=message.message_id,
-                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                    ),
+                    to_amqp(message),
                     routing_key=queue,
                     mandatory=True,  # a missing queue fails the test, not a lost message
                 )
@@ -138,10 +132,7 @@ def wait_for_queues(url: str, names: Iterable[str], timeout: float = 10.0) -> No
         wait_until(lambda n=name: message_count(url, n) is not None, timeout, what=f"queue {name}")
 
 
-def _wire(message: AbstractIncomingMessage) -> WireMessage:
-    return WireMessage(
-        message.body, dict(message.headers or {}), message.content_type, message.message_id
-    )
+_wire = from_amqp
 
 
 async def _take_all(url: str, queue: str) -> list[WireMessage]:

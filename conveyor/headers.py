@@ -1,0 +1,28 @@
+"""Every header two components must spell the same way, defined once.
+
+HTTP headers are lower case here (HTTP/1.1 and HTTP/2 compare them case-insensitively;
+a reader lower-cases what it receives).
+"""
+
+from __future__ import annotations
+
+# -- the call of a function: CloudEvents HTTP binary mode, then Conveyor's own -------------
+CE_ID = "ce-id"
+CE_TYPE = "ce-type"
+CE_SOURCE = "ce-source"
+CE_SUBJECT = "ce-subject"
+CE_SPECVERSION = "ce-specversion"
+CE_TIME = "ce-time"
+TRACEPARENT = "traceparent"  # W3C trace context, carried through
+TASK_ID = "x-conveyor-task-id"
+ATTEMPT = "x-conveyor-attempt"  # the delivery number, from 1
+RETRY = "x-conveyor-retry"  # the dispatcher's own retries within one delivery, from 0
+DEADLINE = "x-conveyor-deadline"  # RFC 3339: the call is cut then
+PROGRESS_URL = "x-conveyor-progress-url"
+
+# -- AMQP headers on `<queue>-in` -------------------------------------------------------
+DELIVERY_COUNT = "x-delivery-count"  # RabbitMQ's, on quorum queues
+REQUEUES = "x-conveyor-requeues"  # deliveries a graceful requeue folded into a new message
+
+# -- callbacks ------------------------------------------------------------------------------
+SIGNATURE = "X-Conveyor-Signature"

@@ -82,6 +82,10 @@ def summary(report: dict[str, Any]) -> str:
         ("-in empty", report.get("in_queue_empty")),
         ("idempotency holds", report.get("idempotency_holds")),
         ("abandoned submissions", report.get("submissions", {}).get("abandoned")),
+        ("keyless (accepted/no answer)", _pair(report.get("keyless"), "accepted", "no_answer")),
+        ("hostile function outcomes", report.get("hostile_outcomes")),
+        ("hostile callback targets", cb.get("hostile_targets")),
+        ("well-behaved callbacks lost", len(cb.get("well_behaved_not_delivered") or [])),
         ("tasks called > once", dup.get("tasks_called_more_than_once")),
         ("extra calls", dup.get("extra_calls")),
         ("callbacks expected/received", f"{cb.get('expected')}/{cb.get('received_tasks')}"),
@@ -94,3 +98,8 @@ def summary(report: dict[str, Any]) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _pair(values: dict[str, Any] | None, first: str, second: str) -> str:
+    values = values or {}
+    return f"{values.get(first)}/{values.get(second)}"

@@ -56,7 +56,7 @@ def gateway(
 
 
 def dispatcher() -> None:
-    """The sidecar: queue -> HTTP function bridge, configured by environment (SPEC §7)."""
+    """The sidecar: queue -> HTTP function bridge, configured by environment (docs/functions.md)."""
     settings = DispatcherSettings()
     logs.configure(settings.log_level, settings.log_format)
     from dispatcher.main import run

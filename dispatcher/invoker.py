@@ -1,4 +1,4 @@
-"""The HTTP call to the function, and what its answer means (SPEC §7, step 2 and 4).
+"""The HTTP call to the function, and what its answer means (docs/functions.md).
 
 The request is a CloudEvent in HTTP binary mode (`ce-*` headers, the task's
 body as plain JSON), so a function written for Knative Eventing works
@@ -7,8 +7,7 @@ unchanged, plus the `X-Conveyor-*` headers that only Conveyor functions read.
 One `httpx.AsyncClient` with keep-alive serves every call of the process: no
 connection is opened per task. Requests are built here and handed to
 `client.send()`: the URL is parsed once, and the client's default headers and
-cookies, which `client.post()` merges into every request (a third of httpx's
-CPU per call in a profile), are not wanted anyway.
+cookies, which `client.post()` would merge into every request, are not wanted.
 
 | answer                               | outcome                          |
 |--------------------------------------|----------------------------------|

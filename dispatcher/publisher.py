@@ -21,6 +21,7 @@ import time
 
 import aio_pika
 from aio_pika.abc import AbstractRobustChannel
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from conveyor import headers as h
 from conveyor.amqp import to_amqp
@@ -49,35 +50,32 @@ class Publisher:
         """Retries through reconnections for up to `patience` seconds."""
         message = to_amqp(encode_event(event, self.service, fmt))
         give_up = time.monotonic() + patience
-        pause = 0.1
-        while True:
-            try:
-                await asyncio.wait_for(
-                    self._publish(message, self.out_queue), max(0.1, give_up - time.monotonic())
-                )
-                return True
-            except BROKER_ERRORS as exc:
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    log.warning(
-                        "event not confirmed; giving up",
-                        extra={
-                            "task_id": event.task_id,
-                            "kind": event.kind.value,
-                            "error": repr(exc),
-                        },
-                    )
-                    return False
-                log.info(
-                    "event not confirmed; retrying",
-                    extra={"task_id": event.task_id, "kind": event.kind.value, "error": repr(exc)},
-                )
-            await asyncio.sleep(min(pause, max(0.0, give_up - time.monotonic())))
-            pause = min(pause * 2, 1.0)
-            try:
-                await asyncio.wait_for(self.channel.ready(), max(0.1, give_up - time.monotonic()))
-            except (TimeoutError, *BROKER_ERRORS):
-                continue
+        about = {"task_id": event.task_id, "kind": event.kind.value}
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(patience),
+            wait=wait_exponential(multiplier=0.1, max=1.0),
+            retry=retry_if_exception_type((TimeoutError, *BROKER_ERRORS)),
+            before_sleep=lambda state: log.info(
+                "event not confirmed; retrying",
+                extra={
+                    **about,
+                    "error": repr(state.outcome.exception() if state.outcome else None),
+                },
+            ),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    left = max(0.1, give_up - time.monotonic())
+                    async with asyncio.timeout(left):
+                        if attempt.retry_state.attempt_number > 1:
+                            await self.channel.ready()  # through a reconnection under way
+                        await self._publish(message, self.out_queue)
+        except (TimeoutError, *BROKER_ERRORS) as exc:
+            log.warning("event not confirmed; giving up", extra={**about, "error": repr(exc)})
+            return False
+        return True
 
     async def republish(self, delivery: Delivery, previous_deliveries: int) -> None:
         """A copy of the delivered message at the tail of `-in`, counted in a header.

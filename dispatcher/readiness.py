@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from urllib.parse import urlsplit
 
 import httpx
+from tenacity import AsyncRetrying, RetryCallState, retry_if_result, wait_exponential
 
 log = logging.getLogger(__name__)
 
@@ -62,26 +62,22 @@ class FunctionProbe:
         """True once reachable; False after `timeout` seconds or when `stop` is set."""
         if timeout <= 0:
             return True
-        give_up = time.monotonic() + timeout
-        pause = 0.05
-        announced = False
-        while not stop.is_set():
-            if await self.reachable():
-                if announced:
-                    log.info("function is reachable")
-                return True
-            if not announced:
+
+        def waiting(state: RetryCallState) -> None:
+            if state.attempt_number == 1:
                 log.info("waiting for the function", extra={"timeout": timeout})
-                announced = True
-            left = give_up - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(stop.wait(), min(pause, left))
-            except TimeoutError:
-                pass
-            pause = min(pause * 2, 0.5)
-        return False
+
+        retrying = AsyncRetrying(
+            retry=retry_if_result(lambda reachable: not reachable),
+            stop=lambda state: (state.seconds_since_start or 0.0) >= timeout or stop.is_set(),
+            wait=wait_exponential(multiplier=0.05, max=0.5),
+            before_sleep=waiting,
+            retry_error_callback=lambda state: False,
+        )
+        reachable: bool = await retrying(self.reachable)
+        if reachable and retrying.statistics.get("attempt_number", 1) > 1:
+            log.info("function is reachable")
+        return reachable
 
     async def close(self) -> None:
         if self._client is not None:

@@ -221,9 +221,6 @@ class Authenticator:
         self._cache[key] = (client_id, time.monotonic() + self._ttl)
         self._verified[client_id] = _Verified(key, stored)
 
-    def forget(self) -> None:
-        self._cache.clear()
-
     def close(self) -> None:
         self._bcrypt.shutdown(wait=False, cancel_futures=True)
 

@@ -1,42 +1,12 @@
-"""Raw psycopg connections for the API's hot path (submit and poll).
+"""The gateway's one way to PostgreSQL: raw psycopg connections in autocommit mode.
 
-Measured on the benchmark VM, SQLAlchemy's async layer costs about 150 µs of
-CPU per statement and as much per pool checkout, on top of psycopg's own
-~50 µs; a submission made two checkouts, a pre-ping, BEGIN/COMMIT and
-ROLLBACK around two statements. The API therefore talks to PostgreSQL through
-plain `psycopg.AsyncConnection`s in autocommit mode (the background loops keep
-using SQLAlchemy):
-
-* a single statement is its own transaction, so the insert of a task and its
-  outbox entry (one statement) stays atomic without BEGIN/COMMIT;
-* multi-statement work (capacity, idempotency) uses `conn.transaction()`;
-* psycopg prepares repeated statements on the server by itself.
-
-The pooling is `psycopg_pool.AsyncConnectionPool`'s: sizing, waiting for a
-free connection (at most `connect_timeout` seconds, then `PoolTimeout`, an
-`OperationalError`, which the API answers with 503), reconnecting in the
-background, replacing connections returned closed. Only two things are ours:
-
-* The liveness check (the pool's `check` callback), which avoids SQLAlchemy's
-  `pool_pre_ping` round trip on every checkout: an idle connection has nothing
-  to read, so only one whose socket is readable (a server that terminates a
-  session sends a FATAL message and closes it) or that has been idle for
-  longer than `ping_after` is pinged before use. The idle-time criterion is
-  kept because the pool's `max_idle` does not cover it: `max_idle` only shrinks
-  the pool, while `ping_after` catches a connection dropped silently (a
-  firewall or NAT forgetting it sends nothing, so nothing becomes readable).
-  When a ping fails the connection is closed, and so is every idle connection
-  opened before (`drain()`: after a PostgreSQL restart they are all dead); the
-  same happens when a connection breaks while in use.
-* A connection given back in a transaction or in the middle of a statement
-  (an exception or a cancellation inside `conn.transaction()` or `execute`)
-  is closed rather than rolled back (or, without an exception, committed) and
-  reused: the pool replaces it.
-
-`reconnect_timeout` is short on purpose: the pool's background reconnection
-backs off exponentially (1, 2, 4 … s), so after a long outage it would leave
-the API answering 503 for up to half the outage's length once PostgreSQL is
-back. Giving up quickly instead lets the next checkout start a fresh attempt.
+One `psycopg_pool.AsyncConnectionPool` per process serves the API and every loop (a single
+statement is its own transaction; multi-statement work uses `conn.transaction()`); commands
+open one connection with `connect()`. Only two things are ours: a liveness check that pings
+only a connection that looks dead (readable while idle, or idle for long), instead of a
+round trip per checkout; and a connection given back mid-transaction is closed, not reused.
+`reconnect_timeout` is short so that after an outage the next checkout retries at once
+rather than waiting out the pool's own backoff.
 """
 
 from __future__ import annotations

@@ -9,102 +9,16 @@ pod would, and a new local port.
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
-
-import httpx
 
 from bench.chaos.config import ChaosConfig
 from bench.chaos.infra import PlatformData
+from tests.support.processes import PYTHON, Proc, free_port, wait_http
 
-REPO = Path(__file__).resolve().parents[2]
-PYTHON = sys.executable
 SIGNING_SECRET = "chaos-signing-secret"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """One child process with its log file."""
-
-    def __init__(self, name: str, args: list[str], env: Mapping[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log: IO[bytes] = open(self.log_path, "ab")
-        self.popen = subprocess.Popen(
-            args,
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            self.popen.send_signal(sig)
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def kill(self) -> None:
-        """SIGKILL, reaped."""
-        self.signal(signal.SIGKILL)
-        self.wait(10)
-        self._close_log()
-
-    def stop(self, timeout: float) -> int | None:
-        """SIGTERM, then SIGKILL after `timeout`; returns the exit code of the SIGTERM."""
-        self.signal(signal.SIGTERM)
-        return self.reap(timeout)
-
-    def reap(self, timeout: float) -> int | None:
-        """Waits for the exit (SIGKILL after `timeout`); None if it had to be killed."""
-        code = self.wait(timeout)
-        if code is None:
-            self.kill()
-        self._close_log()
-        return code
-
-    def _close_log(self) -> None:
-        if not self._log.closed:
-            self._log.close()
-
-    def tail(self, chars: int = 3000) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-
-def wait_http(url: str, timeout: float, proc: Proc | None = None) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and not proc.alive():
-            return False
-        try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    return False
 
 
 @dataclass
@@ -157,8 +71,10 @@ class Stack:
         return proc
 
     def _ready(self, proc: Proc, url: str, timeout: float) -> None:
-        if not wait_http(url, timeout, proc):
-            raise StartError(f"{proc.name} did not start:\n{proc.tail()}")
+        try:
+            wait_http(url, timeout, proc)
+        except (RuntimeError, TimeoutError):
+            raise StartError(f"{proc.name} did not start:\n{proc.tail()}") from None
 
     # -- the processes ---------------------------------------------------------
 
@@ -177,7 +93,7 @@ class Stack:
             "CONVEYOR_CALLBACK_ALLOW_HTTP": "1",
             "CONVEYOR_CALLBACK_ALLOWED_HOSTS": "localhost",
             "CONVEYOR_CALLBACK_SIGNING_SECRET": SIGNING_SECRET,
-            "CONVEYOR_PUBLISH_TIMEOUT": "1.5",  # outbox grace: 3 s
+            "CONVEYOR_PUBLISH_TIMEOUT": "1.5",  # outbox grace: 2 x 1.5 s + keep-confirmed 5 s
             "CONVEYOR_RELAY_INTERVAL": "0.5",
             "CONVEYOR_SERVICE_REFRESH_INTERVAL": "1",
             "CONVEYOR_LOG_FORMAT": "json",
@@ -236,7 +152,8 @@ class Stack:
     def terminate_dispatcher(self, slot: DispatcherSlot) -> int | None:
         """SIGTERM (a KEDA scale-in), wait for the exit, start a new pod. Returns the exit code."""
         assert slot.proc is not None
-        code = slot.proc.stop(self.config.drain_timeout_setting + 15)
+        slot.proc.signal(signal.SIGTERM)
+        code = slot.proc.reap(self.config.drain_timeout_setting + 15)
         slot.exits.append(code)
         self.start_dispatcher(slot)
         return code

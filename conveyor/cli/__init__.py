@@ -20,4 +20,13 @@ def main() -> None:
         sys.exit(run(DispatcherSettings()))
     from conveyor.cli.app import app
 
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as exc:  # a command of a component whose extra is missing
+        component = "dispatcher" if sys.argv[1:2] == ["dispatcher"] else "gateway"
+        print(
+            f"error: {exc.name} is not installed; this command needs"
+            f" pip install 'conveyor[{component}]'",
+            file=sys.stderr,
+        )
+        sys.exit(2)

@@ -65,15 +65,30 @@ class Proc:
             return ""
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
-        self._log.close()
+        """SIGTERM, then SIGKILL after `timeout`; the exit code."""
+        self.signal(signal.SIGTERM)
+        self.reap(timeout)
         return self.popen.returncode
+
+    def reap(self, timeout: float) -> int | None:
+        """Waits for the exit, SIGKILLing it after `timeout`: its own exit code, or None if
+        it had to be killed."""
+        try:
+            code: int | None = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+            self.kill()
+        self._log.close()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL, reaped."""
+        self.signal(signal.SIGKILL)
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
 
 
 def wait_http(url: str, timeout: float = 30.0, proc: Proc | None = None, ok: int = 500) -> float:

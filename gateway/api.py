@@ -328,12 +328,7 @@ async def _publish(rt: Runtime, request: Request, done: list[tuple[NewTask, Acce
 )
 async def poll(service: str, task_id: str, request: Request) -> Json:
     rt = runtime(request)
-    client_id = await _client(request, rt)
-    access = await _access(rt, client_id, service)
-    if access is None:
-        raise errors.ApiError(errors.SERVICE_NOT_FOUND)
-    if not access.granted:
-        raise errors.ApiError(errors.FORBIDDEN)
+    client_id, _ = await _granted(request, rt, service)
     try:
         parsed = uuid.UUID(task_id)
     except ValueError:

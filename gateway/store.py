@@ -101,56 +101,64 @@ _POSITION = (
 )
 
 
+Repeat = Callable[[AsyncConnection[Any], list[NewTask]], Awaitable[list[Accepted] | None]]
+
+
 async def create_task(
     pool: Pool, new: NewTask, batched: Callable[[NewTask], Awaitable[Accepted]]
 ) -> Accepted:
     """Stores a task and its outbox entry; `batched` (the intake) writes the common case
     together with others."""
-    try:
-        if _single_statement(new):
-            return await batched(new)
-        async with pool.connection() as conn, conn.transaction():
-            return await _create(conn, new)
-    except psycopg.errors.UniqueViolation:
-        # Two concurrent requests with one Idempotency-Key: the loser answers the winner's task.
-        if new.idempotency_key is None:
-            raise
-        async with pool.connection() as conn, conn.transaction():
-            repeat = await _idempotent_repeat(conn, new)
-        if repeat is None:
-            raise
-        return repeat
+    if _single_statement(new):
+        return await batched(new)
+    return (await _create_in_transaction(pool, [new], _single_repeat))[0]
 
 
 async def create_tasks(pool: Pool, tasks: list[NewTask]) -> list[Accepted]:
     """A batch, all or nothing, in one transaction and one insert. Its tasks share one
     service, client and Idempotency-Key: each task's key is the batch's, a newline and its
     index (a header cannot hold a newline, so no single submission's key collides with one)."""
+    return await _create_in_transaction(pool, tasks, _batch_repeat)
+
+
+async def _create_in_transaction(
+    pool: Pool, tasks: list[NewTask], repeat: Repeat
+) -> list[Accepted]:
     try:
         async with pool.connection() as conn, conn.transaction():
-            return await _create_batch(conn, tasks)
+            return await _create(conn, tasks, repeat)
     except psycopg.errors.UniqueViolation:
+        # Two concurrent requests with one Idempotency-Key: the loser answers the winner's.
         if tasks[0].idempotency_key is None:
             raise
         async with pool.connection() as conn, conn.transaction():
-            repeat = await _batch_repeat(conn, tasks)
-        if repeat is None:
+            found = await repeat(conn, tasks)
+        if found is None:
             raise
-        return repeat
+        return found
 
 
-async def _create_batch(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted]:
+async def _create(
+    conn: AsyncConnection[Any], tasks: list[NewTask], repeat: Repeat
+) -> list[Accepted]:
+    # The key is looked up under the capacity lock: a repeat that queued behind its own first
+    # submission then sees it committed, and answers it rather than counting it against capacity.
     first = tasks[0]
     limited = first.access.service.capacity is not None or first.access.client_capacity is not None
     if limited:
         await conn.execute(_LOCK, {"service": first.access.service.name})
     if first.idempotency_key is not None:
-        repeat = await _batch_repeat(conn, tasks)
-        if repeat is not None:
-            return repeat
+        found = await repeat(conn, tasks)
+        if found is not None:
+            return found
     if limited:
         await _check_capacity(conn, first, len(tasks))
     return await insert_many(conn, tasks)
+
+
+async def _single_repeat(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted] | None:
+    found = await _idempotent_repeat(conn, tasks[0])
+    return None if found is None else [found]
 
 
 async def _batch_repeat(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted] | None:
@@ -183,21 +191,6 @@ def _single_statement(new: NewTask) -> bool:
         and new.access.service.capacity is None
         and new.access.client_capacity is None
     )
-
-
-async def _create(conn: AsyncConnection[Any], new: NewTask) -> Accepted:
-    # The key is looked up under the capacity lock: a repeat that queued behind its own first
-    # submission then sees it committed, and answers it rather than counting it against capacity.
-    limited = new.access.service.capacity is not None or new.access.client_capacity is not None
-    if limited:
-        await conn.execute(_LOCK, {"service": new.access.service.name})
-    if new.idempotency_key is not None:
-        repeat = await _idempotent_repeat(conn, new)
-        if repeat is not None:
-            return repeat
-    if limited:
-        await _check_capacity(conn, new)
-    return (await insert_many(conn, [new]))[0]
 
 
 async def insert_many(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted]:

@@ -17,7 +17,6 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
-from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.responses import Response
 
 from conveyor import envelope
@@ -337,6 +336,4 @@ async def poll(service: str, task_id: str, request: Request) -> Json:
 
 
 def database_down(exc: Exception) -> bool:
-    return isinstance(exc, (OperationalError, *pgpool.CONNECTION_ERRORS)) or (
-        isinstance(exc, DBAPIError) and exc.connection_invalidated
-    )
+    return isinstance(exc, pgpool.CONNECTION_ERRORS)

@@ -47,12 +47,24 @@ class Publisher:
         await self._publish(to_amqp(encode_event(event, self.service, fmt)), self.out_queue)
 
     async def publish_reliably(self, event: TaskEvent, fmt: MessageFormat, patience: float) -> bool:
-        """Retries through reconnections for up to `patience` seconds."""
+        """Retries through reconnections for up to `patience` seconds.
+
+        The first attempt goes straight out: nearly every event is confirmed at once,
+        and the retry machinery is built only for the rare one that is not.
+        """
         message = to_amqp(encode_event(event, self.service, fmt))
         give_up = time.monotonic() + patience
         about = {"task_id": event.task_id, "kind": event.kind.value}
+        try:
+            async with asyncio.timeout(patience):
+                await self._publish(message, self.out_queue)
+            return True
+        except (TimeoutError, *BROKER_ERRORS) as exc:
+            if time.monotonic() >= give_up:
+                log.warning("event not confirmed; giving up", extra={**about, "error": repr(exc)})
+                return False
         retrying = AsyncRetrying(
-            stop=stop_after_delay(patience),
+            stop=stop_after_delay(give_up - time.monotonic()),
             wait=wait_exponential(multiplier=0.1, max=1.0),
             retry=retry_if_exception_type((TimeoutError, *BROKER_ERRORS)),
             before_sleep=lambda state: log.info(
@@ -69,8 +81,7 @@ class Publisher:
                 with attempt:
                     left = max(0.1, give_up - time.monotonic())
                     async with asyncio.timeout(left):
-                        if attempt.retry_state.attempt_number > 1:
-                            await self.channel.ready()  # through a reconnection under way
+                        await self.channel.ready()  # through a reconnection under way
                         await self._publish(message, self.out_queue)
         except (TimeoutError, *BROKER_ERRORS) as exc:
             log.warning("event not confirmed; giving up", extra={**about, "error": repr(exc)})

@@ -96,6 +96,10 @@ class Stack:
             "CONVEYOR_PUBLISH_TIMEOUT": "1.5",  # outbox grace: 2 x 1.5 s + keep-confirmed 5 s
             "CONVEYOR_RELAY_INTERVAL": "0.5",
             "CONVEYOR_SERVICE_REFRESH_INTERVAL": "1",
+            # A task whose message a crashed broker dropped is ended by the watchdog after
+            # taskTimeout x maxAttempts (90 s) + 30 s, checked every 5 s: within the run.
+            "CONVEYOR_SILENCE_MARGIN": "30",
+            "CONVEYOR_REAPER_INTERVAL": "5",
             "CONVEYOR_LOG_FORMAT": "json",
         }
         args = [PYTHON, "-m", "conveyor", "gateway", "--port", str(self.gateway_port)]

@@ -51,7 +51,6 @@ from bench.stack import (
     delete_queues,
     fresh_database,
     processes,
-    psycopg_url,
     start_dispatcher,
     start_gateway,
     start_noop_function,
@@ -60,6 +59,8 @@ from bench.stack import (
     wait_http,
 )
 from bench.stats import median, ratio, summarize
+from conveyor.settings import normalize_database_url
+from gateway.database_url import libpq
 
 POLL_INTERVAL = 0.02
 STALL = 60.0  # seconds without a single task finishing: the run is abandoned
@@ -126,7 +127,7 @@ class Counter:
     """`SELECT count(*)` polled on one connection, reopened if the server restarts."""
 
     def __init__(self, database_url: str, query: str, params: tuple[Any, ...]) -> None:
-        self.url = psycopg_url(database_url)
+        self.url = libpq(database_url)
         self.query = query
         self.params = params
         self._conn: Any = None
@@ -308,7 +309,7 @@ def _throughput(tasks: int, first_sent: float | None, done_at: float | None) -> 
 
 
 def celery_env(ctx: Context, queue: str) -> dict[str, str]:
-    database = psycopg_url(ctx.database_url).replace("postgresql://", "postgresql+psycopg://", 1)
+    database = normalize_database_url(ctx.database_url)
     return {
         "BENCH_CELERY_BROKER": AMQP_URL if AMQP_URL.endswith("//") else AMQP_URL + "/",
         "BENCH_CELERY_BACKEND": f"db+{database}",

@@ -40,7 +40,6 @@ from bench.stack import (
     delete_queues,
     fresh_database,
     processes,
-    psycopg_url,
     start_dispatcher,
     start_noop_function,
     unique,
@@ -49,6 +48,7 @@ from bench.stack import (
 from bench.stats import median, ratio
 from conveyor.events import Submission, encode_submission
 from conveyor.topology import in_queue, out_queue
+from gateway.database_url import libpq
 
 RESULT_HEADER = "x-bench-result"
 
@@ -253,7 +253,7 @@ def start_consumer(
     args = [PYTHON, "-m", "bench.floor", "bare", "--queue", queue, "--function-url", function.url]
     args += ["--concurrency", str(options.concurrency)]
     if kind == "bare+pg":
-        args += ["--database-url", psycopg_url(options.database_url)]
+        args += ["--database-url", libpq(options.database_url)]
     return procs.start(unique("floor-bare"), args)
 
 

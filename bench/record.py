@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.settings import DEFAULT_AMQP_URL, normalize_database_url
+from gateway.database_url import libpq
 
 REPO = Path(__file__).resolve().parents[1]
 # A smoke run (the test suite) writes elsewhere, so as not to mix with recorded results.
@@ -98,7 +99,7 @@ def server_versions() -> dict[str, str | None]:
     with contextlib.suppress(Exception):
         import psycopg
 
-        with psycopg.connect(psycopg_url(ADMIN_DB_URL), connect_timeout=3) as conn:
+        with psycopg.connect(libpq(ADMIN_DB_URL), connect_timeout=3) as conn:
             versions["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
     with contextlib.suppress(Exception):
         versions["rabbitmq"] = asyncio.run(_rabbitmq_version())
@@ -198,7 +199,3 @@ def no_paths(text: str) -> str:
 
 def banner(text: str) -> None:
     print(f"\n== {text}", flush=True)
-
-
-def psycopg_url(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://", 1)

@@ -41,12 +41,12 @@ from bench.stack import (
     create_service,
     fresh_database,
     processes,
-    psycopg_url,
     purge_queue,
     sql,
     start_gateway,
 )
 from bench.stats import median, ratio
+from gateway.database_url import libpq
 
 BACKLOG = 100
 HISTORY_SERVICES = 20
@@ -221,7 +221,7 @@ def explain(database_url: str, service: BenchService) -> dict[str, Any]:
 
     params = _plan_params(database_url, service)
     plans: dict[str, Any] = {}
-    with psycopg.connect(psycopg_url(database_url)) as conn:
+    with psycopg.connect(libpq(database_url)) as conn:
         for name, statement in _queries().items():
             query = _psycopg_sql(statement)
             args = {**params, "task_id": params["get_task_id"]} if name == "poll" else params

@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-from bench.record import ADMIN_DB_URL, AMQP_URL, PYTHON, psycopg_url
+from bench.record import ADMIN_DB_URL, AMQP_URL, PYTHON
+from gateway.database_url import libpq, with_database
 from tests.support.processes import Proc, Processes, free_port, wait_http
 
 DELIVERY_LIMIT = 5  # the gateway's default CONVEYOR_DELIVERY_LIMIT
@@ -71,35 +72,24 @@ def wait_for_broker(timeout: float = 60.0) -> bool:
     return False
 
 
-def _replace_db(url: str, name: str) -> str:
-    base, _, _ = url.rpartition("/")
-    return f"{base}/{name}"
-
-
 @contextlib.contextmanager
 def fresh_database(prefix: str = "conveyor_bench") -> Iterator[str]:
     """A database created for this run and migrated to head; dropped at the end."""
-    import psycopg
+    from gateway.migrate import drop_database, ensure_database, upgrade
 
-    from gateway.migrate import upgrade
-
-    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    admin = psycopg_url(_replace_db(ADMIN_DB_URL, "postgres"))
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = _replace_db(ADMIN_DB_URL, name)
+    url = with_database(ADMIN_DB_URL, f"{prefix}_{uuid.uuid4().hex[:10]}")
+    ensure_database(url)
     try:
         upgrade(url)
         yield url
     finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        drop_database(url)
 
 
 def sql(database_url: str, statement: str, params: Mapping[str, Any] | None = None) -> list[Any]:
     import psycopg
 
-    with psycopg.connect(psycopg_url(database_url), autocommit=True) as conn:
+    with psycopg.connect(libpq(database_url), autocommit=True) as conn:
         cur = conn.execute(statement, params or {})
         return cur.fetchall() if cur.description else []
 

@@ -28,7 +28,8 @@ import psycopg
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from gateway import catalog
-from gateway.pgpool import Pool, dsn
+from gateway.database_url import libpq
+from gateway.pgpool import Pool
 
 log = logging.getLogger("conveyor.gateway.access_cache")
 
@@ -46,7 +47,7 @@ class NotNotified(Exception):
 class AccessCache:
     def __init__(self, pool: Pool, database_url: str, connect_timeout: int = 5) -> None:
         self.pool = pool
-        self.url = dsn(database_url)
+        self.url = libpq(database_url)
         self.connect_timeout = connect_timeout
         self._entries: dict[tuple[str, str], catalog.Access] = {}
         self._generation = 0

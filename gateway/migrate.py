@@ -10,6 +10,7 @@ from alembic import command
 from alembic.config import Config
 
 from conveyor.settings import normalize_database_url
+from gateway.database_url import database_name, libpq, with_database
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -22,16 +23,29 @@ def alembic_config(database_url: str) -> Config:
 
 
 def ensure_database(database_url: str) -> bool:
-    """Creates the database named in the URL if it does not exist; True if created."""
-    url = normalize_database_url(database_url).replace("postgresql+psycopg://", "postgresql://")
-    base, _, name = url.rpartition("/")
-    name = name.split("?")[0]
-    with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
+    """Creates the database named in the URL if it does not exist; True if created.
+
+    Through the server's `postgres` database, on the same host list and options
+    (`target_session_attrs=read-write` finds the primary).
+    """
+    name = database_name(database_url)
+    with psycopg.connect(libpq(with_database(database_url, "postgres")), autocommit=True) as conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
         if exists:
             return False
         conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
         return True
+
+
+def drop_database(database_url: str) -> None:
+    """Drops the database named in the URL, sessions and all (test and bench runs)."""
+    name = database_name(database_url)
+    with psycopg.connect(libpq(with_database(database_url, "postgres")), autocommit=True) as conn:
+        conn.execute(
+            psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                psycopg.sql.Identifier(name)
+            )
+        )
 
 
 def upgrade(database_url: str, revision: str = "head") -> None:

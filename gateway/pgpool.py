@@ -25,12 +25,9 @@ from psycopg.rows import namedtuple_row
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
+from gateway.database_url import libpq
+
 CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
-
-
-def dsn(database_url: str) -> str:
-    """The SQLAlchemy URL (`postgresql+psycopg://`) as libpq reads it."""
-    return database_url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
 def jsonb(value: Any) -> Jsonb | None:
@@ -42,7 +39,7 @@ async def connect(database_url: str, connect_timeout: int = 5) -> psycopg.AsyncC
     """One connection outside the pool, for a command's lifetime (admin, purge): autocommit,
     rows as named tuples, JSON through orjson, like the pool's."""
     conn = await psycopg.AsyncConnection.connect(
-        dsn(database_url),
+        libpq(database_url),
         autocommit=True,
         row_factory=namedtuple_row,
         connect_timeout=connect_timeout,
@@ -56,7 +53,7 @@ class Pool:
     def __init__(
         self, database_url: str, size: int, ping_after: float = 2.0, connect_timeout: int = 5
     ) -> None:
-        self.url = dsn(database_url)
+        self.url = libpq(database_url)
         self.ping_after = ping_after
         self.connect_timeout = connect_timeout
         # When each connection was last given back (or opened): the idle-time criterion.

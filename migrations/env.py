@@ -1,12 +1,18 @@
 """Alembic environment: runs migrations on CONVEYOR_DATABASE_URL (or the URL the
-caller put in the config), synchronously through psycopg."""
+caller put in the config), synchronously through psycopg.
+
+psycopg opens the connection from the URL as libpq reads it, so a host list and
+`target_session_attrs` work as they do for the gateway; SQLAlchemy only names the dialect.
+"""
 
 from __future__ import annotations
 
+import psycopg
 from alembic import context
 from sqlalchemy import create_engine, pool
 
 from conveyor.settings import GatewaySettings, normalize_database_url
+from gateway.database_url import libpq
 from gateway.models import metadata
 
 config = context.config
@@ -24,7 +30,12 @@ def run_offline() -> None:
 
 
 def run_online() -> None:
-    engine = create_engine(_url(), poolclass=pool.NullPool)
+    url = _url()
+    engine = create_engine(
+        "postgresql+psycopg://",
+        creator=lambda: psycopg.connect(libpq(url)),
+        poolclass=pool.NullPool,
+    )
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=metadata)
         with context.begin_transaction():

@@ -26,15 +26,6 @@ ADMIN_DB_URL = normalize_database_url(
 AMQP_URL = os.environ.get("CONVEYOR_AMQP_URL", DEFAULT_AMQP_URL)
 
 
-def _replace_db(url: str, name: str) -> str:
-    base, _, _ = url.rpartition("/")
-    return f"{base}/{name}"
-
-
-def _psycopg_url(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://", 1)
-
-
 @pytest.fixture(scope="session")
 def amqp_url() -> str:
     return AMQP_URL
@@ -42,22 +33,20 @@ def amqp_url() -> str:
 
 @pytest.fixture(scope="session")
 def database_url() -> Iterator[str]:
-    """A database created for this run, migrated to head, dropped at the end."""
-    import psycopg
+    """A database created for this run, migrated to head, dropped at the end.
 
-    name = f"conveyor_test_{uuid.uuid4().hex[:10]}"
-    admin = _psycopg_url(_replace_db(ADMIN_DB_URL, "postgres"))
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = _replace_db(ADMIN_DB_URL, name)
-    from gateway.migrate import upgrade
+    On the server(s) CONVEYOR_DATABASE_URL names, its host list and options kept.
+    """
+    from gateway.database_url import with_database
+    from gateway.migrate import drop_database, ensure_database, upgrade
 
+    url = with_database(ADMIN_DB_URL, f"conveyor_test_{uuid.uuid4().hex[:10]}")
+    ensure_database(url)
     upgrade(url)
     os.environ["CONVEYOR_TEST_DATABASE_URL"] = url
     yield url
     _delete_service_queues(url)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    drop_database(url)
 
 
 def _delete_service_queues(url: str) -> None:
@@ -68,9 +57,10 @@ def _delete_service_queues(url: str) -> None:
     import psycopg
 
     from conveyor import topology
+    from gateway.database_url import libpq
 
     try:
-        with psycopg.connect(_psycopg_url(url)) as conn:
+        with psycopg.connect(libpq(url)) as conn:
             names = [row[0] for row in conn.execute("SELECT queue_name FROM services")]
     except psycopg.Error:
         return

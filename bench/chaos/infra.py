@@ -15,11 +15,11 @@ from typing import Any
 
 import aio_pika
 import psycopg
-from psycopg import sql
 
 from conveyor import topology
 from conveyor.events import MessageFormat
-from conveyor.settings import GatewaySettings, normalize_database_url
+from conveyor.settings import GatewaySettings
+from gateway.database_url import libpq, with_database
 from tests.support.servers import (
     PostgresServer,
     RabbitNode,
@@ -34,35 +34,18 @@ log = logging.getLogger("bench.chaos")
 # the run's own database
 
 
-def psycopg_url(url: str) -> str:
-    return normalize_database_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
-
-
-def with_database(url: str, name: str) -> str:
-    base, _, _ = normalize_database_url(url).rpartition("/")
-    return f"{base}/{name}"
-
-
 def create_database(admin_url: str) -> str:
     """CREATE DATABASE chaos_<random>, migrated to head; returns its URL."""
-    from gateway.migrate import upgrade
+    from gateway.migrate import ensure_database, upgrade
 
-    name = f"chaos_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(psycopg_url(with_database(admin_url, "postgres")), autocommit=True) as c:
-        c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = with_database(admin_url, name)
+    url = with_database(admin_url, f"chaos_{uuid.uuid4().hex[:10]}")
+    ensure_database(url)
     upgrade(url)
     return url
 
 
-def drop_database(admin_url: str, url: str) -> None:
-    name = url.rpartition("/")[2]
-    with psycopg.connect(psycopg_url(with_database(admin_url, "postgres")), autocommit=True) as c:
-        c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
 def query(url: str, statement: str, params: dict[str, Any] | None = None) -> list[tuple]:
-    with psycopg.connect(psycopg_url(url), autocommit=True, connect_timeout=5) as conn:
+    with psycopg.connect(libpq(url), autocommit=True, connect_timeout=5) as conn:
         cursor = conn.execute(statement, params or {})
         return cursor.fetchall() if cursor.description else []
 

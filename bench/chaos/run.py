@@ -39,6 +39,7 @@ from bench.chaos.faults import FaultInjector
 from bench.chaos.stack import Stack
 from bench.chaos.submitter import Gate, SubmitResult, Submitter, make_specs
 from conveyor import topology
+from gateway.migrate import drop_database
 
 log = logging.getLogger("bench.chaos")
 
@@ -179,7 +180,7 @@ class ChaosRun:
             self.stack.kill_all()
         if self.database_url is not None and self.postgres is None:
             try:
-                infra.drop_database(self.config.database_url, self.database_url)
+                drop_database(self.database_url)
             except Exception as exc:
                 print(f"chaos: could not drop the database: {exc!r}", flush=True)
         if self.platform is not None and self.rabbitmq is None:

@@ -16,7 +16,8 @@ import psycopg
 import pytest
 
 from gateway.access_cache import LISTENER_NAME, AccessCache
-from gateway.pgpool import Pool, dsn
+from gateway.database_url import libpq
+from gateway.pgpool import Pool
 from tests.support.gateway import GatewayProcess, Platform
 
 BODY = {"body": {"x": 1}}
@@ -97,7 +98,7 @@ async def test_cache_serves_repeats_and_forgets_on_notification(
     first = await _settled(cache, client, service.name)
     assert first is not None and first.granted and first.service.capacity is None
 
-    async with await psycopg.AsyncConnection.connect(dsn(database_url), autocommit=True) as c:
+    async with await psycopg.AsyncConnection.connect(libpq(database_url), autocommit=True) as c:
         await c.execute("UPDATE services SET capacity = 7 WHERE name = %s", [service.name])
     deadline = time.monotonic() + 5
     while (await cache.access(client, service.name)) is first and time.monotonic() < deadline:
@@ -142,7 +143,7 @@ async def test_without_the_listener_every_read_goes_to_the_database(
 
 
 async def test_listener_loss_turns_the_cache_off(cache: AccessCache, database_url: str) -> None:
-    async with await psycopg.AsyncConnection.connect(dsn(database_url), autocommit=True) as c:
+    async with await psycopg.AsyncConnection.connect(libpq(database_url), autocommit=True) as c:
         await c.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE application_name = %s AND datname = current_database()",
@@ -163,7 +164,7 @@ async def test_a_database_without_the_triggers_is_never_trusted(database_url: st
     from gateway.migrate import downgrade, upgrade
 
     name = f"conveyor_nocache_{uuid.uuid4().hex[:8]}"
-    admin = dsn(database_url)
+    admin = libpq(database_url)
     async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as c:
         await c.execute(f'CREATE DATABASE "{name}"')
     url = database_url.rsplit("/", 1)[0] + f"/{name}"

@@ -10,9 +10,10 @@ import psycopg
 import pytest
 from sqlalchemy import create_engine
 
+from gateway.database_url import libpq
 from gateway.migrate import alembic_config, downgrade, upgrade
 from gateway.models import metadata
-from tests.support.amqp import psycopg_url, scratch_database
+from tests.support.amqp import scratch_database
 
 TABLES = {
     "services",
@@ -35,13 +36,13 @@ INDEXES = {
 
 
 def _tables(url: str) -> set[str]:
-    with psycopg.connect(psycopg_url(url)) as conn:
+    with psycopg.connect(libpq(url)) as conn:
         rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
         return {r[0] for r in rows} - {"alembic_version"}
 
 
 def _indexes(url: str) -> dict[str, str]:
-    with psycopg.connect(psycopg_url(url)) as conn:
+    with psycopg.connect(libpq(url)) as conn:
         rows = conn.execute(
             "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"
         )

@@ -15,7 +15,8 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from gateway.pgpool import Pool, dsn, jsonb
+from gateway.database_url import libpq
+from gateway.pgpool import Pool, jsonb
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ async def _pid(pool: Pool) -> int:
 
 
 async def _terminate(database_url: str, *pids: int) -> None:
-    async with await psycopg.AsyncConnection.connect(dsn(database_url), autocommit=True) as admin:
+    async with await psycopg.AsyncConnection.connect(libpq(database_url), autocommit=True) as admin:
         for pid in pids:
             await admin.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
 
@@ -221,10 +222,10 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 async def test_recovers_after_an_outage(database_url: str) -> None:
-    params = conninfo_to_dict(dsn(database_url))
+    params = conninfo_to_dict(libpq(database_url))
     proxy = _Proxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
     await proxy.start()
-    url = make_conninfo(dsn(database_url), host="127.0.0.1", port=proxy.port)
+    url = make_conninfo(libpq(database_url), host="127.0.0.1", port=proxy.port)
     pool = Pool(url, size=2, connect_timeout=2)
     try:
         before = await _pid(pool)

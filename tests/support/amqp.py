@@ -260,41 +260,24 @@ def remove_service(platform: Platform, url: str, service: Service) -> None:
 # -- databases -----------------------------------------------------------------
 
 
-def psycopg_url(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://", 1)
-
-
-def _sibling(url: str, name: str) -> str:
-    base, _, _ = url.rpartition("/")
-    return f"{base}/{name}"
-
-
 def create_database(like_url: str, prefix: str = "conveyor_scratch") -> str:
     """Creates an empty database on the server of `like_url`; returns its URL."""
-    import psycopg
+    from gateway.database_url import with_database
+    from gateway.migrate import ensure_database
 
-    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(psycopg_url(_sibling(like_url, "postgres")), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return _sibling(like_url, name)
-
-
-def drop_database(url: str) -> None:
-    import psycopg
-
-    name = url.rpartition("/")[2]
-    with psycopg.connect(psycopg_url(_sibling(url, "postgres")), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    url = with_database(like_url, f"{prefix}_{uuid.uuid4().hex[:10]}")
+    ensure_database(url)
+    return url
 
 
 @contextmanager
 def scratch_database(like_url: str, migrate: bool = True) -> Iterator[str]:
     """A database of its own, migrated to head unless told otherwise, dropped afterwards."""
+    from gateway.migrate import drop_database, upgrade
+
     url = create_database(like_url)
     try:
         if migrate:
-            from gateway.migrate import upgrade
-
             upgrade(url)
         yield url
     finally:

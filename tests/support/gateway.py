@@ -131,8 +131,9 @@ class Platform:
     def sql(self, statement: str, params: Mapping[str, Any] | None = None) -> list[Any]:
         import psycopg
 
-        url = self.database_url.replace("postgresql+psycopg://", "postgresql://")
-        with psycopg.connect(url, autocommit=True) as conn:
+        from gateway.database_url import libpq
+
+        with psycopg.connect(libpq(self.database_url), autocommit=True) as conn:
             cur = conn.execute(statement, params or {})
             return cur.fetchall() if cur.description else []
 

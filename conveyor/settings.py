@@ -16,6 +16,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/conveyor"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+# Short enough that a frozen broker node is left within a minute, long enough that a
+# busy 2-core machine never misses one.
+DEFAULT_AMQP_HEARTBEAT = 15
 
 
 def normalize_database_url(url: str) -> str:
@@ -35,7 +38,10 @@ class LogFormat(enum.StrEnum):
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
+    # One broker URL, or several nodes of a cluster separated by `;` (conveyor/connection.py).
     amqp_url: str = DEFAULT_AMQP_URL
+    # AMQP heartbeat, seconds: a frozen node is noticed after a few of them.
+    amqp_heartbeat: int = Field(DEFAULT_AMQP_HEARTBEAT, ge=0)
     log_level: str = "INFO"
     log_format: LogFormat = LogFormat.AUTO
 
@@ -131,6 +137,9 @@ class DispatcherSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
 
     amqp_url: str = Field(DEFAULT_AMQP_URL, validation_alias=_env("AMQP_URL"))
+    amqp_heartbeat: int = Field(
+        DEFAULT_AMQP_HEARTBEAT, ge=0, validation_alias=_env("AMQP_HEARTBEAT")
+    )
     queue: str = Field("sleeper", validation_alias=_env("QUEUE"))
     function_url: str = Field("http://127.0.0.1:8080/", validation_alias=_env("FUNCTION_URL"))
     function_ready_url: str | None = Field(None, validation_alias=_env("FUNCTION_READY_URL"))

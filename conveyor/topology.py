@@ -2,13 +2,17 @@
 
 * `<q>-in`: durable quorum queue; `x-delivery-limit` bounds crash redeliveries,
   after which the broker dead-letters the submission to `<q>-dlq`.
-* `<q>-out`: durable classic queue with no arguments, so that the seed's own
-  workers, which declare it `durable: true` and nothing else, are accepted.
-* `<q>-dlq`: durable classic queue the gateway drains into FAILURE rows.
+* `<q>-out`: durable quorum queue of task events, drained by the gateways.
+* `<q>-dlq`: durable quorum queue the gateway drains into FAILURE rows.
 
-Legacy services keep `-in` a plain durable queue too: the seed's JS worker
-declares it with no arguments and RabbitMQ would refuse it with
-PRECONDITION_FAILED otherwise.
+Quorum queues on one node too (SPEC §11.7): on a cluster no single node holds a
+service's submissions, results or dead letters alone, and a single node grows into
+a cluster unchanged. A queue's type cannot change in place: `conveyor admin
+migrate-queues` moves an older installation's classic queues over.
+
+Legacy services keep plain durable queues: the seed's workers declare `-in` and
+`-out` with `durable: true` and nothing else, and RabbitMQ would refuse them with
+PRECONDITION_FAILED otherwise. On a cluster their `-out` lives on one node.
 """
 
 from __future__ import annotations
@@ -40,22 +44,28 @@ class QueueSpec:
     arguments: dict[str, Any]
 
 
+QUORUM: dict[str, Any] = {"x-queue-type": "quorum"}
+
+
 def service_queues(
     queue_name: str, message_format: MessageFormat, delivery_limit: int
 ) -> list[QueueSpec]:
     if message_format is MessageFormat.LEGACY:
-        in_args: dict[str, Any] = {}
-    else:
-        in_args = {
-            "x-queue-type": "quorum",
-            "x-delivery-limit": delivery_limit,
-            "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": dead_letter_queue(queue_name),
-        }
+        return [
+            QueueSpec(dead_letter_queue(queue_name), {}),
+            QueueSpec(in_queue(queue_name), {}),
+            QueueSpec(out_queue(queue_name), {}),
+        ]
+    in_args = {
+        **QUORUM,
+        "x-delivery-limit": delivery_limit,
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": dead_letter_queue(queue_name),
+    }
     return [
-        QueueSpec(dead_letter_queue(queue_name), {}),
+        QueueSpec(dead_letter_queue(queue_name), QUORUM),
         QueueSpec(in_queue(queue_name), in_args),
-        QueueSpec(out_queue(queue_name), {}),
+        QueueSpec(out_queue(queue_name), QUORUM),
     ]
 
 

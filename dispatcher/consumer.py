@@ -31,6 +31,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustConnection
 
+from conveyor import connection as amqp_connection
 from conveyor import headers as h
 from conveyor.amqp import from_amqp
 from conveyor.events import WireMessage
@@ -137,8 +138,17 @@ class Delivery:
 class Broker:
     """The robust connection, its consume channel and its publish channel."""
 
-    def __init__(self, url: str, in_queue: str, out_queue: str, prefetch: int, name: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        in_queue: str,
+        out_queue: str,
+        prefetch: int,
+        name: str,
+        heartbeat: int | None = None,
+    ) -> None:
         self.url = url
+        self.heartbeat = heartbeat
         self.in_queue = in_queue
         self.out_queue = out_queue
         self.prefetch = prefetch
@@ -185,7 +195,9 @@ class Broker:
         return False
 
     async def _missing_queues(self) -> list[str]:
-        connection = await aio_pika.connect(self.url, timeout=5)
+        connection = await amqp_connection.connect(
+            self.url, name=f"{self.name} probe", heartbeat=self.heartbeat
+        )
         try:
             missing = []
             for name in (self.in_queue, self.out_queue):
@@ -205,11 +217,11 @@ class Broker:
         """The robust connection; retried every second until it works or `stop`."""
         while not stop.is_set():
             try:
-                self.connection = await aio_pika.connect_robust(
+                self.connection = await amqp_connection.connect_robust(
                     self.url,
+                    name=self.name,
+                    heartbeat=self.heartbeat,
                     reconnect_interval=RECONNECT_INTERVAL,
-                    client_properties={"connection_name": self.name},
-                    timeout=5,
                 )
             except BROKER_ERRORS as exc:
                 log.warning("cannot connect to the broker; retrying", extra={"error": repr(exc)})

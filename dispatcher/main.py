@@ -62,6 +62,7 @@ class Dispatcher:
             out_queue(settings.queue),
             prefetch=1 if settings.one_shot else settings.concurrency,
             name=f"conveyor-dispatcher {settings.hostname}",
+            heartbeat=settings.amqp_heartbeat,
         )
         self.probe = FunctionProbe(settings.function_url, settings.function_ready_url)
         self.invoker = Invoker(

@@ -8,10 +8,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
 from conveyor.amqp import to_amqp
+from conveyor.connection import connect_robust
 from conveyor.events import WireMessage
 
 log = logging.getLogger("conveyor.gateway.broker")
@@ -22,8 +22,11 @@ class PublishError(RuntimeError):
 
 
 class Broker:
-    def __init__(self, url: str, publish_timeout: float = 5.0) -> None:
+    def __init__(
+        self, url: str, publish_timeout: float = 5.0, heartbeat: int | None = None
+    ) -> None:
         self.url = url
+        self.heartbeat = heartbeat
         self.publish_timeout = publish_timeout
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
@@ -50,8 +53,8 @@ class Broker:
     async def connect(self) -> AbstractRobustConnection:
         async with self._connect_lock:
             if self._connection is None:
-                self._connection = await aio_pika.connect_robust(
-                    self.url, client_properties={"connection_name": "conveyor-gateway"}
+                self._connection = await connect_robust(
+                    self.url, name="conveyor-gateway", heartbeat=self.heartbeat
                 )
                 self._connection.reconnect_callbacks.add(self._reconnected)
                 self._channel = await self._connection.channel(

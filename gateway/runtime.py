@@ -36,7 +36,11 @@ class Runtime:
         self.pool = Pool(settings.database_url, settings.db_pool_size)  # the API's hot path
         self.intake = Intake(self.pool)
         self.access = AccessCache(self.pool, settings.database_url)
-        self.broker = Broker(settings.amqp_url, publish_timeout=settings.publish_timeout)
+        self.broker = Broker(
+            settings.amqp_url,
+            publish_timeout=settings.publish_timeout,
+            heartbeat=settings.amqp_heartbeat,
+        )
         self.schemas = SchemaCache()
         self.policy = CallbackPolicy(
             allow_http=settings.callback_allow_http,

@@ -46,12 +46,13 @@ def _run(action: Callable[[Any], Awaitable[T]]) -> T:
 
 
 async def _declare(specs: list[Any]) -> None:
-    import aio_pika
-
     from conveyor import topology
+    from conveyor.connection import connect
 
     settings = GatewaySettings()
-    connection = await aio_pika.connect(settings.amqp_url)
+    connection = await connect(
+        settings.amqp_url, name="conveyor admin", heartbeat=settings.amqp_heartbeat
+    )
     async with connection:
         channel = await connection.channel()
         for spec in specs:
@@ -190,3 +191,40 @@ def list_all() -> None:
     from gateway import admin
 
     typer.echo(json.dumps(_run(admin.listing), indent=2, default=str))
+
+
+@app.command("migrate-queues")
+def migrate_queues() -> None:
+    """Turn the classic -out and -dlq queues of an older installation into quorum queues.
+
+    Stop the gateways first (they consume these queues); dispatchers may keep running.
+    Nothing is lost, and running it again after an interruption finishes the job.
+    """
+    from conveyor.connection import connect
+    from conveyor.events import MessageFormat
+    from gateway import admin
+    from gateway.quorum_migration import InUse, migrate_service
+
+    queues = [
+        row["queue_name"]
+        for row in _run(admin.listing)["services"]
+        if row["message_format"] != MessageFormat.LEGACY.value
+    ]
+    settings = GatewaySettings()
+
+    async def main() -> None:
+        connection = await connect(
+            settings.amqp_url, name="conveyor migrate-queues", heartbeat=settings.amqp_heartbeat
+        )
+        async with connection:
+            for queue_name in queues:
+                for moved in await migrate_service(connection, queue_name):
+                    state = "converted" if moved.converted else "already quorum"
+                    typer.echo(f"{moved.queue}: {state}, {moved.messages} message(s) moved")
+
+    try:
+        asyncio.run(main())
+    except InUse as exc:
+        _fail(str(exc))
+    except Exception as exc:
+        _fail(f"could not migrate the queues: {exc!r}")

@@ -1,0 +1,146 @@
+"""One way to reach RabbitMQ, for the gateway, the dispatcher and the CLI (SPEC §11.7).
+
+CONVEYOR_AMQP_URL may list several nodes separated by `;`. Each process shuffles the
+list once (a fleet spreads over the nodes), connects to the first node that answers,
+and moves along the list whenever its connection is down. aio-pika has no multi-host
+URL and its robust connection reconnects to the URL it holds, so `FailoverConnection`
+moves that URL (a public attribute aio-pika itself reassigns) to the next node on every
+drop, and again at each reconnect interval while no node answers. One URL, such as a
+Kubernetes Service in front of the cluster, is a list of one.
+
+The heartbeat bounds how long a frozen node (no socket closed) goes unnoticed: aiormq
+closes a connection that stays silent for a few heartbeats, and the failover follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from typing import Any
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractConnection, AbstractRobustConnection
+from yarl import URL
+
+# What a connection attempt to a node that is down, frozen or refusing raises.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    aiormq.exceptions.AMQPError,
+    ConnectionError,
+)
+
+
+class NodeList:
+    """The broker nodes of CONVEYOR_AMQP_URL, in this process's own order."""
+
+    def __init__(self, setting: str, heartbeat: int | None = None, shuffle: bool = True) -> None:
+        urls = [_with_heartbeat(url.strip(), heartbeat) for url in setting.split(";")]
+        self.urls = [url for url in urls if url]
+        if not self.urls:
+            raise ValueError("CONVEYOR_AMQP_URL names no broker node")
+        if shuffle:
+            random.shuffle(self.urls)
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def after(self, url: URL | str) -> str:
+        """The node to try once `url` failed (the first one if `url` is not in the list)."""
+        try:
+            at = self.urls.index(str(url))
+        except ValueError:
+            return self.urls[0]
+        return self.urls[(at + 1) % len(self.urls)]
+
+
+def _with_heartbeat(url: str, heartbeat: int | None) -> str:
+    """The URL with `heartbeat` in its query, unless the URL already sets one."""
+    if not url or heartbeat is None:
+        return url
+    parsed = URL(url)
+    if "heartbeat" in parsed.query:
+        return url
+    return str(parsed.update_query(heartbeat=heartbeat))
+
+
+class FailoverConnection(aio_pika.RobustConnection):
+    """A robust connection that tries the next node while it cannot reach the current one."""
+
+    def __init__(self, url: URL, loop: Any = None, *, nodes: NodeList, **kwargs: Any) -> None:
+        super().__init__(url, loop=loop, **kwargs)
+        self.nodes = nodes
+        self.close_callbacks.add(self._move_on)
+        self._watch: asyncio.Task[None] | None = None
+
+    async def connect(self, timeout: Any = None) -> None:
+        await super().connect(timeout)
+        if self._watch is None and len(self.nodes) > 1:
+            self._watch = asyncio.get_running_loop().create_task(self._move_while_down())
+
+    def _move_on(self, *_: Any) -> None:
+        """The connection dropped: the next attempt goes to the next node."""
+        if len(self.nodes) > 1:
+            self.url = URL(self.nodes.after(self.url))
+
+    async def _move_while_down(self) -> None:
+        """While no attempt succeeds, each reconnect interval points at another node."""
+        while not self.is_closed:
+            await asyncio.sleep(max(0.5, float(self.reconnect_interval)))
+            if not self.connected.is_set() and not self.is_closed:
+                self.url = URL(self.nodes.after(self.url))
+
+    async def close(self, exc: Any = asyncio.CancelledError) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
+        await super().close(exc)
+
+
+async def connect_robust(
+    setting: str,
+    *,
+    name: str,
+    heartbeat: int | None = None,
+    reconnect_interval: float = 5.0,
+    timeout: float = 5.0,
+) -> AbstractRobustConnection:
+    """A robust connection to the first node that answers; raises the last error if none."""
+    nodes = NodeList(setting, heartbeat)
+    last: BaseException | None = None
+    for url in nodes.urls:
+        connection = FailoverConnection(
+            URL(url),
+            nodes=nodes,
+            reconnect_interval=reconnect_interval,
+            client_properties={"connection_name": name},
+        )
+        try:
+            await connection.connect(timeout=timeout)
+            return connection
+        except CONNECTION_ERRORS as exc:
+            await connection.close()
+            last = exc
+    assert last is not None
+    raise last
+
+
+async def connect(
+    setting: str, *, name: str, heartbeat: int | None = None, timeout: float = 5.0
+) -> AbstractConnection:
+    """A plain connection (one command, one probe) to the first node that answers."""
+    nodes = NodeList(setting, heartbeat)
+    last: BaseException | None = None
+    for url in nodes.urls:
+        try:
+            return await aio_pika.connect(
+                url, client_properties={"connection_name": name}, timeout=timeout
+            )
+        except CONNECTION_ERRORS as exc:
+            last = exc
+    assert last is not None
+    raise last

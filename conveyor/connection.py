@@ -21,7 +21,7 @@ from typing import Any
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractConnection, AbstractRobustConnection
+from aio_pika.abc import AbstractConnection, AbstractExchange, AbstractRobustConnection
 from yarl import URL
 
 # What a connection attempt to a node that is down, frozen or refusing raises.
@@ -144,3 +144,21 @@ async def connect(
             last = exc
     assert last is not None
     raise last
+
+
+async def publish_confirmed(
+    exchange: AbstractExchange, message: aio_pika.Message, key: str
+) -> None:
+    """A `mandatory` publish, awaited until the broker confirms it.
+
+    When the connection drops, aiormq cancels the confirmation it was waiting for: that
+    CancelledError is the connection's, not a cancellation of ours, and becomes a
+    ConnectionError the caller retries. Our own task being cancelled still cancels.
+    """
+    try:
+        await exchange.publish(message, routing_key=key, mandatory=True)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise ConnectionError("the connection closed before the broker confirmed") from None

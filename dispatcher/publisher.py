@@ -25,6 +25,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from conveyor import headers as h
 from conveyor.amqp import to_amqp
+from conveyor.connection import publish_confirmed
 from conveyor.events import MessageFormat, TaskEvent, encode_event
 from dispatcher.consumer import BROKER_ERRORS, Delivery
 
@@ -118,4 +119,4 @@ class Publisher:
         await self._publish(copy, self.in_queue)
 
     async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
-        await self.channel.default_exchange.publish(message, routing_key, mandatory=True)
+        await publish_confirmed(self.channel.default_exchange, message, routing_key)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
 from conveyor.amqp import to_amqp
-from conveyor.connection import connect_robust
+from conveyor.connection import connect_robust, publish_confirmed
 from conveyor.events import WireMessage
 
 log = logging.getLogger("conveyor.gateway.broker")
@@ -87,9 +87,7 @@ class Broker:
         assert self._channel is not None
         amqp_message = to_amqp(message)
         try:
-            await self._channel.default_exchange.publish(
-                amqp_message, routing_key=routing_key, mandatory=True
-            )
+            await publish_confirmed(self._channel.default_exchange, amqp_message, routing_key)
         except Exception as exc:
             raise PublishError(f"publish to {routing_key} not confirmed: {exc!r}") from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Sequence
 
 
 class TcpProxy:
@@ -14,10 +15,16 @@ class TcpProxy:
     (accepted then closed at once), as a broker outage looks to a client.
     While paused, connections stay open but no byte goes through either way,
     as a stalled server looks to a client.
+
+    With `more` upstreams it stands in for a Kubernetes Service in front of a cluster:
+    each new connection goes to the next upstream that accepts one.
     """
 
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
-        self.upstream = (upstream_host, upstream_port)
+    def __init__(
+        self, upstream_host: str, upstream_port: int, more: Sequence[tuple[str, int]] = ()
+    ) -> None:
+        self.upstreams = [(upstream_host, upstream_port), *more]
+        self._next = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._open = threading.Event()
@@ -38,9 +45,8 @@ class TcpProxy:
             if not self._open.is_set():
                 client.close()
                 continue
-            try:
-                upstream = socket.create_connection(self.upstream, timeout=5)
-            except OSError:
+            upstream = self._connect_upstream()
+            if upstream is None:
                 client.close()
                 continue
             upstream.settimeout(None)
@@ -48,6 +54,16 @@ class TcpProxy:
                 self._conns.update((client, upstream))
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _connect_upstream(self) -> socket.socket | None:
+        for _ in self.upstreams:
+            address = self.upstreams[self._next % len(self.upstreams)]
+            self._next += 1
+            try:
+                return socket.create_connection(address, timeout=2)
+            except OSError:
+                continue
+        return None
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:

@@ -276,7 +276,8 @@ class RabbitCluster:
 
 
 class PostgresServer:
-    def __init__(self) -> None:
+    def __init__(self, primary: PostgresServer | None = None) -> None:
+        """A new cluster (`initdb`), or with `primary` a streaming standby of it."""
         if not _PG_BIN:
             raise RuntimeError("PostgreSQL is not installed")
         self.bin = Path(_PG_BIN[-1])
@@ -288,18 +289,13 @@ class PostgresServer:
         if os.geteuid() == 0:  # PostgreSQL refuses to run as root
             shutil.chown(self.base, "postgres", "postgres")
             self._as_user = ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
+        if primary is None:
+            command = ["initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync"]
+        else:  # a copy of the primary that follows it (-R: standby.signal, primary_conninfo)
+            command = ["pg_basebackup", "-h", "127.0.0.1", "-p", str(primary.port), "-U"]
+            command += ["postgres", "-D", str(self.data), "-R", "-X", "stream", "--no-sync"]
         subprocess.run(
-            [
-                *self._as_user,
-                str(self.bin / "initdb"),
-                "-D",
-                str(self.data),
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "--no-sync",
-            ],
+            [*self._as_user, str(self.bin / command[0]), *command[1:]],
             check=True,
             capture_output=True,
             timeout=120,
@@ -354,6 +350,21 @@ class PostgresServer:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+    def sql(self, statement: str) -> None:
+        import psycopg
+
+        with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(statement)
+
+    def synchronous(self) -> None:
+        """Commits wait for a standby to have them (the no-loss setting of SPEC §11.7)."""
+        self.sql("ALTER SYSTEM SET synchronous_standby_names = '*'")
+        self.sql("SELECT pg_reload_conf()")
+
+    def promote(self) -> None:
+        """The standby becomes a primary and accepts writes."""
+        self.sql("SELECT pg_promote(wait => true)")
 
     def kill(self) -> None:
         """SIGKILL of the postmaster and its backends: a crash, recovered at the next start."""

@@ -1,0 +1,98 @@
+"""A PostgreSQL primary SIGKILLed and its synchronous standby promoted (SPEC §11.7), with
+Conveyor given both hosts in libpq's way: nothing accepted is lost, every task ends SUCCESS.
+
+A pair of the test's own (other ports, own data directories), killed by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Stack
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.processes import REPO, Processes
+from tests.support.servers import PostgresServer, postgres_available
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[PostgresServer, PostgresServer]]:
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries are not installed here")
+    primary = PostgresServer().start()
+    standby = PostgresServer(primary=primary).start()
+    primary.synchronous()  # a commit is acknowledged once the standby has it
+    yield primary, standby
+    standby.stop()
+    primary.stop()
+
+
+def _submit(http: httpx.Client, url: str, timeout: float = 60) -> str | None:
+    """As a client does: retried while the API answers 503 (the database is moving)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            answer = http.post(url, json={"body": {"sleep": 0.05}})
+        except httpx.TransportError:
+            answer = None
+        if answer is not None and answer.status_code in (200, 201):
+            return str(answer.json()["data"]["taskId"])
+        assert answer is None or answer.status_code == 503, answer.text
+        time.sleep(0.3)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_a_primary_failover_loses_no_task(
+    pair: tuple[PostgresServer, PostgresServer],
+    procs: Processes,
+    amqp_url: str,
+    sleeper_url: str,
+) -> None:
+    primary, standby = pair
+    url = (
+        "postgresql://postgres@/conveyor?host=127.0.0.1,127.0.0.1"
+        f"&port={primary.port},{standby.port}&target_session_attrs=read-write&connect_timeout=3"
+    )
+    upgrade = subprocess.run(
+        [sys.executable, "-m", "conveyor", "db", "upgrade"],
+        cwd=REPO,
+        env={**os.environ, "CONVEYOR_DATABASE_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+    service = Platform(url).service(
+        jsonSchema={"type": "object", "required": ["sleep"]}, taskTimeout=60, maxAttempts=3
+    )
+    gateway = GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-failover")
+    stack = Stack(procs, gateway, sleeper_url, amqp_url, service)
+    stack.dispatcher("failover-pod", CONCURRENCY="8")
+    tasks_url = gateway.tasks_url(service.name)
+
+    accepted = [_submit(stack.http, tasks_url) for _ in range(40)]
+    primary.kill()
+    standby.promote()
+    accepted += [_submit(stack.http, tasks_url) for _ in range(40)]
+    assert None not in accepted, "the API did not come back after the failover"
+
+    deadline = time.monotonic() + 120
+    statuses: Counter[str] = Counter()
+    while time.monotonic() < deadline:
+        try:
+            statuses = Counter(stack.poll(str(t))["status"] for t in accepted)
+        except AssertionError:  # a 503 while a pool reconnects
+            statuses = Counter()
+        if statuses["SUCCESS"] == len(accepted):
+            break
+        time.sleep(0.5)
+    stack.http.close()
+    assert statuses == Counter({"SUCCESS": 80})

@@ -23,6 +23,8 @@ PROGRESS_URL = "x-conveyor-progress-url"
 # -- AMQP headers on `<queue>-in` -------------------------------------------------------
 DELIVERY_COUNT = "x-delivery-count"  # RabbitMQ's, on quorum queues
 REQUEUES = "x-conveyor-requeues"  # deliveries a graceful requeue folded into a new message
+RETURNS = "x-conveyor-returns"  # times the gateway gave a submission the broker returned back
+DEATH_HEADERS = ("x-death", "x-first-death-reason", "x-first-death-queue", "x-first-death-exchange")
 
 # -- callbacks ------------------------------------------------------------------------------
 SIGNATURE = "X-Conveyor-Signature"

@@ -38,6 +38,14 @@ def dead_letter_queue(queue_name: str) -> str:
     return f"{queue_name}-dlq"
 
 
+def queue_name_of(queue: str) -> str:
+    """The service's queue name, from the name of one of its queues."""
+    for suffix in ("-in", "-out", "-dlq"):
+        if queue.endswith(suffix):
+            return queue[: -len(suffix)]
+    raise ValueError(f"{queue} is not a service queue")
+
+
 @dataclass(frozen=True, slots=True)
 class QueueSpec:
     name: str

@@ -10,6 +10,10 @@ PUBLISHED = Counter("conveyor_gateway_published_total", "Submissions confirmed",
 EVENTS = Counter("conveyor_gateway_events_total", "Task events read from -out", ["kind", "outcome"])
 POISON = Counter("conveyor_gateway_poison_messages_total", "Messages set aside", ["queue_kind"])
 DEAD_LETTERED = Counter("conveyor_gateway_dead_lettered_total", "Submissions from -dlq")
+RETURNED = Counter(
+    "conveyor_gateway_returned_submissions_total",
+    "Dead-lettered submissions the broker returned without a crash, published again",
+)
 NOTIFICATIONS = Counter("conveyor_gateway_notifications_total", "Callbacks", ["outcome"])
 REAPED = Counter("conveyor_gateway_reaped_total", "PENDING tasks failed by the reaper")
 ABANDONED = Counter(

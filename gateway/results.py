@@ -32,6 +32,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from psycopg.types.json import Jsonb
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
+from conveyor import headers as h
 from conveyor import topology
 from conveyor.amqp import from_amqp
 from conveyor.events import WireError, WireMessage, decode_event, decode_submission
@@ -45,6 +46,21 @@ POISON_BODY_LIMIT = 64 * 1024
 BATCH_SIZE = 200
 BATCH_WINDOW = 0.005
 DEAD_LETTERED = "dead_lettered"  # the kind of a -dlq message, beside the events' kinds
+
+# The broker counts every return of a submission to `-in` (a worker that crashed with it,
+# and a connection that dropped under a healthy dispatcher alike) and dead-letters it at
+# `x-delivery-limit`. Crashes happen during attempts, and every attempt is announced
+# (`started`) as its call begins; a message waiting in a dispatcher's prefetch when its
+# broker node went away never started one. So when the workers started fewer attempts than
+# the limit, some returns were the infrastructure's, not crashes: the submission goes back
+# to `-in` as a new message, at most MAX_RETURNS times (a lost `started` cannot loop forever).
+MAX_RETURNS = 3
+
+_ATTEMPTS = """
+    SELECT t.task_id, (SELECT count(*) FROM task_attempts a WHERE a.task_id = t.task_id)
+      FROM tasks t
+     WHERE t.task_id = ANY(%(ids)s) AND t.status IN ('PENDING', 'IN_PROGRESS')
+    """
 
 _POISON = """
     INSERT INTO poison_messages (queue, reason, headers, body, body_size)
@@ -222,6 +238,7 @@ class ResultConsumer:
     async def process(self, batch: list[Delivery]) -> None:
         """Applies a batch, waiting out database outages, then acks it. Never raises: a
         batch that fails for an unexpected reason is handed back to the broker."""
+        given_back: set[int] = set()  # published again already: not twice on a retry
         try:
             retrying = AsyncRetrying(
                 retry=retry_if_exception(_transient),
@@ -233,7 +250,10 @@ class ResultConsumer:
             )
             async for attempt in retrying:
                 with attempt:
-                    callbacks = await self._apply(batch)
+                    given_back |= await self._give_back(
+                        [d for d in batch if id(d) not in given_back]
+                    )
+                    callbacks = await self._apply([d for d in batch if id(d) not in given_back])
         except Exception:
             log.exception("batch not applied; handed back", extra={"size": len(batch)})
             metrics.BATCHES_HANDED_BACK.inc()
@@ -244,6 +264,39 @@ class ResultConsumer:
             await _settle(delivery.message.ack)
         if callbacks:
             self.on_finished()
+
+    async def _give_back(self, batch: list[Delivery]) -> set[int]:
+        """Dead letters the broker returned without a crash, published to `-in` again."""
+        candidates: dict[uuid.UUID, Delivery] = {}
+        for delivery in batch:
+            headers = dict(delivery.message.headers or {})
+            if not delivery.dead_lettered or _death_reason(headers) != "delivery_limit":
+                continue
+            if _count(headers.get(h.RETURNS)) >= MAX_RETURNS:
+                continue
+            try:
+                candidates[uuid.UUID(decode_submission(delivery.wire()).task_id)] = delivery
+            except (WireError, ValueError):
+                continue  # poison: _plan says why
+        if not candidates:
+            return set()
+        async with self.pool.connection() as conn:
+            cursor = await conn.execute(_ATTEMPTS, {"ids": list(candidates)})
+            attempts = dict(await cursor.fetchall())
+        given: set[int] = set()
+        for task_id, delivery in candidates.items():
+            started = attempts.get(task_id)
+            if started is None or started >= self.delivery_limit:
+                continue  # finished already, or its workers crashed: FAILURE as usual
+            queue = topology.in_queue(topology.queue_name_of(delivery.queue))
+            await self.broker.publish(_returned(delivery.wire(), self.delivery_limit), queue)
+            metrics.RETURNED.inc()
+            log.info(
+                "submission returned by the broker, not by crashes: published again",
+                extra={"task_id": str(task_id), "attempts_started": started},
+            )
+            given.add(id(delivery))
+        return given
 
     async def _apply(self, batch: list[Delivery]) -> bool:
         try:
@@ -332,13 +385,8 @@ def _counted(kind: str, outcome: lifecycle.Outcome) -> bool:
     return outcome.callback_due
 
 
-def _dead_letter_message(headers: dict[str, Any]) -> str:
-    """Why the broker gave up on the submission, from its `x-death` header.
-
-    RabbitMQ's dead-lettered copy carries no `x-delivery-count`, and `x-death`'s
-    `count` is how many times the message was dead-lettered, not delivered: the
-    reason is what can be said reliably.
-    """
+def _death_reason(headers: dict[str, Any]) -> str | None:
+    """Why the broker dead-lettered a message, from its `x-death` header."""
     reason = headers.get("x-first-death-reason")
     for death in headers.get("x-death") or []:
         if isinstance(death, dict) and death.get("reason") is not None:
@@ -346,6 +394,31 @@ def _dead_letter_message(headers: dict[str, Any]) -> str:
             break
     if isinstance(reason, bytes):
         reason = reason.decode(errors="replace")
+    return None if reason is None else str(reason)
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _returned(wire: WireMessage, delivery_limit: int) -> WireMessage:
+    """The submission as a new message: no trace of its death, its deliveries counted."""
+    headers = {
+        k: v for k, v in wire.headers.items() if k not in (*h.DEATH_HEADERS, h.DELIVERY_COUNT)
+    }
+    headers[h.RETURNS] = _count(headers.get(h.RETURNS)) + 1
+    headers[h.REQUEUES] = _count(headers.get(h.REQUEUES)) + delivery_limit
+    return WireMessage(wire.body, headers, wire.content_type, wire.message_id)
+
+
+def _dead_letter_message(headers: dict[str, Any]) -> str:
+    """Why the broker gave up on the submission, from its `x-death` header.
+
+    RabbitMQ's dead-lettered copy carries no `x-delivery-count`, and `x-death`'s
+    `count` is how many times the message was dead-lettered, not delivered: the
+    reason is what can be said reliably.
+    """
+    reason = _death_reason(headers)
     if reason == "delivery_limit":
         return (
             "The task was dead-lettered: its workers crashed or gave it back every time"

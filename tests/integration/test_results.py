@@ -33,10 +33,12 @@ from conveyor.events import (
     Submission,
     TaskEvent,
     WireMessage,
+    decode_submission,
     encode_event,
     encode_submission,
 )
 from conveyor.settings import GatewaySettings
+from gateway.results import MAX_RETURNS
 from gateway.store import iso
 from tests.support.amqp import (
     declare_like_seed_worker,
@@ -440,17 +442,49 @@ def test_malformed_events_are_set_aside_and_acked(
 def test_crashing_workers_dead_letter_the_task(
     gateway: GatewayProcess, svc: Service, amqp_url: str
 ) -> None:
+    """Every delivery started an attempt (`started`) and never ended it: crashes."""
     task_id = _submit(gateway, svc, {"poison": True})
     in_queue = topology.in_queue(svc.queue_name)
     wait_until(lambda: message_count(amqp_url, in_queue) == 1, what="submission on -in")
+    limit = GatewaySettings().delivery_limit
+    for n in range(limit + 1):
+        attempt = f"crashed-{n}"
+        _publish_events(
+            amqp_url, svc, _event(svc, EventKind.STARTED, task_id, host=f"pod-{n}", attempt=attempt)
+        )
+        _poll_until(gateway, svc, task_id, status="IN_PROGRESS")
 
     deliveries = reject_until_dead_lettered(amqp_url, in_queue)
 
-    assert deliveries == GatewaySettings().delivery_limit + 1  # the queue's x-delivery-limit
+    assert deliveries == limit + 1  # the queue's x-delivery-limit
     data = _poll_until(gateway, svc, task_id, status="FAILURE")
     assert "dead-lettered" in data["errorMessage"]
     assert "delivery limit" in data["errorMessage"]
     assert message_count(amqp_url, in_queue) == 0
+
+
+@pytest.mark.timeout(90)
+def test_returns_without_crashes_give_the_submission_back(
+    gateway: GatewayProcess, svc: Service, amqp_url: str
+) -> None:
+    """A message returned by dropped connections before any attempt started (as when broker
+    nodes go away under healthy dispatchers) is not the workers' failure: the gateway
+    publishes it again, a bounded number of times, and only then fails the task."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    in_queue = topology.in_queue(svc.queue_name)
+    limit = GatewaySettings().delivery_limit
+    for returned in range(1, MAX_RETURNS + 1):
+        wait_until(lambda: message_count(amqp_url, in_queue) == 1, what="submission on -in")
+        assert reject_until_dead_lettered(amqp_url, in_queue) == limit + 1
+        again = wait_until(lambda: take_all(amqp_url, in_queue), what="published again")
+        assert len(again) == 1 and again[0].headers["x-conveyor-returns"] == returned
+        assert "x-death" not in again[0].headers
+        assert decode_submission(again[0]).task_id == task_id
+        assert _poll(gateway, svc, task_id)["status"] == "PENDING"
+        publish(amqp_url, in_queue, again)  # back where the gateway put it
+    assert reject_until_dead_lettered(amqp_url, in_queue) == limit + 1
+    data = _poll_until(gateway, svc, task_id, status="FAILURE")
+    assert "delivery limit" in data["errorMessage"]
 
 
 @pytest.mark.timeout(60)

@@ -29,6 +29,8 @@ CRD_FILES = {
     ("keda.sh", "ScaledJob"): "keda.sh_scaledjobs.yaml",
     ("keda.sh", "TriggerAuthentication"): "keda.sh_triggerauthentications.yaml",
     ("serving.knative.dev", "Service"): "serving.knative.dev_services.yaml",
+    ("rabbitmq.com", "RabbitmqCluster"): "rabbitmq.com_rabbitmqclusters.yaml",
+    ("postgresql.cnpg.io", "Cluster"): "postgresql.cnpg.io_clusters.yaml",
 }
 # What KEDA's rabbitmq scaler reads (../shared/k8s-crds/README.md); anything else is a typo.
 RABBITMQ_METADATA_KEYS = {
@@ -37,8 +39,14 @@ RABBITMQ_METADATA_KEYS = {
 }  # fmt: skip
 DISPATCHER = "conveyor-dispatcher"
 FUNCTION_ANNOTATION = "conveyor.io/function-container"
-# Secrets the operator creates (documented in keda/README.md); manifests never ship them.
-EXTERNAL_SECRETS = {"conveyor-gateway", "conveyor-rabbitmq"}
+# Secrets the operator creates (documented in keda/README.md), and those the RabbitMQ and
+# CloudNativePG operators generate for deploy/ha; manifests never ship them.
+EXTERNAL_SECRETS = {
+    "conveyor-gateway",
+    "conveyor-rabbitmq",
+    "conveyor-rabbitmq-default-user",
+    "conveyor-postgres-app",
+}
 DEPLOYMENT_GRACE_LIMIT = 120
 
 
@@ -211,7 +219,10 @@ def dispatchers(docs: list[Doc]) -> list[Dispatcher]:
 def check_dispatcher(d: Dispatcher) -> None:
     e, where = d.env, d.pod.name
     assert isinstance(e["CONVEYOR_QUEUE"], str) and e["CONVEYOR_QUEUE"], where
-    assert e["CONVEYOR_AMQP_URL"]["secretKeyRef"]["key"] == "amqp-url", where
+    amqp = e["CONVEYOR_AMQP_URL"]  # from the operator's secret, or composed from one
+    assert (isinstance(amqp, dict) and amqp["secretKeyRef"]["key"] == "amqp-url") or (
+        isinstance(amqp, str) and amqp.startswith("amqp")
+    ), where
     assert int(e["CONCURRENCY"]) >= 1, where
     assert e["SHUTDOWN_MODE"] in {"requeue", "drain"}, where
     assert e["ONE_SHOT"] in {"0", "1"}, where
@@ -273,7 +284,11 @@ def check_trigger(trigger: Doc, d: Dispatcher, auths: dict[str, Doc]) -> None:
     auth = auths[trigger["authenticationRef"]["name"]]
     refs = {r["parameter"]: r for r in auth["spec"]["secretTargetRef"]}
     assert refs["host"]["key"] == "management-url", where
-    assert refs["host"]["name"] == d.env["CONVEYOR_AMQP_URL"]["secretKeyRef"]["name"], where
+    amqp = d.env["CONVEYOR_AMQP_URL"]
+    if isinstance(amqp, dict):  # one secret holds both URLs of the broker
+        assert refs["host"]["name"] == amqp["secretKeyRef"]["name"], where
+    else:
+        assert refs["host"]["name"] in EXTERNAL_SECRETS, where
 
 
 def check_scaling(docs: list[Doc]) -> int:

@@ -21,11 +21,11 @@ from conveyor.inject import load_documents
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = REPO_ROOT.parent / "shared" / "k8s-crds"
-KUSTOMIZE_ROOTS = ("keda", "knative")
+KUSTOMIZE_ROOTS = ("keda", "knative", "deploy")
 
 
 def kustomize_dirs() -> list[Path]:
-    """Every kustomization under keda/ and knative/, so a new one is tested too."""
+    """Every kustomization under keda/, knative/ and deploy/, so a new one is tested too."""
     return sorted(
         path.parent
         for root in KUSTOMIZE_ROOTS

@@ -409,9 +409,9 @@ def celery_latency(ctx: Context, env: dict[str, str]) -> dict[str, Any]:
 
 
 async def _delete_queue(name: str) -> None:
-    import aio_pika
+    from conveyor.connection import connect
 
-    connection = await aio_pika.connect(AMQP_URL)
+    connection = await connect(AMQP_URL, name="conveyor bench")
     try:
         channel = await connection.channel()
         with contextlib.suppress(Exception):

@@ -107,9 +107,9 @@ def server_versions() -> dict[str, str | None]:
 
 
 async def _rabbitmq_version() -> str | None:
-    import aio_pika
+    from conveyor.connection import connect
 
-    connection = await aio_pika.connect(AMQP_URL, timeout=3)
+    connection = await connect(AMQP_URL, name="conveyor bench", timeout=3)
     try:
         props = connection.transport.connection.server_properties  # type: ignore[union-attr]
         version = props.get("version")

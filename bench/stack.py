@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from bench.record import ADMIN_DB_URL, AMQP_URL, PYTHON
+from conveyor import connection as amqp
 from gateway.database_url import libpq, with_database
 from tests.support.processes import Proc, Processes, free_port, wait_http
 
@@ -61,14 +62,20 @@ def wait_for_broker(timeout: float = 60.0) -> bool:
     """Waits for RabbitMQ to accept connections (it may be restarting); True if it does."""
     from urllib.parse import urlsplit
 
-    parts = urlsplit(AMQP_URL)
+    from conveyor.connection import NodeList
+
+    nodes = [urlsplit(url) for url in NodeList(AMQP_URL).urls]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), 2):
-                return True
-        except OSError:
-            time.sleep(1.0)
+        for parts in nodes:  # any node of a cluster will do
+            try:
+                with socket.create_connection(
+                    (parts.hostname or "127.0.0.1", parts.port or 5672), 2
+                ):
+                    return True
+            except OSError:
+                continue
+        time.sleep(1.0)
     return False
 
 
@@ -149,12 +156,10 @@ def create_service(
 
 
 async def declare_queues(queue_name: str) -> None:
-    import aio_pika
-
     from conveyor.events import MessageFormat
     from conveyor.topology import declare_service
 
-    connection = await aio_pika.connect(AMQP_URL)
+    connection = await amqp.connect(AMQP_URL, name="conveyor bench")
     try:
         channel = await connection.channel()
         await declare_service(channel, queue_name, MessageFormat.CLOUDEVENTS, DELIVERY_LIMIT)
@@ -163,11 +168,9 @@ async def declare_queues(queue_name: str) -> None:
 
 
 async def delete_queues(queue_name: str) -> None:
-    import aio_pika
-
     from conveyor.topology import dead_letter_queue, in_queue, out_queue
 
-    connection = await aio_pika.connect(AMQP_URL)
+    connection = await amqp.connect(AMQP_URL, name="conveyor bench")
     try:
         for name in (in_queue(queue_name), out_queue(queue_name), dead_letter_queue(queue_name)):
             channel = await connection.channel()
@@ -179,9 +182,7 @@ async def delete_queues(queue_name: str) -> None:
 
 def purge_queue(name: str) -> None:
     async def go() -> None:
-        import aio_pika
-
-        connection = await aio_pika.connect(AMQP_URL)
+        connection = await amqp.connect(AMQP_URL, name="conveyor bench")
         try:
             channel = await connection.channel()
             queue = await channel.declare_queue(name, passive=True)

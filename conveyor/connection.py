@@ -21,7 +21,13 @@ from typing import Any
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractConnection, AbstractExchange, AbstractRobustConnection
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractExchange,
+    AbstractRobustChannel,
+    AbstractRobustConnection,
+)
 from yarl import URL
 
 # What a connection attempt to a node that is down, frozen or refusing raises.
@@ -162,3 +168,47 @@ async def publish_confirmed(
         if task is not None and task.cancelling():
             raise
         raise ConnectionError("the connection closed before the broker confirmed") from None
+
+
+class ConfirmingChannel:
+    """The channel a process publishes on with confirms, replaced when the broker nacks.
+
+    RabbitMQ 3.10 was seen to nack every publish to a quorum queue, for as long as we
+    watched (40 s), on a channel that had published while the queue's leader moved, though
+    the new leader was elected within a second; a fresh channel publishes at once. So a
+    nack replaces the channel, and the caller retries as after any unconfirmed publish.
+    """
+
+    def __init__(self, connection: AbstractConnection) -> None:
+        self.connection = connection
+        self.channel: AbstractChannel | None = None
+        self._lock = asyncio.Lock()
+
+    async def open(self) -> AbstractChannel:
+        self.channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+        return self.channel
+
+    async def ready(self) -> None:
+        """Once a reconnection under way has restored the channel."""
+        if isinstance(self.channel, AbstractRobustChannel):
+            await self.channel.ready()
+
+    async def publish(self, message: aio_pika.Message, key: str) -> None:
+        channel = self.channel or await self.open()
+        try:
+            await publish_confirmed(channel.default_exchange, message, key)
+        except aio_pika.exceptions.PublishError:
+            raise  # returned as unroutable: the channel is fine
+        except aio_pika.exceptions.DeliveryError:
+            await self._replace(channel)
+            raise
+
+    async def _replace(self, stale: AbstractChannel) -> None:
+        async with self._lock:
+            if self.channel is not stale:
+                return  # another publish replaced it already
+            self.channel = await self.connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
+        with contextlib.suppress(Exception):
+            await stale.close()

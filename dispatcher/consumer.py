@@ -34,6 +34,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, Abstrac
 from conveyor import connection as amqp_connection
 from conveyor import headers as h
 from conveyor.amqp import from_amqp
+from conveyor.connection import ConfirmingChannel
 from conveyor.events import WireMessage
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class Broker:
         self.prefetch = prefetch
         self.name = name
         self.connection: AbstractRobustConnection | None = None
-        self.publish_channel: AbstractRobustChannel | None = None
+        self.publishing: ConfirmingChannel | None = None
         self._consume_channel: AbstractRobustChannel | None = None
         self._queue: aio_pika.abc.AbstractRobustQueue | None = None
         self._consumer_tag: str | None = None
@@ -227,9 +228,8 @@ class Broker:
                 log.warning("cannot connect to the broker; retrying", extra={"error": repr(exc)})
                 await _sleep_unless(stop, 1.0)
                 continue
-            self.publish_channel = await self.connection.channel(
-                publisher_confirms=True, on_return_raises=True
-            )
+            self.publishing = ConfirmingChannel(self.connection)
+            await self.publishing.open()
             return True
         return False
 

@@ -102,9 +102,9 @@ class Dispatcher:
         connected = await connecting
         if stop.is_set() or not connected:
             return 0
-        assert self.broker.publish_channel is not None
+        assert self.broker.publishing is not None
         publisher = Publisher(
-            self.broker.publish_channel,
+            self.broker.publishing,
             self.broker.in_queue,
             self.broker.out_queue,
             self.settings.queue,

@@ -20,12 +20,11 @@ import logging
 import time
 
 import aio_pika
-from aio_pika.abc import AbstractRobustChannel
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from conveyor import headers as h
 from conveyor.amqp import to_amqp
-from conveyor.connection import publish_confirmed
+from conveyor.connection import ConfirmingChannel
 from conveyor.events import MessageFormat, TaskEvent, encode_event
 from dispatcher.consumer import BROKER_ERRORS, Delivery
 
@@ -36,9 +35,9 @@ _PERSISTENT = aio_pika.DeliveryMode.PERSISTENT
 
 class Publisher:
     def __init__(
-        self, channel: AbstractRobustChannel, in_queue: str, out_queue: str, service: str
+        self, publishing: ConfirmingChannel, in_queue: str, out_queue: str, service: str
     ) -> None:
-        self.channel = channel
+        self.publishing = publishing
         self.in_queue = in_queue
         self.out_queue = out_queue
         self.service = service
@@ -82,7 +81,7 @@ class Publisher:
                 with attempt:
                     left = max(0.1, give_up - time.monotonic())
                     async with asyncio.timeout(left):
-                        await self.channel.ready()  # through a reconnection under way
+                        await self.publishing.ready()  # through a reconnection under way
                         await self._publish(message, self.out_queue)
         except (TimeoutError, *BROKER_ERRORS) as exc:
             log.warning("event not confirmed; giving up", extra={**about, "error": repr(exc)})
@@ -119,4 +118,4 @@ class Publisher:
         await self._publish(copy, self.in_queue)
 
     async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
-        await publish_confirmed(self.channel.default_exchange, message, routing_key)
+        await self.publishing.publish(message, routing_key)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
 from conveyor.amqp import to_amqp
-from conveyor.connection import connect_robust, publish_confirmed
+from conveyor.connection import ConfirmingChannel, connect_robust
 from conveyor.events import WireMessage
 
 log = logging.getLogger("conveyor.gateway.broker")
@@ -29,7 +29,7 @@ class Broker:
         self.heartbeat = heartbeat
         self.publish_timeout = publish_timeout
         self._connection: AbstractRobustConnection | None = None
-        self._channel: AbstractChannel | None = None
+        self._publishing: ConfirmingChannel | None = None
         self._connect_lock = asyncio.Lock()
         self._on_reconnect: list[Callable[[], None]] = []
 
@@ -46,8 +46,9 @@ class Broker:
         return (
             self._connection is not None
             and not self._connection.is_closed
-            and self._channel is not None
-            and not self._channel.is_closed
+            and self._publishing is not None
+            and self._publishing.channel is not None
+            and not self._publishing.channel.is_closed
         )
 
     async def connect(self) -> AbstractRobustConnection:
@@ -57,9 +58,8 @@ class Broker:
                     self.url, name="conveyor-gateway", heartbeat=self.heartbeat
                 )
                 self._connection.reconnect_callbacks.add(self._reconnected)
-                self._channel = await self._connection.channel(
-                    publisher_confirms=True, on_return_raises=True
-                )
+                self._publishing = ConfirmingChannel(self._connection)
+                await self._publishing.open()
             return self._connection
 
     async def channel(self, prefetch: int | None = None) -> AbstractChannel:
@@ -84,10 +84,9 @@ class Broker:
                 await self.connect()
             except Exception as exc:
                 raise PublishError(f"broker unavailable: {exc.__class__.__name__}") from None
-        assert self._channel is not None
-        amqp_message = to_amqp(message)
+        assert self._publishing is not None
         try:
-            await publish_confirmed(self._channel.default_exchange, amqp_message, routing_key)
+            await self._publishing.publish(to_amqp(message), routing_key)
         except Exception as exc:
             raise PublishError(f"publish to {routing_key} not confirmed: {exc!r}") from None
 
@@ -95,4 +94,4 @@ class Broker:
         if self._connection is not None:
             await self._connection.close()
             self._connection = None
-            self._channel = None
+            self._publishing = None

@@ -154,7 +154,12 @@ class RabbitNode:
         return self
 
     def wait(self, timeout: float = 90.0) -> None:
-        _wait_port(self.port, timeout)  # the AMQP listener opens last, once the node booted
+        try:
+            _wait_port(self.port, timeout)  # the AMQP listener opens last, once the node booted
+        except TimeoutError as exc:
+            out = self.base / "server.out"
+            tail = out.read_text(errors="replace")[-2000:] if out.exists() else ""
+            raise TimeoutError(f"{exc}; {self.name} said:\n{tail}") from None
 
     def freeze(self) -> None:
         """SIGSTOP: the node holds its sockets open and answers nothing."""

@@ -144,6 +144,7 @@ class RabbitNode:
         self._proc = subprocess.Popen(
             [str(self.sbin / "rabbitmq-server")],
             env=self.env,
+            cwd=self.base,  # an Erlang crash dump lands here, not in the caller's folder
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

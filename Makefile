@@ -38,9 +38,11 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-## Long fault-injection run (10,000 tasks); writes bench/results/chaos-*.json
+## Long fault-injection runs: 10,000 tasks on one node, then 1,000 on a 3-node RabbitMQ cluster
+## and a PostgreSQL pair, both ways; write bench/results/chaos-*.json and chaos-cluster-*.json
 chaos: install services
 	$(BIN)/python -m bench.chaos --tasks $${CHAOS_TASKS:-10000}
+	$(BIN)/python -m bench.chaos.cluster --tasks $${CHAOS_CLUSTER_TASKS:-1000}
 
 ## Benchmarks against Celery and a bare aio-pika consumer; writes bench/results/*.json
 bench: install services

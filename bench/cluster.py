@@ -5,7 +5,7 @@ ports, own data, stopped at the end), then runs `bench.e2e`'s Conveyor peer agai
 turn, alternating, `--reps` times: the single node by its URL, the cluster by its node list.
 Records the medians and the ratio cluster/single (target: at least 0.7).
 
-    python -m bench.cluster [--tasks 2000] [--reps 2] [--peer conveyor-1x4]
+    python -m bench.cluster [--tasks 2000] [--reps 2] [--concurrency 4]
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ TARGETS = ("single", "cluster")
 def run_e2e(amqp_url: str, options: argparse.Namespace) -> dict[str, Any]:
     """One `bench.e2e` run of one Conveyor peer against `amqp_url`; its peer summary."""
     with tempfile.TemporaryDirectory() as folder:
-        args = [PYTHON, "-m", "bench.e2e", "--peers", options.peer, "--reps", "1"]
+        peer = f"conveyor-1x{options.concurrency}"
+        args = [PYTHON, "-m", "bench.e2e", "--peers", peer, "--reps", "1"]
+        args += ["--concurrency", str(options.concurrency)]
         args += ["--tasks", str(options.tasks), "--latency-samples", str(options.latency_samples)]
         env = {**os.environ, "CONVEYOR_AMQP_URL": amqp_url, "CONVEYOR_BENCH_RESULTS": folder}
         done = subprocess.run(
@@ -71,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--peer", default="conveyor-1x4")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="CONCURRENCY of the one dispatcher (peer conveyor-1x<N>)",
+    )
     parser.add_argument("--latency-samples", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per e2e run")
     options = parser.parse_args(argv)

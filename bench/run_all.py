@@ -1,4 +1,4 @@
-"""`make bench`: the five benchmarks with their default sizes, then the plot and the summary.
+"""`make bench`: the benchmarks with their default sizes, then the plot and the summary.
 
 Each benchmark runs in its own process (a crash in one does not stop the
 others) and writes `bench/results/<name>-<timestamp>.json`; then `bench.plot`
@@ -25,8 +25,18 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "floor": (["--with-pg", "--tasks", "3000"], ["--tasks", "500", "--reps", "1"]),
     "footprint": ([], ["--starts", "2", "--load-tasks", "300"]),
     "scale": ([], ["--levels", "1000,100000", "--requests", "300", "--reps", "1"]),
+    "batch": ([], ["--duration", "1", "--reps", "1"]),
+    "streams": ([], ["--duration", "1", "--reps", "1", "--streams", "200"]),
 }
-TIMEOUTS = {"submit": 300, "e2e": 1200, "floor": 480, "footprint": 240, "scale": 600}
+TIMEOUTS = {
+    "submit": 300,
+    "e2e": 1200,
+    "floor": 480,
+    "footprint": 240,
+    "scale": 600,
+    "batch": 240,
+    "streams": 300,
+}
 
 
 def run_one(name: str, quick: bool) -> tuple[int, float]:

@@ -15,7 +15,10 @@ I/O differs. API errors raise `ConveyorError`; network failures raise httpx's ow
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +27,7 @@ from typing import Any, Self
 from urllib.parse import quote
 
 import httpx
+from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 
 from conveyor import __version__
 
@@ -81,6 +85,7 @@ class Task:
     response: Any
     error_message: str | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    not_before: datetime | None = None  # run later (SPEC §11.4)
 
     @property
     def done(self) -> bool:
@@ -105,20 +110,77 @@ def _tasks_path(service: str) -> str:
     return f"/v1/services/{quote(service, safe='')}/tasks"
 
 
-def _submit_call(
-    service: str, body: dict[str, Any], callback_url: str | None, idempotency_key: str | None
-) -> _Call:
-    payload: dict[str, Any] = {"body": body}
+def task_item(
+    body: dict[str, Any],
+    callback_url: str | None = None,
+    delay_seconds: int | None = None,
+    not_before: datetime | None = None,
+) -> dict[str, Any]:
+    """One task as the API takes it, alone or as a batch item: `delay_seconds` or
+    `not_before` (timezone-aware) make it wait (SPEC §11.4)."""
+    item: dict[str, Any] = {"body": body}
     if callback_url:
-        payload["callback"] = {"type": "https", "url": callback_url}
+        item["callback"] = {"type": "https", "url": callback_url}
+    if delay_seconds is not None:
+        item["delaySeconds"] = delay_seconds
+    if not_before is not None:
+        item["notBefore"] = not_before.isoformat()
+    return item
+
+
+def _submit_call(service: str, item: dict[str, Any], idempotency_key: str | None) -> _Call:
+    payload = item
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
     return _Call("POST", _tasks_path(service), payload, headers)
 
 
 def _batch_call(service: str, tasks: list[dict[str, Any]], idempotency_key: str | None) -> _Call:
-    """`tasks`: items as the API takes them, `{"body": {...}, "callback": {...}}`."""
+    """`tasks`: items as the API takes them (`task_item`), `{"body": {...}, ...}`."""
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
     return _Call("POST", f"{_tasks_path(service)}/batch", {"tasks": tasks}, headers)
+
+
+def _events_path(service: str, task_id: str) -> str:
+    return f"{_tasks_path(service)}/{quote(task_id, safe='')}/events"
+
+
+def _stream_refused(response: httpx.Response) -> bool:
+    """True when a gateway has no event stream (an older one answers 404000 or 405000): the
+    caller polls instead. Any other error is the poll's (403001, 404001, 404002...): raised.
+    The body of a refusal must have been read."""
+    if response.status_code == 200:
+        return False
+    try:
+        _unwrap(response)
+    except ConveyorError as exc:
+        if exc.number not in (404000, 405000):
+            raise
+    return True
+
+
+def _shut_down(response: httpx.Response) -> None:
+    """Ends a stream from another thread (httpcore's `network_stream` extension)."""
+    stream = response.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _stream_task(sse: ServerSentEvent) -> Task | None:
+    if sse.event != "task":
+        return None
+    try:
+        data = json.loads(sse.data)
+    except ValueError:
+        return None
+    return _task(data) if isinstance(data, dict) else None
+
+
+def _cancel_call(service: str, task_id: str) -> _Call:
+    return _Call("POST", f"{_tasks_path(service)}/{quote(task_id, safe='')}/cancel")
 
 
 def _get_call(service: str, task_id: str) -> _Call:
@@ -178,7 +240,10 @@ def _parse_batch(response: httpx.Response) -> list[Submitted]:
 
 
 def _parse_task(response: httpx.Response) -> Task:
-    data = _unwrap(response)
+    return _task(_unwrap(response))
+
+
+def _task(data: dict[str, Any]) -> Task:
     return Task(
         task_id=str(data["taskId"]),
         status=str(data["status"]),
@@ -190,6 +255,7 @@ def _parse_task(response: httpx.Response) -> Task:
         response=data.get("response"),
         error_message=data.get("errorMessage"),
         raw=data,
+        not_before=_parse_date(data.get("notBefore")),
     )
 
 
@@ -267,10 +333,12 @@ class ConveyorClient(_FromEnv):
         body: dict[str, Any],
         callback_url: str | None = None,
         idempotency_key: str | None = None,
+        *,
+        delay_seconds: int | None = None,
+        not_before: datetime | None = None,
     ) -> Submitted:
-        return _parse_submitted(
-            self._send(_submit_call(service, body, callback_url, idempotency_key))
-        )
+        item = task_item(body, callback_url, delay_seconds, not_before)
+        return _parse_submitted(self._send(_submit_call(service, item, idempotency_key)))
 
     def submit_batch(
         self, service: str, tasks: list[dict[str, Any]], idempotency_key: str | None = None
@@ -281,6 +349,11 @@ class ConveyorClient(_FromEnv):
     def get(self, service: str, task_id: str) -> Task:
         return _parse_task(self._send(_get_call(service, task_id)))
 
+    def cancel(self, service: str, task_id: str) -> Task:
+        """FAILURE `Task cancelled.` (SPEC §11.1); idempotent; ConveyorError 409001 if it
+        had already finished otherwise."""
+        return _parse_task(self._send(_cancel_call(service, task_id)))
+
     def follow(
         self,
         service: str,
@@ -288,7 +361,45 @@ class ConveyorClient(_FromEnv):
         timeout: float | None = None,
         interval: float = DEFAULT_POLL_INTERVAL_S,
     ) -> Iterator[Task]:
-        """Yields the task at each poll, the last one being SUCCESS or FAILURE."""
+        """Yields the task as it changes, the last one being SUCCESS or FAILURE: from the
+        gateway's event stream (SPEC §11.3), or by polling every `interval` seconds from a
+        gateway without one. Raises TaskWaitTimeout after `timeout` seconds."""
+        last: Task | None = None
+        with connect_sse(self._http, "GET", _events_path(service, task_id)) as source:
+            if source.response.status_code != 200:
+                source.response.read()
+            if not _stream_refused(source.response):
+                # A quiet stream still sends comments, so no read timeout ends it: at the
+                # deadline its socket is shut down, which ends the blocked read at once.
+                timer = (
+                    None
+                    if timeout is None
+                    else threading.Timer(timeout, _shut_down, (source.response,))
+                )
+                if timer is not None:
+                    timer.start()
+                try:
+                    for sse in source.iter_sse():
+                        task = _stream_task(sse)
+                        if task is not None:
+                            last = task
+                            yield task
+                            if task.done:
+                                return
+                except (httpx.StreamError, httpx.TransportError) as exc:
+                    if timer is not None and not timer.is_alive() and last is not None:
+                        raise TaskWaitTimeout(last) from exc
+                    raise
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                if last is not None and timer is not None and not timer.is_alive():
+                    raise TaskWaitTimeout(last)
+        yield from self._poll(service, task_id, timeout, interval)
+
+    def _poll(
+        self, service: str, task_id: str, timeout: float | None, interval: float
+    ) -> Iterator[Task]:
         pacer = _Pacer(timeout, interval)
         while True:
             task = self.get(service, task_id)
@@ -344,9 +455,12 @@ class AsyncConveyorClient(_FromEnv):
         body: dict[str, Any],
         callback_url: str | None = None,
         idempotency_key: str | None = None,
+        *,
+        delay_seconds: int | None = None,
+        not_before: datetime | None = None,
     ) -> Submitted:
-        call = _submit_call(service, body, callback_url, idempotency_key)
-        return _parse_submitted(await self._send(call))
+        item = task_item(body, callback_url, delay_seconds, not_before)
+        return _parse_submitted(await self._send(_submit_call(service, item, idempotency_key)))
 
     async def submit_batch(
         self, service: str, tasks: list[dict[str, Any]], idempotency_key: str | None = None
@@ -357,6 +471,11 @@ class AsyncConveyorClient(_FromEnv):
     async def get(self, service: str, task_id: str) -> Task:
         return _parse_task(await self._send(_get_call(service, task_id)))
 
+    async def cancel(self, service: str, task_id: str) -> Task:
+        """FAILURE `Task cancelled.` (SPEC §11.1); idempotent; ConveyorError 409001 if it
+        had already finished otherwise."""
+        return _parse_task(await self._send(_cancel_call(service, task_id)))
+
     async def follow(
         self,
         service: str,
@@ -364,7 +483,28 @@ class AsyncConveyorClient(_FromEnv):
         timeout: float | None = None,
         interval: float = DEFAULT_POLL_INTERVAL_S,
     ) -> AsyncIterator[Task]:
-        """Yields the task at each poll, the last one being SUCCESS or FAILURE."""
+        """Yields the task as it changes, the last one being SUCCESS or FAILURE: from the
+        gateway's event stream (SPEC §11.3), or by polling every `interval` seconds from a
+        gateway without one. Raises TaskWaitTimeout after `timeout` seconds."""
+        last: Task | None = None
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        async with aconnect_sse(self._http, "GET", _events_path(service, task_id)) as source:
+            if source.response.status_code != 200:
+                await source.response.aread()
+            if not _stream_refused(source.response):
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        async for sse in source.aiter_sse():
+                            task = _stream_task(sse)
+                            if task is not None:
+                                last = task
+                                yield task
+                                if task.done:
+                                    return
+                except TimeoutError:
+                    if last is None:
+                        raise
+                    raise TaskWaitTimeout(last) from None
         pacer = _Pacer(timeout, interval)
         while True:
             task = await self.get(service, task_id)

@@ -153,7 +153,7 @@ async def connect(
 
 
 async def publish_confirmed(
-    exchange: AbstractExchange, message: aio_pika.Message, key: str
+    exchange: AbstractExchange, message: aio_pika.Message, key: str, mandatory: bool = True
 ) -> None:
     """A `mandatory` publish, awaited until the broker confirms it.
 
@@ -162,7 +162,7 @@ async def publish_confirmed(
     ConnectionError the caller retries. Our own task being cancelled still cancels.
     """
     try:
-        await exchange.publish(message, routing_key=key, mandatory=True)
+        await exchange.publish(message, routing_key=key, mandatory=mandatory)
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
@@ -193,10 +193,16 @@ class ConfirmingChannel:
         if isinstance(self.channel, AbstractRobustChannel):
             await self.channel.ready()
 
-    async def publish(self, message: aio_pika.Message, key: str) -> None:
+    async def publish(self, message: aio_pika.Message, key: str, exchange: str = "") -> None:
+        """To a queue by name (the default exchange, `mandatory`: an unroutable message is an
+        error), or to a named exchange (a broadcast: nobody listening is fine)."""
         channel = self.channel or await self.open()
         try:
-            await publish_confirmed(channel.default_exchange, message, key)
+            if exchange:
+                target = await channel.get_exchange(exchange, ensure=False)
+                await publish_confirmed(target, message, key, mandatory=False)
+            else:
+                await publish_confirmed(channel.default_exchange, message, key)
         except aio_pika.exceptions.PublishError:
             raise  # returned as unroutable: the channel is fine
         except aio_pika.exceptions.DeliveryError:

@@ -37,6 +37,7 @@ EXT_MAX_ATTEMPTS = "conveyormaxattempts"
 EXT_TIMEOUT = "conveyortimeout"  # seconds one attempt may run
 
 SUBMITTED = "io.conveyor.task.submitted"
+CANCELLED = "io.conveyor.task.cancelled"  # gateway -> dispatchers, on `<queue>-control`
 _JSON = JSONFormat()
 
 
@@ -441,3 +442,26 @@ def _event_from_fields(
         identified=identified,
         **fields,
     )
+
+
+# ---------------------------------------------------------------------------
+# cancels: gateway -> `<queue>-control` -> every dispatcher (SPEC §11.1)
+
+
+def encode_cancel(task_id: str, queue_name: str) -> WireMessage:
+    attributes: dict[str, Any] = {
+        "id": str(uuid.uuid4()),
+        "type": CANCELLED,
+        "source": f"/v1/services/{queue_name}",
+        "subject": task_id,
+        "time": now(),
+    }
+    return _to_wire(attributes, None, None)
+
+
+def decode_cancel(message: WireMessage) -> str:
+    """The id of the cancelled task."""
+    event = _from_wire(message)
+    if event.get_type() != CANCELLED:
+        raise WireError(f"not a cancel: {event.get_type()}")
+    return _task_id(event.get_subject())

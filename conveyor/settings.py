@@ -53,6 +53,8 @@ class GatewaySettings(CommonSettings):
     # A batch submission (POST …/tasks/batch): how many tasks, and its own size limit.
     max_batch_items: int = 1000
     max_batch_bytes: int = 16 * 1024 * 1024
+    # How far ahead a task may be scheduled (notBefore / delaySeconds), seconds.
+    max_delay: int = Field(30 * 24 * 3600, ge=0)
     # bcrypt verifications are cached under a keyed hash of the credentials.
     auth_cache_ttl: float = 30.0
     # Failed authentications per (client id, source address) pair, per minute, before that
@@ -84,6 +86,8 @@ class GatewaySettings(CommonSettings):
     # broker connection drops meanwhile: a crashed broker may lose what it just confirmed.
     outbox_keep_confirmed: float = 5.0
     relay_interval: float = 1.0
+    # A comment line on each task event stream (SSE) after this many quiet seconds.
+    stream_heartbeat: float = Field(15.0, gt=0)
     reaper_interval: float = 30.0
     # An IN_PROGRESS task whose worker says nothing for its service's taskTimeout times maxAttempts
     # plus this margin fails: its worker is gone, or its result was lost.
@@ -150,6 +154,10 @@ class DispatcherSettings(BaseSettings):
     drain_timeout: float = Field(30.0, ge=0, validation_alias=_env("DRAIN_TIMEOUT"))
     dispatcher_port: int = Field(8081, validation_alias=_env("DISPATCHER_PORT"))
     metrics_port: int | None = Field(None, validation_alias=_env("METRICS_PORT"))
+    # Knative mode (SPEC §11.5): progress reports from the function's pods reach the dispatcher
+    # on POD_IP:PROGRESS_PORT, with each attempt's token in the URL.
+    progress_port: int | None = Field(None, validation_alias=_env("PROGRESS_PORT"))
+    pod_ip: str | None = Field(None, validation_alias=_env("POD_IP"))
     one_shot: bool = Field(False, validation_alias=_env("ONE_SHOT"))
     idle_exit_seconds: float = Field(60.0, validation_alias=_env("IDLE_EXIT_SECONDS"))
     hostname: str = Field("localhost", validation_alias=_env("HOSTNAME"))
@@ -166,6 +174,11 @@ class DispatcherSettings(BaseSettings):
     )
     function_wait_timeout: float = Field(
         300.0, ge=0, validation_alias=_env("FUNCTION_WAIT_TIMEOUT")
+    )
+    # How long a cancelled task's id is remembered (SPEC §11.1): its message may still be
+    # queued, or requeued by another dispatcher, meanwhile.
+    cancel_memory_seconds: float = Field(
+        24 * 3600.0, gt=0, validation_alias=_env("CANCEL_MEMORY_SECONDS")
     )
     log_level: str = Field("INFO", validation_alias=_env("LOG_LEVEL"))
     log_format: LogFormat = Field(LogFormat.AUTO, validation_alias=_env("LOG_FORMAT"))

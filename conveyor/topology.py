@@ -4,6 +4,8 @@
   after which the broker dead-letters the submission to `<q>-dlq`.
 * `<q>-out`: durable quorum queue of task events, drained by the gateways.
 * `<q>-dlq`: durable quorum queue the gateway drains into FAILURE rows.
+* `<q>-control`: a fanout exchange of cancels (SPEC §11.1); each dispatcher binds an
+  exclusive, auto-delete queue of its own, so every dispatcher hears every cancel.
 
 Quorum queues on one node too (SPEC §11.7): on a cluster no single node holds a
 service's submissions, results or dead letters alone, and a single node grows into
@@ -36,6 +38,10 @@ def out_queue(queue_name: str) -> str:
 
 def dead_letter_queue(queue_name: str) -> str:
     return f"{queue_name}-dlq"
+
+
+def control_exchange(queue_name: str) -> str:
+    return f"{queue_name}-control"
 
 
 def queue_name_of(queue: str) -> str:
@@ -86,3 +92,14 @@ async def declare_service(
     """Idempotent: re-declaring with the same arguments changes nothing."""
     for spec in service_queues(queue_name, message_format, delivery_limit):
         await channel.declare_queue(spec.name, durable=True, arguments=spec.arguments or None)
+    if message_format is MessageFormat.CLOUDEVENTS:  # legacy workers hear no cancel
+        await declare_control(channel, queue_name)
+
+
+async def declare_control(channel: aio_pika.abc.AbstractChannel, queue_name: str) -> Any:
+    """The service's cancel exchange (idempotent); returns it."""
+    import aio_pika
+
+    return await channel.declare_exchange(
+        control_exchange(queue_name), aio_pika.ExchangeType.FANOUT, durable=True
+    )

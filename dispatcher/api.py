@@ -13,6 +13,11 @@ else has any business posting progress):
 With `METRICS_PORT`, the probes and metrics (not the progress endpoint) are also
 served on `0.0.0.0:METRICS_PORT` for the kubelet and Prometheus.
 
+With `PROGRESS_PORT` (knative mode: the function runs in another pod), the progress
+endpoint alone is also served on `0.0.0.0:PROGRESS_PORT` as
+`POST /tasks/{taskId}/progress/{token}`, where the token is the attempt's (SPEC §11.5):
+`X-Conveyor-Progress-Url` is then that absolute URL on `POD_IP`.
+
 uvicorn's own signal handling is disabled: the dispatcher owns SIGTERM.
 """
 
@@ -84,6 +89,20 @@ class Endpoints:
             task_id = ""
         if task_id not in self.board:
             return _error(404, 404002, "Task not found.")
+        return await self._report(request, task_id)
+
+    async def remote_progress(self, request: Request) -> Response:
+        """The same report from another pod (knative mode): only with the attempt's token,
+        and one identical 403 for every refusal, so that nothing about other tasks leaks."""
+        try:
+            task_id = str(uuid.UUID(request.path_params["task_id"]))
+        except ValueError:
+            return _error(403, 403001, "Forbidden.")
+        if not self.board.allows(task_id, request.path_params["token"]):
+            return _error(403, 403001, "Forbidden.")
+        return await self._report(request, task_id)
+
+    async def _report(self, request: Request, task_id: str) -> Response:
         raw = b""
         async for chunk in request.stream():
             raw += chunk
@@ -124,6 +143,11 @@ class Endpoints:
 
     def probe_app(self) -> Starlette:
         return Starlette(routes=self.probe_routes())
+
+    def remote_progress_app(self) -> Starlette:
+        """Knative mode's progress endpoint on the pod's IP: that route alone."""
+        route = Route("/tasks/{task_id}/progress/{token}", self.remote_progress, methods=["POST"])
+        return Starlette(routes=[route])
 
 
 class _Server(uvicorn.Server):

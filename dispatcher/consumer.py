@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from conveyor import headers as h
 from conveyor.amqp import from_amqp
 from conveyor.connection import ConfirmingChannel
 from conveyor.events import WireMessage
+from conveyor.topology import control_exchange, declare_control
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +243,20 @@ class Broker:
         self._queue = await channel.declare_queue(self.in_queue, passive=True)
         self._consumer_tag = await self._queue.consume(callback, no_ack=False)
         log.info("consuming", extra={"queue": self.in_queue, "prefetch": self.prefetch})
+
+    async def listen_for_cancels(
+        self, queue_name: str, hostname: str, callback: Callable[[AbstractIncomingMessage], Any]
+    ) -> None:
+        """Binds a queue of this process's own (exclusive, auto-delete: it goes with the
+        connection, and the robust connection declares and binds it again) to the service's
+        cancel exchange."""
+        assert self.connection is not None
+        channel = await self.connection.channel(publisher_confirms=False)
+        exchange = await declare_control(channel, queue_name)
+        name = f"{control_exchange(queue_name)}.{hostname}.{uuid.uuid4().hex[:8]}"
+        queue = await channel.declare_queue(name, exclusive=True, auto_delete=True)
+        await queue.bind(exchange)
+        await queue.consume(callback, no_ack=True)
 
     async def stop_consuming(self) -> None:
         """basic.cancel: the broker sends nothing more; deliveries in flight stay ours."""

@@ -23,9 +23,12 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from conveyor import logs
+from conveyor.amqp import from_amqp
+from conveyor.events import WireError, decode_cancel
 from conveyor.settings import DispatcherSettings
 from conveyor.topology import in_queue, out_queue
 from dispatcher.api import ApiServer, Endpoints
+from dispatcher.cancels import Cancels
 from dispatcher.consumer import Broker, Delivery
 from dispatcher.inflight import InFlight
 from dispatcher.invoker import Invoker
@@ -56,6 +59,7 @@ class Dispatcher:
         self.metrics = Metrics()
         self.board = ProgressBoard()
         self.in_flight = InFlight(self.metrics)
+        self.cancels = Cancels(settings.cancel_memory_seconds)
         self.broker = Broker(
             settings.amqp_url,
             in_queue(settings.queue),
@@ -110,9 +114,18 @@ class Dispatcher:
             self.settings.queue,
         )
         self.worker = Worker(
-            self.settings, publisher, self.invoker, self.board, self.metrics, self.in_flight
+            self.settings,
+            publisher,
+            self.invoker,
+            self.board,
+            self.metrics,
+            self.in_flight,
+            self.cancels,
         )
         self.accepting = True
+        await self.broker.listen_for_cancels(
+            self.settings.queue, self.settings.hostname, self._on_cancel
+        )
         await self.broker.consume(self._on_message)
         log.info("ready", extra={"queue": self.broker.in_queue, "one_shot": self.settings.one_shot})
         await self._wait_for_the_end()
@@ -154,6 +167,16 @@ class Dispatcher:
         self.metrics.received.inc()
         self.in_flight.spawn(self.worker.handle(delivery))
 
+    def _on_cancel(self, message: AbstractIncomingMessage) -> None:
+        """A cancel broadcast by the gateway (SPEC §11.1): remembered, its call aborted."""
+        try:
+            task_id = decode_cancel(from_amqp(message))
+        except WireError as exc:
+            log.warning("unreadable control message ignored", extra={"reason": str(exc)})
+            return
+        aborted = self.cancels.heard(task_id)
+        log.info("cancel heard", extra={"task_id": task_id, "calls_aborted": aborted})
+
     async def readiness(self) -> dict[str, bool]:
         return {
             "broker": self.broker.connected and self.broker.consuming,
@@ -168,6 +191,12 @@ class Dispatcher:
         if self.settings.metrics_port:
             self.servers.append(
                 ApiServer(self.endpoints.probe_app(), "0.0.0.0", self.settings.metrics_port)
+            )
+        if self.settings.progress_port:
+            self.servers.append(
+                ApiServer(
+                    self.endpoints.remote_progress_app(), "0.0.0.0", self.settings.progress_port
+                )
             )
         for server in self.servers:
             server.start()

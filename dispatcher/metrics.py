@@ -44,6 +44,11 @@ class Metrics:
         self.requeued = Counter(
             f"{_PREFIX}_tasks_requeued", "Deliveries handed back to -in on shutdown.", registry=r
         )
+        self.cancelled = Counter(
+            f"{_PREFIX}_tasks_cancelled",
+            "Deliveries acked without a result because their task was cancelled.",
+            registry=r,
+        )
         self.poison = Counter(
             f"{_PREFIX}_poison_messages", "Unreadable messages dead-lettered from -in.", registry=r
         )

@@ -19,6 +19,7 @@ API's `POST /tasks/{taskId}/progress`.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -96,22 +97,37 @@ class ProgressReporter:
 
 
 class ProgressBoard:
-    """Reporters of the tasks in flight, by task id."""
+    """Reporters of the tasks in flight, by task id, and each attempt's token.
+
+    In knative mode the function runs in another pod and reaches the progress endpoint on
+    the pod's IP (SPEC §11.5): a report must then carry its attempt's token, an unguessable
+    string that lives as long as the attempt. A wrong token, a finished attempt's, or another
+    task's is refused.
+    """
 
     def __init__(self) -> None:
         self._reporters: dict[str, ProgressReporter] = {}
+        self._tokens: dict[str, str] = {}  # task id -> its current attempt's token
 
     def __contains__(self, task_id: str) -> bool:
         return task_id in self._reporters
 
-    def open(self, task_id: str, reporter: ProgressReporter) -> None:
+    def open(self, task_id: str, reporter: ProgressReporter, token: str | None = None) -> None:
         # A redelivery of a task still running here (after a reconnection)
         # takes over: reports go to the newest attempt.
         self._reporters[task_id] = reporter
+        if token is not None:
+            self._tokens[task_id] = token
 
     def remove(self, task_id: str, reporter: ProgressReporter) -> None:
         if self._reporters.get(task_id) is reporter:
             del self._reporters[task_id]
+            self._tokens.pop(task_id, None)
+
+    def allows(self, task_id: str, token: str) -> bool:
+        """Whether `token` is the running attempt's of `task_id` (compared in constant time)."""
+        expected = self._tokens.get(task_id)
+        return expected is not None and hmac.compare_digest(expected.encode(), token.encode())
 
     def report(self, task_id: str, value: float) -> bool:
         reporter = self._reporters.get(task_id)

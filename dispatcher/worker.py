@@ -6,6 +6,7 @@
     terminal event    succeeded / failed, confirmed by the broker
     ack               only now, and only on the channel that delivered it
 
+A cancel aborts the call too (cancels.py): the message is then acked, nothing more.
 A shutdown aborts the call instead (shutdown.py). The message is then handed
 back: republished to `<q>-in` with confirms, with `x-conveyor-requeues` set to
 the number of deliveries used so far, and only then acked. Not a
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ from conveyor.events import (
     decode_submission,
 )
 from conveyor.settings import DispatcherSettings
+from dispatcher.cancels import Cancels
 from dispatcher.consumer import BROKER_ERRORS, Delivery
 from dispatcher.inflight import InFlight, Orphans
 from dispatcher.invoker import Failure, Invocation, Invoker, Outcome, Success
@@ -75,6 +78,7 @@ class Attempt:
     budget: Budget
     abort: AbortToken
     started_at: float
+    progress_token: str | None = None  # knative mode: what the progress URL must carry
     confirmed: bool = False  # its terminal event was confirmed by the broker
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -101,8 +105,10 @@ class Worker:
         board: ProgressBoard,
         metrics: Metrics,
         in_flight: InFlight,
+        cancels: Cancels,
     ) -> None:
         self.settings = settings
+        self.cancels = cancels
         self.publisher = publisher
         self.invoker = invoker
         self.board = board
@@ -111,6 +117,12 @@ class Worker:
         self.orphans = Orphans()
         self.policy = RetryPolicy(settings.retry_backoff, settings.retry_backoff_max)
         self.progress_base = f"http://127.0.0.1:{settings.dispatcher_port}/tasks"
+        # Knative mode: the function is in another pod; it reports on the pod IP, with a token.
+        self.remote_base = (
+            f"http://{settings.pod_ip or '127.0.0.1'}:{settings.progress_port}/tasks"
+            if settings.progress_port
+            else None
+        )
 
     # -- the pipeline ---------------------------------------------------------
 
@@ -124,11 +136,16 @@ class Worker:
             if await self.orphans.finished_here(submission.task_id):
                 await self._ack_finished_redelivery(delivery)
                 return
+            if self.cancels.cancelled(submission.task_id):
+                await self._ack_cancelled(delivery, submission.task_id, called=False)
+                return
             attempt = self._begin(submission, delivery)
             self.orphans.started(attempt)
+            self.cancels.running(attempt.task_id, attempt.abort)
             try:
                 await self._run(attempt)
             finally:
+                self.cancels.finished(attempt.task_id, attempt.abort)
                 self.in_flight.forget(attempt.abort)
                 self.orphans.ended(attempt)
         except Exception:
@@ -141,7 +158,7 @@ class Worker:
         reporter = ProgressReporter(
             partial(self._publish_progress, attempt, started), self.settings.progress_interval
         )
-        self.board.open(attempt.task_id, reporter)
+        self.board.open(attempt.task_id, reporter, attempt.progress_token)
         try:
             outcome = await call_with_retries(
                 partial(self._call, attempt),
@@ -153,7 +170,10 @@ class Worker:
         except Aborted:
             await reporter.close(flush=False)
             await asyncio.wait((started,))
-            await self._requeue(attempt.delivery, attempted=True)
+            if self.cancels.cancelled(attempt.task_id):
+                await self._ack_cancelled(attempt.delivery, attempt.task_id, called=True)
+            else:
+                await self._requeue(attempt.delivery, attempted=True)
             return
         finally:
             self.board.remove(attempt.task_id, reporter)
@@ -206,6 +226,7 @@ class Worker:
         wall_deadline = datetime.now(UTC) + timedelta(seconds=deadline - time.monotonic())
         headers = delivery.headers
         legacy = submission.message_format is MessageFormat.LEGACY
+        token = secrets.token_urlsafe(32) if self.remote_base else None
         invocation = Invocation(
             task_id=submission.task_id,
             attempt=delivery.previous_deliveries() + 1,
@@ -214,7 +235,7 @@ class Worker:
             ce_type=_text(headers.get(h.CE_TYPE)) or SUBMITTED,
             ce_source=_text(headers.get(h.CE_SOURCE)) or f"/v1/services/{self.settings.queue}",
             ce_time=_text(headers.get(h.CE_TIME)),
-            progress_url=f"{self.progress_base}/{submission.task_id}/progress",
+            progress_url=self._progress_url(submission.task_id, token),
             traceparent=submission.traceparent,
         )
         log.debug("task received", extra={"task_id": submission.task_id, "tag": delivery.tag})
@@ -226,7 +247,13 @@ class Worker:
             budget=Budget(max_attempts, deadline),
             abort=self.in_flight.token(),
             started_at=delivery.received,
+            progress_token=token,
         )
+
+    def _progress_url(self, task_id: str, token: str | None) -> str:
+        if self.remote_base is not None and token is not None:
+            return f"{self.remote_base}/{task_id}/progress/{token}"
+        return f"{self.progress_base}/{task_id}/progress"
 
     # -- events ---------------------------------------------------------------
 
@@ -277,6 +304,15 @@ class Worker:
             },
         )
         await delivery.reject()
+
+    async def _ack_cancelled(self, delivery: Delivery, task_id: str, called: bool) -> None:
+        """The task is FAILURE already (the gateway cancelled it): no retry, no event."""
+        self.metrics.cancelled.inc()
+        acked = await delivery.ack()
+        log.info(
+            "task cancelled: call aborted" if called else "task cancelled: not called",
+            extra={"task_id": task_id, "acked": acked},
+        )
 
     async def _ack_finished_redelivery(self, delivery: Delivery) -> None:
         if await delivery.ack():

@@ -5,7 +5,8 @@ else (SPEC §3's order of checks). They change rarely, but a revoked grant or a
 lowered capacity must take effect at once, on every gateway replica. So the
 cache is only trusted while it is invalidated by the database itself:
 migration 0002's triggers `NOTIFY conveyor_catalog` on any change to
-`services` or `authorizations`, and a dedicated connection here `LISTEN`s.
+`services` or `authorizations`, and the gateway's one listening connection
+(`gateway.listener`) hears it.
 
 * A notification empties the cache.
 * While the listening connection is down (database restart, network), the
@@ -23,35 +24,31 @@ migration 0002's triggers `NOTIFY conveyor_catalog` on any change to
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import psycopg
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from gateway import catalog
-from gateway.database_url import libpq
+from gateway.listener import Listener, NotNotified
 from gateway.pgpool import Pool
 
 log = logging.getLogger("conveyor.gateway.access_cache")
 
 CHANNEL = "conveyor_catalog"
-LISTENER_NAME = "conveyor-catalog-listener"
 MAX_ENTRIES = 10_000
 TRIGGERS = ("services_catalog_changed", "authorizations_catalog_changed")
 _TRIGGERS_PRESENT = "SELECT count(DISTINCT tgname) FROM pg_trigger WHERE tgname = ANY(%s)"
 
 
-class NotNotified(Exception):
-    """The database does not send catalog notifications: caching would serve stale grants."""
-
-
 class AccessCache:
-    def __init__(self, pool: Pool, database_url: str, connect_timeout: int = 5) -> None:
+    def __init__(self, pool: Pool, listener: Listener) -> None:
         self.pool = pool
-        self.url = libpq(database_url)
-        self.connect_timeout = connect_timeout
         self._entries: dict[tuple[str, str], catalog.Access] = {}
         self._generation = 0
         self._listening = False
+        listener.subscribe(
+            CHANNEL, lambda _: self.invalidate(), on_connected=self._trusted, on_lost=self._off
+        )
 
     @property
     def active(self) -> bool:
@@ -76,58 +73,15 @@ class AccessCache:
         self._generation += 1
         self._entries.clear()
 
-    async def listen_loop(self, unmigrated_pause: float = 30.0) -> None:
-        """Keeps a LISTEN connection open; the cache is trusted only while it is."""
-        backoff = wait_exponential(multiplier=0.5, max=5.0)
+    async def _trusted(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Once LISTEN took effect: trusted only if the triggers that notify exist."""
+        found = await (await conn.execute(_TRIGGERS_PRESENT, [list(TRIGGERS)])).fetchone()
+        if found is None or found[0] < len(TRIGGERS):
+            raise NotNotified("no catalog triggers (migration 0002 missing): cache off")
+        self.invalidate()  # whatever changed before LISTEN took effect
+        self._listening = True
+        log.info("caching services and grants")
 
-        def pause(state: RetryCallState) -> float:
-            unmigrated = state.outcome is not None and isinstance(
-                state.outcome.exception(), NotNotified
-            )
-            return unmigrated_pause if unmigrated else backoff(state)
-
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type((psycopg.Error, OSError, NotNotified)),
-            wait=pause,
-            before_sleep=_report_lost,
-        )
-        async for attempt in retrying:
-            with attempt:
-                try:
-                    await self._listen()
-                finally:
-                    self._listening = False
-                    self.invalidate()
-
-    async def _listen(self) -> None:
-        conn = await psycopg.AsyncConnection.connect(
-            self.url,
-            autocommit=True,
-            connect_timeout=self.connect_timeout,
-            application_name=LISTENER_NAME,  # visible in pg_stat_activity
-            keepalives=1,
-            keepalives_idle=5,
-            keepalives_interval=2,
-            keepalives_count=3,
-        )
-        async with conn:
-            await conn.execute(f"LISTEN {CHANNEL}")
-            found = await (await conn.execute(_TRIGGERS_PRESENT, [list(TRIGGERS)])).fetchone()
-            if found is None or found[0] < len(TRIGGERS):
-                raise NotNotified
-            self.invalidate()  # whatever changed before LISTEN took effect
-            self._listening = True
-            log.info("caching services and grants")
-            # A server that goes away ends this with an OperationalError; one that vanishes
-            # silently is caught by the TCP keepalives within about 10 s.
-            async for _ in conn.notifies():
-                self.invalidate()
-        raise ConnectionError("the notification stream ended")
-
-
-def _report_lost(state: RetryCallState) -> None:
-    error = state.outcome.exception() if state.outcome else None
-    if isinstance(error, NotNotified):
-        log.warning("no catalog triggers (migration 0002 missing); cache off")
-    else:
-        log.warning("catalog notifications lost; cache off", extra={"error": repr(error)})
+    def _off(self) -> None:
+        self._listening = False
+        self.invalidate()

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
+from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
 from conveyor import envelope
 from gateway import api_models, catalog, errors, metrics, pgpool
 from gateway.callbacks import CallbackRefused, check_callback
+from gateway.cancel import cancel_task
 from gateway.outbox import submission_for
 from gateway.responses import Json
 from gateway.runtime import Runtime
@@ -104,10 +107,11 @@ def _parse(raw: bytes, content_type: str | None) -> dict[str, Any]:
 
 
 def _check_item(item: Any, where: str = "") -> dict[str, Any]:
-    """One task's part of a request: `body` (an object) and an optional `callback`."""
+    """One task's part of a request: `body` (an object), an optional `callback` and an
+    optional time to wait for (`notBefore` or `delaySeconds`)."""
     if not isinstance(item, dict):
         raise errors.invalid(where.rstrip("/"), "must be a JSON object")
-    unknown = sorted(set(item) - {"body", "callback"})
+    unknown = sorted(set(item) - {"body", "callback", "notBefore", "delaySeconds"})
     if unknown:
         raise errors.invalid(where + unknown[0][:100], "unknown field")
     if not isinstance(item.get("body"), dict):
@@ -285,12 +289,42 @@ async def _new_task(
             callback = await check_callback(item["callback"], rt.policy)
         except CallbackRefused as exc:
             raise errors.invalid(where + "callback.url", str(exc)) from None
+    not_before = _not_before(item, where, rt.settings.max_delay)
     schema_errors = rt.schemas.errors(access.service, item["body"])
     if schema_errors:
         for error in schema_errors:
             error["path"] = where + error["path"]
         raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
-    return NewTask(client_id, access, item["body"], callback, key)
+    return NewTask(client_id, access, item["body"], callback, key, not_before)
+
+
+def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime | None:
+    """When a task may run (SPEC §11.4): `notBefore` (RFC 3339, with its offset) or
+    `delaySeconds`, not both, at most `max_delay` ahead; a time already past is now."""
+    at, delay = item.get("notBefore"), item.get("delaySeconds")
+    if at is None and delay is None:
+        return None
+    if at is not None and delay is not None:
+        raise errors.invalid(where + "delaySeconds", "give notBefore or delaySeconds, not both")
+    now = datetime.now(UTC)
+    if delay is not None:
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+            raise errors.invalid(where + "delaySeconds", "must be a whole number of seconds >= 0")
+        if delay > max_delay:
+            raise errors.invalid(where + "delaySeconds", f"at most {max_delay:g} seconds")
+        return now + timedelta(seconds=delay)
+    field = where + "notBefore"
+    try:
+        if not isinstance(at, str) or len(at) > 64:
+            raise ValueError
+        when = datetime.fromisoformat(at)
+    except ValueError:
+        raise errors.invalid(field, "must be an RFC 3339 date and time") from None
+    if when.tzinfo is None:
+        raise errors.invalid(field, "must carry its offset (Z or +hh:mm)")
+    if when > now + timedelta(seconds=max_delay):
+        raise errors.invalid(field, f"at most {max_delay:g} seconds ahead")
+    return when
 
 
 def _all_refusals(refused: list[errors.ApiError]) -> errors.ApiError:
@@ -306,7 +340,7 @@ async def _publish(rt: Runtime, request: Request, done: list[tuple[NewTask, Acce
     trace = request.headers.get("traceparent")
     publishes = []
     for new, accepted in done:
-        if accepted.created and accepted.outbox_id is not None:
+        if accepted.created and accepted.outbox_id is not None and not accepted.delayed:
             service = new.access.service
             metrics.SUBMITTED.labels(service=service.name).inc()
             submission = submission_for(
@@ -333,6 +367,60 @@ async def poll(service: str, task_id: str, request: Request) -> Json:
     except ValueError:
         raise errors.ApiError(errors.TASK_NOT_FOUND) from None
     return _ok(await get_task(rt.pool, client_id, service, parsed), 200)
+
+
+@router.post(
+    "/v1/services/{service}/tasks/{task_id}/cancel",
+    summary="Cancel a task",
+    response_model=api_models.TaskEnvelope,
+    responses=api_models.error_responses(403, 404, 409, 431, 503),
+)
+async def cancel(service: str, task_id: str, request: Request) -> Json:
+    """PENDING or IN_PROGRESS: FAILURE `Task cancelled.` at once; already cancelled: the same
+    answer; finished otherwise: 409001 (gateway.cancel)."""
+    rt = runtime(request)
+    client_id, access = await _granted(request, rt, service)
+    try:
+        parsed = uuid.UUID(task_id)
+    except ValueError:
+        raise errors.ApiError(errors.TASK_NOT_FOUND) from None
+    data, finished_now = await cancel_task(rt.pool, rt.broker, client_id, access.service, parsed)
+    if finished_now:
+        rt.notifier.wake()  # its callback, if it has one
+    return _ok(data, 200)
+
+
+@router.get(
+    "/v1/services/{service}/tasks/{task_id}/events",
+    summary="Follow a task (Server-Sent Events)",
+    response_class=EventSourceResponse,
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "`event: task`, increasing `id`, `data`: the poll's data; one event"
+            " now, one per change of status or progress, then the end after a terminal state",
+        },
+        **api_models.error_responses(403, 404, 431, 503),
+    },
+)
+async def events(service: str, task_id: str, request: Request) -> EventSourceResponse:
+    """Errors before the stream starts are the poll's; then the stream (gateway.task_events)."""
+    rt = runtime(request)
+    client_id, _ = await _granted(request, rt, service)
+    try:
+        parsed = uuid.UUID(task_id)
+    except ValueError:
+        raise errors.ApiError(errors.TASK_NOT_FOUND) from None
+    await get_task(rt.pool, client_id, service, parsed)  # 404002 before any stream
+
+    def read() -> Awaitable[dict[str, Any]]:
+        return get_task(rt.pool, client_id, service, parsed)
+
+    return EventSourceResponse(
+        rt.task_events.stream(str(parsed), read),
+        ping=rt.settings.stream_heartbeat,
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 def database_down(exc: Exception) -> bool:

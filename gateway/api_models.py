@@ -25,6 +25,15 @@ class CreateTask(BaseModel):
         description="The function's input; checked against the service's JSON Schema"
     )
     callback: Callback | None = None
+    notBefore: str | None = Field(
+        None,
+        description="RFC 3339 time before which the task is not run (not with delaySeconds);"
+        " at most CONVEYOR_MAX_DELAY ahead",
+        examples=["2026-11-25T08:00:00Z"],
+    )
+    delaySeconds: int | None = Field(
+        None, ge=0, description="Run no sooner than this many seconds from now (not with notBefore)"
+    )
 
 
 class CreateBatch(BaseModel):
@@ -36,7 +45,9 @@ class CreateBatch(BaseModel):
 
 class Created(BaseModel):
     taskId: str
-    taskPosition: int = Field(description="1-based place among the service's PENDING tasks")
+    taskPosition: int = Field(
+        description="1-based place among the service's PENDING tasks that are due"
+    )
 
 
 class CreatedEnvelope(BaseModel):
@@ -57,7 +68,10 @@ class TaskData(BaseModel):
     taskId: str
     status: Literal["PENDING", "IN_PROGRESS", "SUCCESS", "FAILURE"]
     submitionDate: str = Field(description="ISO-8601 UTC with milliseconds, seed spelling")
-    taskPosition: int | None = Field(None, description="PENDING only")
+    taskPosition: int | None = Field(
+        None, description="PENDING only; counts only tasks that are due"
+    )
+    notBefore: str | None = Field(None, description="When the task was asked to run no sooner")
     startDate: str | None = None
     endDate: str | None = None
     progress: float
@@ -114,6 +128,7 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         400: "400001 body fails the service's JSON Schema; 400002 invalid request",
         403: "403001 bad or missing credentials, or no grant for this service",
         404: "404001 unknown service; 404002 unknown task",
+        409: "409001 the task already finished (SUCCESS, or FAILURE other than a cancel)",
         413: "413001 request too large",
         429: "429001 service capacity reached; 429002 client capacity reached",
         431: "431001 request headers too large",

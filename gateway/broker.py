@@ -70,15 +70,17 @@ class Broker:
             await channel.set_qos(prefetch_count=prefetch)
         return channel
 
-    async def publish(self, message: WireMessage, routing_key: str) -> None:
-        """Confirmed within `publish_timeout` in all, connecting included, or PublishError."""
+    async def publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:
+        """Confirmed within `publish_timeout` in all, connecting included, or PublishError.
+        To a queue by name, or with `exchange` to that exchange (e.g. a service's cancels)."""
+        target = exchange or routing_key
         try:
             async with asyncio.timeout(self.publish_timeout):
-                await self._publish(message, routing_key)
+                await self._publish(message, routing_key, exchange)
         except TimeoutError:  # _publish turns every error of its own into PublishError
-            raise PublishError(f"publish to {routing_key} not confirmed in time") from None
+            raise PublishError(f"publish to {target} not confirmed in time") from None
 
-    async def _publish(self, message: WireMessage, routing_key: str) -> None:
+    async def _publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:
         if not self.connected:
             try:
                 await self.connect()
@@ -86,9 +88,10 @@ class Broker:
                 raise PublishError(f"broker unavailable: {exc.__class__.__name__}") from None
         assert self._publishing is not None
         try:
-            await self._publishing.publish(to_amqp(message), routing_key)
+            await self._publishing.publish(to_amqp(message), routing_key, exchange)
         except Exception as exc:
-            raise PublishError(f"publish to {routing_key} not confirmed: {exc!r}") from None
+            target = exchange or routing_key
+            raise PublishError(f"publish to {target} not confirmed: {exc!r}") from None
 
     async def close(self) -> None:
         if self._connection is not None:

@@ -217,7 +217,8 @@ _EXPIRE = """
            error_message = 'The task expired: it stayed PENDING longer than its time to live.',
            notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
      WHERE t.status = 'PENDING'
-       AND t.submission_date < now() - make_interval(secs => LEAST(%(ttl)s,
+       -- a task that waited for its time (run later) lives from that time on
+       AND COALESCE(t.not_before, t.submission_date) < now() - make_interval(secs => LEAST(%(ttl)s,
              -- a deleted service's tasks expire too, after the TTL alone
              COALESCE((SELECT s.retention_seconds FROM services s WHERE s.name = t.service),
                       %(ttl)s)))

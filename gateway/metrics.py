@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter("conveyor_gateway_requests_total", "API answers", ["route", "status"])
 SUBMITTED = Counter("conveyor_gateway_tasks_submitted_total", "Tasks accepted", ["service"])
@@ -31,6 +31,7 @@ BATCHES_HANDED_BACK = Counter(
 LOOP_RESTARTS = Counter(
     "conveyor_gateway_loop_restarts_total", "Background loops restarted after a crash", ["loop"]
 )
+EVENT_STREAMS = Gauge("conveyor_gateway_event_streams", "Task event streams open (SSE)")
 AUTH_FAILURES = Counter("conveyor_gateway_auth_failures_total", "403001 answers")
 LATENCY = Histogram(
     "conveyor_gateway_request_seconds",

@@ -109,11 +109,18 @@ tasks = Table(
     Column("attempt_id", Text),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("idempotency_key", Text),
+    Column("not_before", DateTime(timezone=True)),  # run later (SPEC §11.4)
     _updated(),
     CheckConstraint(
         "status IN ('PENDING', 'IN_PROGRESS', 'SUCCESS', 'FAILURE')", name="ck_tasks_status"
     ),
-    Index("ix_tasks_pending", "service", "id", postgresql_where=text("status = 'PENDING'")),
+    Index(
+        "ix_tasks_pending",
+        "service",
+        "id",
+        postgresql_where=text("status = 'PENDING'"),
+        postgresql_include=["not_before"],
+    ),
     Index(
         "ix_tasks_pending_client",
         "service",
@@ -153,6 +160,9 @@ outbox = Table(
     Column("claimed_until", DateTime(timezone=True)),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("last_error", Text),
+    Column("not_before", DateTime(timezone=True)),  # published once due
+    Index("ix_outbox_now", "id", postgresql_where=text("not_before IS NULL")),
+    Index("ix_outbox_later", "not_before", "id", postgresql_where=text("not_before IS NOT NULL")),
 )
 
 task_attempts = Table(

@@ -55,7 +55,7 @@ _CLAIM = """
               ORDER BY id LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED)
     RETURNING id, task_id, status, submission_date, start_date, end_date, progress, response,
-              error_message, callback
+              error_message, callback, not_before
     """
 _RENEW = """
     UPDATE tasks SET notify_claimed_until = now() + make_interval(secs => %(lease)s)

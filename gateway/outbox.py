@@ -50,17 +50,28 @@ _CLAIM = """
     UPDATE outbox o
        SET claimed_until = now() + make_interval(secs => %(lease)s), attempts = o.attempts + 1
       FROM tasks t LEFT JOIN services s ON s.name = t.service
-     WHERE o.id IN (
-             SELECT id FROM outbox
-              WHERE created_at < now() - make_interval(secs => %(grace)s)
-                AND (claimed_until IS NULL OR claimed_until < now())
-              ORDER BY id LIMIT %(limit)s
-              FOR UPDATE SKIP LOCKED)
+     WHERE o.id IN ({rows})
        AND t.task_id = o.task_id
     RETURNING o.id, t.task_id, t.status, t.request, t.service, s.name IS NULL AS orphan,
               s.queue_name, s.message_format, s.max_attempts, s.task_timeout,
-              t.submission_date, s.retention_seconds
+              t.submission_date, t.not_before, s.retention_seconds
     """
+_UNCLAIMED = "(claimed_until IS NULL OR claimed_until < now())"
+# Rows to publish now, past the grace (ix_outbox_now); rows that waited for their time and are
+# due (ix_outbox_later, run later): two claims, each on its own index.
+_CLAIM_NOW = _CLAIM.format(
+    rows=f"""SELECT id FROM outbox
+              WHERE not_before IS NULL AND created_at < now() - make_interval(secs => %(grace)s)
+                AND {_UNCLAIMED}
+              ORDER BY id LIMIT %(limit)s
+              FOR UPDATE SKIP LOCKED"""
+)
+_CLAIM_DUE = _CLAIM.format(
+    rows=f"""SELECT id FROM outbox
+              WHERE not_before IS NOT NULL AND not_before <= now() AND {_UNCLAIMED}
+              ORDER BY not_before, id LIMIT %(limit)s
+              FOR UPDATE SKIP LOCKED"""
+)
 # A failed publish gives its lease back after a short, growing pause (capped at 10 s): the
 # row must not wait out the whole 30 s lease, meant for a relay that died mid-publish.
 _NOTE_ERRORS = """
@@ -222,7 +233,8 @@ class Outbox:
         """Claims up to a batch of rows past the grace and settles each one."""
         params = {"lease": 30.0, "grace": self.grace, "limit": self.batch}
         async with self.pool.connection() as conn:
-            rows = await (await conn.execute(_CLAIM, params)).fetchall()
+            rows = await (await conn.execute(_CLAIM_NOW, params)).fetchall()
+            rows += await (await conn.execute(_CLAIM_DUE, params)).fetchall()
         if not rows:
             return RelayPass(0, 0)
         orphans = [row for row in rows if row.orphan]
@@ -259,7 +271,9 @@ class Outbox:
             message_format=MessageFormat(row.message_format),
             max_attempts=row.max_attempts,
             timeout=float(row.task_timeout),
-            expires_at=expiry(row.submission_date, self.ttl, row.retention_seconds),
+            expires_at=expiry(
+                row.not_before or row.submission_date, self.ttl, row.retention_seconds
+            ),
         )
         try:
             await self.broker.publish(

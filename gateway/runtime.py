@@ -21,11 +21,13 @@ from gateway.callbacks import CallbackPolicy
 from gateway.catalog import SchemaCache
 from gateway.housekeeping import reaper_loop
 from gateway.intake import Intake
+from gateway.listener import Listener
 from gateway.notifier import Notifier
 from gateway.outbox import Outbox
 from gateway.pgpool import Pool
 from gateway.results import ResultConsumer
 from gateway.supervisor import Supervisor
+from gateway.task_events import TaskEvents
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -35,7 +37,9 @@ class Runtime:
         self.settings = settings
         self.pool = Pool(settings.database_url, settings.db_pool_size)  # the API's hot path
         self.intake = Intake(self.pool)
-        self.access = AccessCache(self.pool, settings.database_url)
+        self.listener = Listener(settings.database_url)  # one LISTEN connection
+        self.access = AccessCache(self.pool, self.listener)
+        self.task_events = TaskEvents(self.listener)
         self.broker = Broker(
             settings.amqp_url,
             publish_timeout=settings.publish_timeout,
@@ -92,7 +96,7 @@ class Runtime:
         self._connecting = asyncio.create_task(self._connect_broker())
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "outbox-flush": self.outbox.flush_loop,
-            "access-cache": self.access.listen_loop,
+            "listener": self.listener.listen_loop,
         }
         if background:
             s = self.settings

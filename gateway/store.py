@@ -38,6 +38,7 @@ class NewTask:
     body: dict[str, Any]
     callback: dict[str, Any] | None
     idempotency_key: str | None
+    not_before: datetime | None = None  # run later: published once due (SPEC §11.4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class Accepted:
     position: int
     created: bool  # False: an idempotent repeat of an earlier submission
     outbox_id: int | None
+    delayed: bool = False  # waits in the outbox for its time: the relay publishes it
 
 
 # Any number of tasks in one statement (the intake batches concurrent submissions).
@@ -55,25 +57,35 @@ _INSERT = """
     WITH input AS (
         SELECT * FROM unnest(CAST(%(task_ids)s AS uuid[]), CAST(%(client_ids)s AS text[]),
                              CAST(%(services)s AS text[]), CAST(%(requests)s AS jsonb[]),
-                             CAST(%(callbacks)s AS jsonb[]), CAST(%(keys)s AS text[]))
-               WITH ORDINALITY AS i(task_id, client_id, service, request, callback, key, n)
+                             CAST(%(callbacks)s AS jsonb[]), CAST(%(keys)s AS text[]),
+                             CAST(%(not_befores)s AS timestamptz[]))
+               WITH ORDINALITY AS i(task_id, client_id, service, request, callback, key,
+                                    not_before, n)
     ), ins AS (
-        INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key)
-        SELECT task_id, client_id, service, request, callback, key FROM input ORDER BY n
-        RETURNING id, task_id, service
+        INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key,
+                           not_before)
+        SELECT task_id, client_id, service, request, callback, key, not_before
+          FROM input ORDER BY n
+        RETURNING id, task_id, service, not_before
     ), ob AS (
-        INSERT INTO outbox (task_id) SELECT task_id FROM ins RETURNING id, task_id
+        -- only a time still to come waits: a past notBefore is published at once
+        INSERT INTO outbox (task_id, not_before)
+        SELECT task_id, CASE WHEN not_before > now() THEN not_before END FROM ins
+        RETURNING id, task_id, not_before IS NOT NULL AS delayed
     ), ahead AS (
         SELECT b.service,
                (SELECT count(*) FROM tasks t
-                 WHERE t.service = b.service AND t.status = 'PENDING' AND t.id < b.first) AS n
+                 WHERE t.service = b.service AND t.status = 'PENDING' AND t.id < b.first
+                   AND (t.not_before IS NULL OR t.not_before <= now())) AS n
           FROM (SELECT service, min(id) AS first FROM ins GROUP BY service) b
     )
-    SELECT ins.task_id, ob.id AS outbox_id,
-           ahead.n + row_number() OVER (PARTITION BY ins.service ORDER BY ins.id) AS position
+    SELECT ins.task_id, ob.id AS outbox_id, ob.delayed,
+           ahead.n + count(*) FILTER (WHERE ins.not_before IS NULL OR ins.not_before <= now())
+                     OVER (PARTITION BY ins.service ORDER BY ins.id) AS position
       FROM ins JOIN ob ON ob.task_id = ins.task_id JOIN ahead ON ahead.service = ins.service
     """
-
+# Only due tasks are in the queue, so only they count in a position (SPEC §11.4).
+_DUE = "(p.not_before IS NULL OR p.not_before <= now())"
 _LOCK = "SELECT pg_advisory_xact_lock(hashtext('conveyor.capacity'), hashtext(%(service)s))"
 _PENDING_SERVICE = "SELECT count(*) FROM tasks WHERE service = %(service)s AND status = 'PENDING'"
 _PENDING_CLIENT = (
@@ -85,19 +97,25 @@ _BY_KEY = """
     WHERE client_id = %(client_id)s AND service = %(service)s AND idempotency_key = %(key)s
     """
 _FORGET_KEY = "UPDATE tasks SET idempotency_key = NULL WHERE id = %(id)s"
-_BY_KEYS = """
+_BY_KEYS = (
+    """
     SELECT t.id, t.task_id, t.submission_date, t.idempotency_key,
            CASE WHEN t.status = 'PENDING' THEN
                (SELECT count(*) FROM tasks p
-                 WHERE p.service = t.service AND p.status = 'PENDING' AND p.id <= t.id)
+                 WHERE p.service = t.service AND p.status = 'PENDING' AND p.id <= t.id
+                   AND """
+    + _DUE
+    + """)
            ELSE 0 END AS position
       FROM tasks t
      WHERE t.client_id = %(client_id)s AND t.service = %(service)s
        AND t.idempotency_key >= %(key)s || E'\\n' AND t.idempotency_key < %(key)s || E'\\x0b'
     """
+)
 _FORGET_KEYS = "UPDATE tasks SET idempotency_key = NULL WHERE id = ANY(%(ids)s)"
 _POSITION = (
-    "SELECT count(*) FROM tasks WHERE service = %(service)s AND status = 'PENDING' AND id <= %(id)s"
+    "SELECT count(*) FROM tasks p"
+    " WHERE p.service = %(service)s AND p.status = 'PENDING' AND p.id <= %(id)s AND " + _DUE
 )
 
 
@@ -203,10 +221,11 @@ async def insert_many(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[
         "requests": [jsonb(t.body) for t in tasks],
         "callbacks": [jsonb(t.callback) for t in tasks],
         "keys": [t.idempotency_key for t in tasks],
+        "not_befores": [t.not_before for t in tasks],
     }
     rows = await (await conn.execute(_INSERT, params)).fetchall()
     by_id = {row.task_id: row for row in rows}
-    return [Accepted(i, by_id[i].position, True, by_id[i].outbox_id) for i in ids]
+    return [Accepted(i, by_id[i].position, True, by_id[i].outbox_id, by_id[i].delayed) for i in ids]
 
 
 async def _count(conn: AsyncConnection[Any], query: str, params: dict[str, Any]) -> int:
@@ -255,7 +274,7 @@ async def _position(conn: AsyncConnection[Any], service: str, row_id: int) -> in
 
 _GET = """
     SELECT id, task_id, client_id, service, status, submission_date, start_date, end_date,
-           progress, response, error_message, worker_host
+           progress, response, error_message, worker_host, not_before
     FROM tasks WHERE task_id = %(task_id)s
     """
 
@@ -277,6 +296,8 @@ def task_view(row: Any, position: int | None = None) -> dict[str, Any]:
         "status": status.value,
         "submitionDate": iso(row.submission_date),
     }
+    if row.not_before is not None:
+        data["notBefore"] = iso(row.not_before)
     if status is TaskStatus.PENDING:
         data["taskPosition"] = position
         data["progress"] = 0.0

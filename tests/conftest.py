@@ -76,6 +76,7 @@ def _delete_service_queues(url: str) -> None:
                     topology.dead_letter_queue(name),
                 ):
                     await channel.queue_delete(queue)
+                await channel.exchange_delete(topology.control_exchange(name))
 
     try:
         asyncio.run(asyncio.wait_for(delete(), 60))

@@ -37,9 +37,22 @@ class FaultKind(enum.StrEnum):
     # RabbitMQ and PostgreSQL SIGKILLed at once, and a dispatcher with them
     OVERLAPPING = "overlapping"
     GATEWAY_SIGKILL = "gateway_sigkill"
+    # On a 3-node RabbitMQ cluster and a PostgreSQL pair (bench/chaos/cluster.py)
+    LEADER_NODE_SIGKILL = "leader_node_sigkill"  # the node leading `-in`, restarted
+    PRIMARY_FAILOVER = "primary_failover"  # the primary SIGKILLed, the standby promoted
+    NODE_FREEZE = "node_freeze"  # SIGSTOP: no socket closes
+    RESULTS_NODE_DOWN = "results_node_down"  # the node leading `-out`, down for a minute
 
 
-SPARSE_KINDS = tuple(k for k in FaultKind if k is not FaultKind.DISPATCHER_SIGKILL)
+CLUSTER_KINDS = (
+    FaultKind.LEADER_NODE_SIGKILL,
+    FaultKind.PRIMARY_FAILOVER,
+    FaultKind.NODE_FREEZE,
+    FaultKind.RESULTS_NODE_DOWN,
+)
+SPARSE_KINDS = tuple(
+    k for k in FaultKind if k is not FaultKind.DISPATCHER_SIGKILL and k not in CLUSTER_KINDS
+)
 INFRA_KINDS = (
     FaultKind.RABBITMQ_RESTART,
     FaultKind.RABBITMQ_SIGKILL,
@@ -130,6 +143,8 @@ class ChaosConfig:
     hard_timeout: float | None = None  # the whole run, whatever happens
     keep_logs: Path | None = None
     command: str = "python -m bench.chaos"
+    gateway_env: dict[str, str] = field(default_factory=dict)  # added to the gateway's
+    dispatcher_env: dict[str, str] = field(default_factory=dict)  # added to each dispatcher's
 
     @property
     def window(self) -> float:

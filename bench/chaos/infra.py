@@ -13,10 +13,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import aio_pika
 import psycopg
 
 from conveyor import topology
+from conveyor.connection import connect as connect_broker
 from conveyor.events import MessageFormat
 from conveyor.settings import GatewaySettings
 from gateway.database_url import libpq, with_database
@@ -97,7 +97,7 @@ async def _apply(database_url: str, spec: dict[str, Any]) -> None:
 
 
 async def _declare(amqp_url: str, queue: str) -> None:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
+    connection = await connect_broker(amqp_url, name="chaos", timeout=10)
     async with connection:
         channel = await connection.channel()
         limit = GatewaySettings().delivery_limit
@@ -105,7 +105,7 @@ async def _declare(amqp_url: str, queue: str) -> None:
 
 
 async def _delete_queues(amqp_url: str, queue: str) -> None:
-    connection = await aio_pika.connect(amqp_url, timeout=10)
+    connection = await connect_broker(amqp_url, name="chaos", timeout=10)
     async with connection:
         channel = await connection.channel()
         for spec in topology.service_queues(queue, MessageFormat.CLOUDEVENTS, 0):
@@ -126,7 +126,7 @@ class QueueState:
 
 
 async def _queue_state(amqp_url: str, name: str) -> QueueState:
-    connection = await aio_pika.connect(amqp_url, timeout=5)
+    connection = await connect_broker(amqp_url, name="chaos", timeout=5)
     async with connection:
         channel = await connection.channel()
         queue = await channel.declare_queue(name, passive=True)

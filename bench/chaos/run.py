@@ -28,13 +28,14 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench.chaos import infra, report, verify
 from bench.chaos.callbacks import CallbackReceiver
-from bench.chaos.config import ChaosConfig, FaultKind, FaultPlan
+from bench.chaos.config import ChaosConfig, FaultKind, FaultPlan, ScheduledFault
 from bench.chaos.faults import FaultInjector
 from bench.chaos.stack import Stack
 from bench.chaos.submitter import Gate, SubmitResult, Submitter, make_specs
@@ -59,17 +60,23 @@ class ChaosRun:
         self.receiver = CallbackReceiver()
         self.submitter: Submitter | None = None
         self.injector: FaultInjector | None = None
-        # The run's own servers, so that it can restart and kill them; without them it uses
-        # the configured ones and injects no server fault.
+        self.blockers: dict[str, str] = {}
+        self.rabbitmq: infra.RabbitMQ | None = None
+        self.postgres: infra.PostgreSQL | None = None
+        self.start_servers()
+        self.timings: dict[str, float | None] = {}
+        self.dispatcher_exits: list[int | None] = []
+
+    def start_servers(self) -> None:
+        """The run's own servers, so that it can restart and kill them; without them it uses
+        the configured ones and injects no server fault."""
         self.blockers = infra.private_servers_missing()
         self.rabbitmq = None if "rabbitmq" in self.blockers else infra.RabbitMQ()
         self.postgres = None if "postgres" in self.blockers else infra.PostgreSQL()
         if self.rabbitmq is not None:
-            config.amqp_url = self.rabbitmq.url
+            self.config.amqp_url = self.rabbitmq.url
         if self.postgres is not None:
-            config.database_url = self.postgres.admin_url
-        self.timings: dict[str, float | None] = {}
-        self.dispatcher_exits: list[int | None] = []
+            self.config.database_url = self.postgres.admin_url
 
     # -- phases ------------------------------------------------------------------
 
@@ -123,10 +130,8 @@ class ChaosRun:
             rate=c.rate,
             retry_budget=c.retry_budget,
         )
-        schedule = self.plan().schedule(self.rng)
-        self.injector = FaultInjector(
-            self.stack, schedule, c.tasks, self.submitter, self.rng, self.rabbitmq, self.postgres
-        )
+        schedule = self.schedule()
+        self.injector = self.make_injector(schedule)
         self.submitter.gate.limit = int(schedule[0].at * c.tasks) if schedule else Gate.OPEN
         print(f"chaos: submitting {c.tasks} tasks, {len(schedule)} faults scheduled", flush=True)
         self.injector.start()
@@ -139,6 +144,21 @@ class ChaosRun:
         )
         self.injector.join(max(0.0, self._time_left()))
         return result
+
+    def schedule(self) -> list[ScheduledFault]:
+        return self.plan().schedule(self.rng)
+
+    def make_injector(self, schedule: list[ScheduledFault]) -> FaultInjector:
+        assert self.stack is not None and self.submitter is not None
+        return FaultInjector(
+            self.stack,
+            schedule,
+            self.config.tasks,
+            self.submitter,
+            self.rng,
+            self.rabbitmq,
+            self.postgres,
+        )
 
     def settle(self, result: SubmitResult) -> bool:
         assert self.database_url is not None and self.platform is not None
@@ -327,12 +347,14 @@ def _exit_codes(stack: Stack | None, final: list[int | None]) -> dict[str, Any]:
 # entry points
 
 
-def run(config: ChaosConfig) -> dict[str, Any]:
+def run(
+    config: ChaosConfig, kind: Callable[[ChaosConfig, Path], ChaosRun] = ChaosRun
+) -> dict[str, Any]:
     """One chaos run; returns the report (also written to disk and summarized)."""
     started = report.now()
     log_dir = config.keep_logs or Path(tempfile.mkdtemp(prefix="chaos-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    chaos = ChaosRun(config, log_dir)
+    chaos = kind(config, log_dir)
     watchdog = threading.Timer(config.hard_seconds(), chaos.on_hard_timeout)
     watchdog.daemon = True
     watchdog.start()

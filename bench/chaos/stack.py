@@ -101,6 +101,7 @@ class Stack:
             "CONVEYOR_SILENCE_MARGIN": "30",
             "CONVEYOR_REAPER_INTERVAL": "5",
             "CONVEYOR_LOG_FORMAT": "json",
+            **self.config.gateway_env,
         }
         args = [PYTHON, "-m", "conveyor", "gateway", "--port", str(self.gateway_port)]
         self.gateway = self._start(f"gateway-{self.gateway_generation}", args, env)
@@ -126,6 +127,7 @@ class Stack:
             "SHUTDOWN_MODE": slot.mode,
             "DRAIN_TIMEOUT": f"{self.config.drain_timeout_setting:g}",
             "CONVEYOR_LOG_FORMAT": "json",
+            **self.config.dispatcher_env,
         }
         args = [PYTHON, "-m", "conveyor", "dispatcher"]
         slot.proc = self._start(slot.hostname, args, env)

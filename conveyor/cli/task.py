@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -117,6 +118,17 @@ def parse_body(text: str) -> dict[str, Any]:
     return body
 
 
+def parse_time(text: str) -> datetime:
+    """`--not-before`: an RFC 3339 time with its offset (Z or +hh:mm)."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise typer.BadParameter("an RFC 3339 time", param_hint="--not-before") from None
+    if when.tzinfo is None:
+        raise typer.BadParameter("give the offset (Z or +hh:mm)", param_hint="--not-before")
+    return when
+
+
 def parse_batch(source: str) -> list[dict[str, Any]]:
     """`--batch FILE` (or - for stdin): `{"tasks": [...]}`, or the list of tasks itself,
     each `{"body": {...}}` with an optional `"callback"`."""
@@ -142,6 +154,8 @@ def resolve_target(targets: list[str], service: str | None) -> tuple[str, str]:
 
 
 def status_detail(task: Task) -> str:
+    if task.status == "PENDING" and task.not_before is not None:
+        return f"not before {task.not_before.isoformat(timespec='seconds')}"
     if task.status == "PENDING" and task.task_position is not None:
         return f"position {task.task_position}"
     return ""
@@ -157,7 +171,7 @@ def print_outcome(task: Task) -> None:
 
 
 def follow_live(client: ConveyorClient, service: str, task_id: str, **polling: Any) -> Task:
-    """A rich progress bar redrawn at each poll, for terminals."""
+    """A rich progress bar redrawn at each event of the task's stream, for terminals."""
     columns = (
         TextColumn("{task.fields[status]:<12}"),
         BarColumn(),
@@ -208,6 +222,13 @@ def submit(
     ] = None,
     callback: Annotated[str | None, typer.Option("--callback", help="Callback URL.")] = None,
     idempotency_key: Annotated[str | None, typer.Option("--idempotency-key")] = None,
+    delay: Annotated[
+        int | None, typer.Option("--delay", min=0, help="Run no sooner than SECONDS from now.")
+    ] = None,
+    not_before: Annotated[
+        str | None,
+        typer.Option("--not-before", help="Run no sooner than this RFC 3339 time."),
+    ] = None,
     wait: Annotated[
         bool, typer.Option("--wait", "-w", help="Watch the task until it ends.")
     ] = False,
@@ -222,7 +243,12 @@ def submit(
     creds = Credentials(gateway, client_id, client_secret)
     if (body is None) == (batch is None):
         fail("give either --body or --batch", 2)
+    if delay is not None and not_before is not None:
+        fail("give either --delay or --not-before", 2)
+    when = parse_time(not_before) if not_before is not None else None
     if batch is not None:
+        if delay is not None or when is not None:
+            fail("--delay and --not-before apply to --body; a batch file gives each task's", 2)
         tasks = parse_batch(batch)
         with reported_errors(gateway), creds.client() as client:
             done = client.submit_batch(service, tasks, idempotency_key)
@@ -232,7 +258,9 @@ def submit(
     assert body is not None
     payload = parse_body(body)
     with reported_errors(gateway), creds.client() as client:
-        submitted = client.submit(service, payload, callback, idempotency_key)
+        submitted = client.submit(
+            service, payload, callback, idempotency_key, delay_seconds=delay, not_before=when
+        )
     if quiet:
         typer.echo(submitted.task_id)
     else:
@@ -241,6 +269,22 @@ def submit(
         typer.echo(f"taskPosition: {submitted.position}")
     if wait:
         watch_task(creds, service, submitted.task_id, timeout, interval)
+
+
+@app.command()
+def cancel(
+    targets: TargetArgs,
+    service: ServiceOpt = None,
+    gateway: GatewayOpt = DEFAULT_GATEWAY_URL,
+    client_id: ClientIdOpt = "",
+    client_secret: SecretOpt = "",
+) -> None:
+    """Cancel a PENDING or IN_PROGRESS task: `cancel <service> <task_id>`; prints its state."""
+    service_name, task_id = resolve_target(targets, service)
+    creds = Credentials(gateway, client_id, client_secret)
+    with reported_errors(gateway), creds.client() as client:
+        task = client.cancel(service_name, task_id)
+    typer.echo(json.dumps(task.raw, indent=2, ensure_ascii=False))
 
 
 @app.command()

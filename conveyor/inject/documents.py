@@ -12,6 +12,7 @@ Doc = dict[str, Any]
 
 KEDA_API = "keda.sh/v1alpha1"
 KNATIVE_API = "serving.knative.dev/v1"
+NETWORK_API = "networking.k8s.io/v1"
 PASSTHROUGH_KINDS = {
     ("v1", "ConfigMap"),
     ("v1", "Secret"),
@@ -93,11 +94,8 @@ def classify(doc: Doc) -> str:
 def _is_generated_dispatcher(doc: Doc) -> bool:
     meta: Doc = doc["metadata"] if isinstance(doc.get("metadata"), dict) else {}
     labels: Doc = meta["labels"] if isinstance(meta.get("labels"), dict) else {}
-    return (
-        doc.get("apiVersion") == "apps/v1"
-        and doc.get("kind") == "Deployment"
-        and DISPATCHER_FOR_LABEL in labels
-    )
+    generated = {("apps/v1", "Deployment"), (NETWORK_API, "NetworkPolicy")}
+    return (doc.get("apiVersion"), doc.get("kind")) in generated and DISPATCHER_FOR_LABEL in labels
 
 
 def object_key(doc: Doc) -> Key:

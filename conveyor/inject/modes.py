@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from conveyor.inject.documents import (
     KEDA_API,
+    NETWORK_API,
     Doc,
     InjectError,
     Key,
@@ -26,6 +27,7 @@ from conveyor.inject.keda import (
     trigger_authentication,
 )
 from conveyor.inject.pod import (
+    KNATIVE_PROGRESS_PORT,
     choose_dispatcher_port,
     ensure_grace,
     find_dispatcher,
@@ -242,4 +244,31 @@ def _inject_knative(
     upsert_dispatcher(dpod, wiring, url, port)
     ensure_grace(dpod, wiring, name_of(deployment), warnings)
     deployment["spec"].pop("replicas", None)
-    return [doc, deployment, *keda_objects(target, name, namespace, wiring, companions)]
+    policy = _progress_policy(name, namespace, companions.take("NetworkPolicy", namespace, target))
+    return [doc, deployment, policy, *keda_objects(target, name, namespace, wiring, companions)]
+
+
+def _progress_policy(name: str, namespace: str | None, existing: Doc | None) -> Doc:
+    """The dispatcher's pods take traffic on the progress port only from the function's pods
+    (SPEC §11.5; each report carries its attempt's token as well). The probes are exec probes
+    inside the pod; rules of the user's own (e.g. Prometheus on a METRICS_PORT) are kept."""
+    policy = existing or {
+        "apiVersion": NETWORK_API,
+        "kind": "NetworkPolicy",
+        "metadata": object_metadata(
+            f"{name}-dispatcher", namespace, dispatcher_labels(name, "dispatcher")
+        ),
+        "spec": {},
+    }
+    progress = {
+        "from": [{"podSelector": {"matchLabels": {"serving.knative.dev/service": name}}}],
+        "ports": [{"port": KNATIVE_PROGRESS_PORT, "protocol": "TCP"}],
+    }
+    spec = policy.setdefault("spec", {})
+    others = [r for r in spec.get("ingress") or [] if r.get("ports") != progress["ports"]]
+    spec["podSelector"] = {
+        "matchLabels": {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "dispatcher"}
+    }
+    spec["policyTypes"] = ["Ingress"]
+    spec["ingress"] = [progress, *others]
+    return policy

@@ -14,6 +14,8 @@ from conveyor.inject.wiring import (
     HOSTNAME,
     IDLE_EXIT_SECONDS,
     ONE_SHOT,
+    POD_IP,
+    PROGRESS_PORT,
     QUEUE,
     SHUTDOWN_MODE,
     InjectOptions,
@@ -28,6 +30,7 @@ from conveyor.settings import DispatcherSettings
 DISPATCHER_CONTAINER = "conveyor-dispatcher"
 AMQP_URL_KEY = "amqp-url"  # amqp://user:pass@rabbitmq:5672/vhost, for the dispatcher
 DEFAULT_DISPATCHER_PORT: int = DispatcherSettings.model_fields["dispatcher_port"].default
+KNATIVE_PROGRESS_PORT = 8082  # knative mode: progress from the function's pods (SPEC §11.5)
 GRACE_MARGIN_SECONDS = 15  # nack, close and the function's own stop, after the drain
 DEPLOYMENT_GRACE_LIMIT = 120  # SPEC §8: keep rolling updates short
 TMP_VOLUME = "conveyor-tmp"
@@ -198,6 +201,9 @@ def _dispatcher_env(wiring: Wiring, function_url: str, port: int) -> list[Doc]:
     ]
     if wiring.mode is Mode.JOB:
         env.append({"name": IDLE_EXIT_SECONDS, "value": str(wiring.idle_exit_seconds)})
+    if wiring.mode is Mode.KNATIVE:  # the function reports progress from its own pods
+        env.append({"name": PROGRESS_PORT, "value": str(KNATIVE_PROGRESS_PORT)})
+        env.append(_field_env(POD_IP, "status.podIP"))
     env.append(_field_env(HOSTNAME, "metadata.name"))
     return env
 
@@ -213,6 +219,8 @@ MANAGED_ENV = {
     DISPATCHER_PORT,
     ONE_SHOT,
     IDLE_EXIT_SECONDS,
+    PROGRESS_PORT,
+    POD_IP,
     HOSTNAME,
 }
 
@@ -240,6 +248,10 @@ def upsert_dispatcher(pod: Doc, wiring: Wiring, function_url: str, port: int) ->
         },
     )
     container.setdefault("securityContext", container_security_context())
+    if wiring.mode is Mode.KNATIVE:
+        ports = container.setdefault("ports", [])
+        if not any(p.get("name") == "progress" for p in ports):
+            ports.append({"name": "progress", "containerPort": KNATIVE_PROGRESS_PORT})
     container["readinessProbe"] = _probe(port, "/readyz", 10)
     container["livenessProbe"] = _probe(port, "/healthz", 20)
     mounts = container.setdefault("volumeMounts", [])

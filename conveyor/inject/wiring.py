@@ -22,6 +22,8 @@ DISPATCHER_PORT = dispatcher_variable("dispatcher_port")
 ONE_SHOT = dispatcher_variable("one_shot")
 IDLE_EXIT_SECONDS = dispatcher_variable("idle_exit_seconds")
 HOSTNAME = dispatcher_variable("hostname")
+PROGRESS_PORT = dispatcher_variable("progress_port")
+POD_IP = dispatcher_variable("pod_ip")
 
 DEFAULT_IMAGE = f"conveyor/dispatcher:{__version__}"
 DEFAULT_AMQP_SECRET = "conveyor-rabbitmq"

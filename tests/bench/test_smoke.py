@@ -67,3 +67,38 @@ def test_end_to_end_benchmark_runs(tmp_path: Path) -> None:
     )
     assert result["peers"], result
     assert str(REPO) not in json.dumps(result)
+
+
+def test_streams_benchmark_runs(tmp_path: Path) -> None:
+    result = _run(
+        "bench.streams",
+        "--streams",
+        "20",
+        "--duration",
+        "0.5",
+        "--reps",
+        "1",
+        "--concurrency",
+        "2",
+        results=tmp_path,
+    )
+    assert {run["gauge_during"] for run in result["runs"] if run["streams"]} == {20.0}
+    assert result["gauge_after_all_closed"] == 0.0
+    assert set(result["summary"]) == {"create", "poll"}
+
+
+def test_batch_benchmark_runs(tmp_path: Path) -> None:
+    result = _run(
+        "bench.batch",
+        "--size",
+        "10",
+        "--duration",
+        "0.5",
+        "--reps",
+        "1",
+        "--concurrency",
+        "2",
+        results=tmp_path,
+    )
+    assert {run["size"] for run in result["runs"]} == {1, 10}
+    assert all(set(run["statuses"]) == {"201"} for run in result["runs"])

@@ -49,7 +49,7 @@ def test_schedule_has_every_kind_in_order_and_is_reproducible() -> None:
     plan = FaultPlan.for_window(15.0, per_kind=1, kill_interval=5.0)
     first = plan.schedule(random.Random(7))
     assert first == plan.schedule(random.Random(7))
-    assert {f.kind for f in first} == set(FaultKind)
+    assert {f.kind for f in first} == {*SPARSE_KINDS, FaultKind.DISPATCHER_SIGKILL}
     assert Counter(f.kind for f in first)[FaultKind.DISPATCHER_SIGKILL] == 3
     points = [f.at for f in first]
     assert points == sorted(points)
@@ -236,3 +236,21 @@ def test_the_verifier_catches_a_planted_lost_task(
     )
     assert verdict.lost == [planted]
     assert not verdict.ok
+
+
+def test_a_stall_runs_from_the_faults_start_to_the_first_completion_after_its_end() -> None:
+    from bench.chaos.cluster import stall
+
+    completions = [1.0, 2.0, 10.0, 11.0, 30.0, 50.0]
+    assert stall(completions, 0.0, 10.5) == 8.0  # 2 -> 10; closed by 11
+    assert stall(completions, 12.0, 20.0) == 18.0  # nothing until 30, after the fault ended
+    assert stall(completions, 11.5, 40.0) == 20.0  # 30 -> 50
+    assert stall(completions, 45.0, 60.0) is None  # nothing completed after it: stuck
+
+
+def test_the_cluster_faults_stay_out_of_the_single_node_plan() -> None:
+    from bench.chaos.config import CLUSTER_KINDS
+
+    assert not set(CLUSTER_KINDS) & set(SPARSE_KINDS)
+    kinds = {f.kind for f in FaultPlan.for_window(400.0).schedule(random.Random(1))}
+    assert not kinds & set(CLUSTER_KINDS)

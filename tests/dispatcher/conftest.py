@@ -34,7 +34,13 @@ from conveyor.events import (
     decode_event,
     encode_submission,
 )
-from conveyor.topology import dead_letter_queue, declare_service, in_queue, out_queue
+from conveyor.topology import (
+    control_exchange,
+    dead_letter_queue,
+    declare_service,
+    in_queue,
+    out_queue,
+)
 from tests.support.processes import Proc, Processes, free_port
 
 
@@ -106,6 +112,7 @@ class Rabbit:
         assert self.channel is not None and self.connection is not None
         for name in (self.in_q, self.out_q, self.dlq):
             await self.channel.queue_delete(name)
+        await self.channel.exchange_delete(control_exchange(self.queue))
         await self.connection.close()
 
     # -- publishing -----------------------------------------------------------

@@ -17,7 +17,7 @@ from conveyor.events import (
     encode_submission,
 )
 from tests.e2e.conftest import Stack
-from tests.support.amqp import message_count, publish, wait_until
+from tests.support.amqp import message_count, publish, wait_for_queues, wait_until
 from tests.support.gateway import Platform
 
 SIXTEEN_MB = 16 * 1024 * 1024
@@ -44,6 +44,8 @@ def test_poison_on_in_and_out_is_accounted_for(stack: Stack, platform: Platform)
     # Well-formed, but about tasks that do not exist.
     in_poison.append(encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0})))
     out_poison.append(encode_event(TaskEvent(EventKind.SUCCEEDED, unknown_out, response={}), queue))
+    # The gateway declares a new service's queues shortly after it is created.
+    wait_for_queues(url, [f"{queue}-in", f"{queue}-out"])
     publish(url, f"{queue}-in", in_poison)
     publish(url, f"{queue}-out", out_poison)
 

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 import psycopg
 import pytest
 
-from gateway.access_cache import LISTENER_NAME, AccessCache
+from gateway.access_cache import AccessCache
 from gateway.database_url import libpq
+from gateway.listener import LISTENER_NAME, Listener
 from gateway.pgpool import Pool
 from tests.support.gateway import GatewayProcess, Platform
 
@@ -78,8 +79,9 @@ def test_deleted_service_is_unknown_to_the_next_request(
 @pytest.fixture
 async def cache(database_url: str) -> AsyncIterator[AccessCache]:
     pool = Pool(database_url, size=2)
-    cache = AccessCache(pool, database_url)
-    listener = asyncio.create_task(cache.listen_loop())
+    listening = Listener(database_url)
+    cache = AccessCache(pool, listening)
+    listener = asyncio.create_task(listening.listen_loop())
     deadline = time.monotonic() + 10
     while not cache.active and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
@@ -134,7 +136,7 @@ async def test_without_the_listener_every_read_goes_to_the_database(
     client = service.clients[0].client_id
     pool = Pool(database_url, size=1)
     try:
-        cache = AccessCache(pool, database_url)  # listen_loop never started: not trusted
+        cache = AccessCache(pool, Listener(database_url))  # never listening: not trusted
         first = await cache.access(client, service.name)
         second = await cache.access(client, service.name)
         assert first is not None and second is not None and first is not second
@@ -171,8 +173,9 @@ async def test_a_database_without_the_triggers_is_never_trusted(database_url: st
     try:
         await asyncio.to_thread(upgrade, url, "0001")
         pool = Pool(url, size=1)
-        cache = AccessCache(pool, url)
-        listener = asyncio.create_task(cache.listen_loop(unmigrated_pause=0.1))
+        listening = Listener(url)
+        cache = AccessCache(pool, listening)
+        listener = asyncio.create_task(listening.listen_loop(unmigrated_pause=0.1))
         try:
             await asyncio.sleep(1.0)
             assert not cache.active

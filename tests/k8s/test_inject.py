@@ -20,6 +20,7 @@ from conveyor.inject import (
     inject_yaml,
     load_documents,
 )
+from conveyor.inject.documents import dump_documents
 from tests.k8s import checks
 from tests.k8s.conftest import REPO_ROOT
 
@@ -284,7 +285,13 @@ def test_job_mode_refuses_more_than_one_task_per_job() -> None:
 def test_knative_mode_feeds_the_service_from_a_dispatcher_deployment() -> None:
     docs = inject(KSVC)
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["Service", "Deployment", "TriggerAuthentication", "ScaledObject"]
+    assert kinds == [
+        "Service",
+        "Deployment",
+        "NetworkPolicy",
+        "TriggerAuthentication",
+        "ScaledObject",
+    ]
     ksvc, deployment = docs[0], docs[1]
     assert ksvc["metadata"]["labels"]["networking.knative.dev/visibility"] == "cluster-local"
     assert ksvc["spec"]["template"]["spec"]["containers"][0]["image"] == "example/node-echo:1"
@@ -298,6 +305,23 @@ def test_knative_mode_feeds_the_service_from_a_dispatcher_deployment() -> None:
     assert so["spec"]["scaleTargetRef"]["name"] == "echo-dispatcher"
     (d,) = checks.dispatchers(docs)
     assert d.env["FUNCTION_URL"] == "http://echo.$(POD_NAMESPACE).svc.cluster.local/"
+    # Progress from the function's pods (SPEC §11.5): the pod IP and a port of its own, open
+    # to the function's pods only.
+    assert d.env["PROGRESS_PORT"] == "8082"
+    assert d.env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert {"name": "progress", "containerPort": 8082} in d.container["ports"]
+    policy = one(docs, "NetworkPolicy")
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"]
+        == (deployment["spec"]["selector"]["matchLabels"])
+    )
+    [rule] = policy["spec"]["ingress"]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {"serving.knative.dev/service": "echo"}}}
+    ]
+    assert rule["ports"] == [{"port": 8082, "protocol": "TCP"}]
+    again = inject(dump_documents(docs))  # re-injection updates, never duplicates
+    assert [x["kind"] for x in again] == kinds
 
 
 def test_knative_mode_does_not_apply_to_a_deployment() -> None:

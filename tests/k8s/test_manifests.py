@@ -54,7 +54,10 @@ def test_semantics(render: Render, directory: Path) -> None:
     [
         ("keda/sleeper-sidecar", {"Deployment", "ScaledObject", "TriggerAuthentication"}),
         ("keda/sleeper-job", {"ScaledJob", "TriggerAuthentication"}),
-        ("knative/sleeper", {"Service", "Deployment", "ScaledObject", "TriggerAuthentication"}),
+        (
+            "knative/sleeper",
+            {"Service", "Deployment", "ScaledObject", "TriggerAuthentication", "NetworkPolicy"},
+        ),
     ],
 )
 def test_each_mode_has_one_scaled_dispatcher(render: Render, directory: str, kinds: set) -> None:
@@ -85,6 +88,19 @@ def test_knative_dispatcher_posts_to_the_cluster_local_service(render: Render) -
     assert dispatcher.env["FUNCTION_URL"] == "http://sleeper.$(POD_NAMESPACE).svc.cluster.local/"
     (ksvc,) = [d for d in docs if d["apiVersion"] == "serving.knative.dev/v1"]
     assert ksvc["spec"]["template"]["spec"]["timeoutSeconds"] >= 300  # sleeper's taskTimeout
+    # Progress from the function's pods (SPEC §11.5), on a port only they may reach.
+    port = int(dispatcher.env["PROGRESS_PORT"])
+    assert {"name": "progress", "containerPort": port} in dispatcher.container["ports"]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    labels = dispatcher.pod.template["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    progress_rules = [r for r in policy["spec"]["ingress"] if r.get("from")]
+    assert progress_rules == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"serving.knative.dev/service": "sleeper"}}}],
+            "ports": [{"port": port, "protocol": "TCP"}],
+        }
+    ]
 
 
 def test_top_level_bases_set_the_namespace(render: Render) -> None:

@@ -1,0 +1,66 @@
+"""Cancelled tasks as this dispatcher heard of them (SPEC §11.1), for a bounded time.
+
+The gateway broadcasts each cancel on the service's `<queue>-control` fanout exchange; every
+dispatcher binds an exclusive, auto-delete queue of its own to it (`consumer.Broker`). A cancel
+aborts the call of that task running here, if any (the function sees its connection closed),
+and the worker then acks the message without retrying and without an event: the task is
+already FAILURE in the database, and a later result would be ignored there (terminal wins).
+A message of a cancelled task that arrives afterwards (it was queued, or requeued by another
+dispatcher's shutdown) is acked without a call.
+
+The memory is bounded in time (`CANCEL_MEMORY_SECONDS`, longer than a task may wait in the
+queue and run) and in size: a dispatcher forgets, and a dispatcher started after the broadcast
+never knew. Either may call the function for a cancelled task; its result is then ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from dispatcher.shutdown import AbortToken
+
+MAX_REMEMBERED = 100_000
+
+
+class Cancels:
+    def __init__(self, memory_seconds: float, max_remembered: int = MAX_REMEMBERED) -> None:
+        self.memory_seconds = memory_seconds
+        self.max_remembered = max_remembered
+        self._until: OrderedDict[str, float] = OrderedDict()  # task id -> forget after
+        self._running: dict[str, set[AbortToken]] = {}
+
+    def __len__(self) -> int:
+        self._forget_old()
+        return len(self._until)
+
+    def heard(self, task_id: str) -> int:
+        """A cancel arrived: remember it, abort its calls running here; how many."""
+        self._until[task_id] = time.monotonic() + self.memory_seconds
+        self._until.move_to_end(task_id)
+        self._forget_old()
+        tokens = self._running.get(task_id, set())
+        for token in tokens:
+            token.abort()
+        return len(tokens)
+
+    def cancelled(self, task_id: str) -> bool:
+        self._forget_old()
+        return task_id in self._until
+
+    def running(self, task_id: str, token: AbortToken) -> None:
+        self._running.setdefault(task_id, set()).add(token)
+
+    def finished(self, task_id: str, token: AbortToken) -> None:
+        tokens = self._running.get(task_id)
+        if tokens is not None:
+            tokens.discard(token)
+            if not tokens:
+                del self._running[task_id]
+
+    def _forget_old(self) -> None:
+        now = time.monotonic()
+        while self._until and (
+            len(self._until) > self.max_remembered or next(iter(self._until.values())) < now
+        ):
+            self._until.popitem(last=False)

@@ -1,0 +1,119 @@
+"""One LISTEN connection per gateway process, shared by whatever waits on PostgreSQL's NOTIFY.
+
+The access cache drops its entries on `conveyor_catalog`; the task event streams re-read a
+task on `conveyor_task`. Both must know when notifications may have been missed: a subscriber
+hears `on_connected` once its channels are listened to again (and may refuse the database, for
+instance when a migration's triggers are missing), and `on_lost` whenever the connection goes.
+One connection, not one per subscriber or per open stream: a thousand streams cost one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+
+from gateway.database_url import libpq
+
+log = logging.getLogger("conveyor.gateway.listener")
+
+LISTENER_NAME = "conveyor-listener"
+
+Connected = Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]
+
+
+class NotNotified(Exception):
+    """The database does not send the notifications a subscriber relies on (a migration is
+    missing): trusting it would serve stale answers."""
+
+
+@dataclass
+class _Subscriber:
+    on_notify: Callable[[str], None]
+    on_connected: Connected | None = None
+    on_lost: Callable[[], None] | None = None
+
+
+@dataclass
+class Listener:
+    database_url: str
+    connect_timeout: int = 5
+    listening: bool = False
+    _channels: dict[str, list[_Subscriber]] = field(default_factory=dict)
+
+    def subscribe(
+        self,
+        channel: str,
+        on_notify: Callable[[str], None],
+        on_connected: Connected | None = None,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        """Before `listen_loop` starts: `on_notify(payload)` for each notification."""
+        self._channels.setdefault(channel, []).append(_Subscriber(on_notify, on_connected, on_lost))
+
+    def _subscribers(self) -> list[_Subscriber]:
+        return [s for subscribers in self._channels.values() for s in subscribers]
+
+    async def listen_loop(self, unmigrated_pause: float = 30.0) -> None:
+        """Keeps the connection open, reconnecting with backoff (the supervisor restarts it
+        if it ever ends)."""
+        backoff = wait_exponential(multiplier=0.5, max=5.0)
+
+        def pause(state: RetryCallState) -> float:
+            unmigrated = state.outcome is not None and isinstance(
+                state.outcome.exception(), NotNotified
+            )
+            return unmigrated_pause if unmigrated else backoff(state)
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type((psycopg.Error, OSError, NotNotified)),
+            wait=pause,
+            before_sleep=_report_lost,
+        )
+        async for attempt in retrying:
+            with attempt:
+                try:
+                    await self._listen()
+                finally:
+                    self.listening = False
+                    for subscriber in self._subscribers():
+                        if subscriber.on_lost is not None:
+                            subscriber.on_lost()
+
+    async def _listen(self) -> None:
+        conn = await psycopg.AsyncConnection.connect(
+            libpq(self.database_url),
+            autocommit=True,
+            connect_timeout=self.connect_timeout,
+            application_name=LISTENER_NAME,  # visible in pg_stat_activity
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=3,
+        )
+        async with conn:
+            for channel in self._channels:
+                await conn.execute(f"LISTEN {channel}")
+            for subscriber in self._subscribers():
+                if subscriber.on_connected is not None:
+                    await subscriber.on_connected(conn)
+            self.listening = True
+            log.info("listening", extra={"channels": sorted(self._channels)})
+            # A server that goes away ends this with an OperationalError; one that vanishes
+            # silently is caught by the TCP keepalives within about 10 s.
+            async for notification in conn.notifies():
+                for subscriber in self._channels.get(notification.channel, ()):
+                    subscriber.on_notify(notification.payload)
+        raise ConnectionError("the notification stream ended")
+
+
+def _report_lost(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    if isinstance(error, NotNotified):
+        log.warning("the database sends no notifications (a migration is missing)")
+    else:
+        log.warning("notifications lost; listening again", extra={"error": repr(error)})

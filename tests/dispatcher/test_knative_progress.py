@@ -1,0 +1,72 @@
+"""Progress in knative mode (SPEC §11.5): the function runs in another pod and reports to the
+dispatcher's pod IP on PROGRESS_PORT, with an unguessable token per attempt in the URL."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conveyor.events import EventKind
+from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit, eventually
+from tests.support.processes import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _post(url: str, value: float = 42.0) -> int:
+    return httpx.post(url, json={"progress": value}, timeout=5).status_code
+
+
+def _get(url: str) -> int:
+    return httpx.get(url, timeout=5).status_code
+
+
+async def test_the_function_reports_progress_on_the_pod_ip_with_its_token(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    port = free_port()
+    dispatcher = launch(function.url, progress_port=port, pod_ip="127.0.0.1")
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"progress": [10, 50], "progressPause": 0.1})
+    done = await rabbit.wait_terminal(task_id)
+    assert done.kind is EventKind.SUCCEEDED
+    [call] = function.calls(task_id)
+    url = call["headers"]["x-conveyor-progress-url"]
+    prefix = f"http://127.0.0.1:{port}/tasks/{task_id}/progress/"
+    assert url.startswith(prefix) and len(url) - len(prefix) >= 40  # the token
+    [end] = function.calls(task_id, "end")
+    assert end["progress"] == [204, 204]
+    progress = [e.progress for e in rabbit.of(task_id) if e.kind is EventKind.PROGRESS]
+    assert progress and progress[-1] == 50
+    # The attempt is over: its token is refused now.
+    assert _post(url) == 403
+    # The pod-IP port serves the progress route alone.
+    assert _get(f"http://127.0.0.1:{port}/metrics") == 404
+
+
+async def test_wrong_other_and_expired_tokens_are_refused(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    port = free_port()
+    dispatcher = launch(function.url, progress_port=port, pod_ip="127.0.0.1")
+    await dispatcher.wait_ready()
+    first = await rabbit.submit({"sleep": 3})
+    second = await rabbit.submit({"sleep": 3})
+    await eventually(
+        lambda: function.calls(first) and function.calls(second), 10, "both calls started"
+    )
+    url_of = {
+        t: function.calls(t)[0]["headers"]["x-conveyor-progress-url"] for t in (first, second)
+    }
+    token_of = {t: url.rsplit("/", 1)[1] for t, url in url_of.items()}
+    base = f"http://127.0.0.1:{port}/tasks"
+    assert _post(url_of[first], 30) == 204  # the right one
+    assert _post(f"{base}/{first}/progress/{token_of[second]}") == 403  # another task's
+    assert _post(f"{base}/{first}/progress/{'x' * 43}") == 403  # made up
+    assert _post(f"{base}/not-a-task/progress/{token_of[first]}") == 403
+    for task_id in (first, second):
+        assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+    assert _post(url_of[second], 90) == 403  # expired with its attempt
+    progress = [e.progress for e in rabbit.of(first) if e.kind is EventKind.PROGRESS]
+    assert progress == [30]
+    assert not [e for e in rabbit.of(second) if e.kind is EventKind.PROGRESS]

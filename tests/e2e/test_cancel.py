@@ -1,0 +1,181 @@
+"""POST …/tasks/{taskId}/cancel (SPEC §11.1) on the real stack: gateway, dispatchers and the
+sleeper function as processes, the sleeper recording each call and each caller that went away
+(CALL_LOG: `aborted`).
+
+Every row of §11.1's table, and a cancel racing each moment: before any dispatcher runs, during
+the call, while `started` is being published, while the function answers, while the dispatcher
+is being SIGTERMed, and a dispatcher started after the broadcast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conveyor.client import AsyncConveyorClient, ConveyorClient
+from tests.e2e.conftest import CallbackSink, Stack, calls_of
+from tests.support.amqp import message_count, wait_until
+from tests.support.gateway import Platform
+
+CANCELLED = "Task cancelled."
+
+
+def _cancel(stack: Stack, task_id: str, http: httpx.Client | None = None) -> httpx.Response:
+    client = http or stack.http
+    return client.post(f"{stack.gateway.tasks_url(stack.service.name)}/{task_id}/cancel")
+
+
+def _cancelled(data: dict[str, Any]) -> bool:
+    return data["status"] == "FAILURE" and data["errorMessage"] == CANCELLED
+
+
+def _in_queue_empty(stack: Stack) -> bool:
+    return message_count(stack.amqp_url, f"{stack.service.queue_name}-in") == 0
+
+
+def test_a_pending_task_is_cancelled_and_never_called(stack: Stack, call_log: Path) -> None:
+    task_id = stack.submit({"sleep": 0.1})
+    answer = _cancel(stack, task_id)
+    assert answer.status_code == 200, answer.text
+    data = answer.json()["data"]
+    assert _cancelled(data) and data["endDate"] and data["taskId"] == task_id
+    again = _cancel(stack, task_id)  # idempotent
+    assert again.status_code == 200 and again.json()["data"] == data
+    stack.dispatcher("late-pod")  # never heard the broadcast, but its message is still queued
+    assert wait_until(lambda: _in_queue_empty(stack), 15)
+    time.sleep(1.0)
+    assert _cancelled(stack.poll(task_id))  # whatever the dispatcher did, terminal won
+
+
+def test_an_in_progress_call_is_aborted_and_the_message_acked(stack: Stack, call_log: Path) -> None:
+    stack.dispatcher("pod-a")
+    task_id = stack.submit({"sleep": 30})
+    stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
+    began = time.monotonic()
+    answer = _cancel(stack, task_id)
+    assert answer.status_code == 200 and _cancelled(answer.json()["data"])
+    # The function sees its caller go away (the sleeper checks between its naps).
+    assert wait_until(lambda: ["aborted"] == [c[2] for c in calls_of(call_log, task_id)], 10)
+    assert time.monotonic() - began < 10
+    assert wait_until(lambda: _in_queue_empty(stack), 10)
+    assert stack.http.get("/readyz").status_code in (200, 503)  # the gateway is fine
+    time.sleep(1.0)
+    assert len(calls_of(call_log, task_id)) == 1  # acked, not retried
+    assert _cancelled(stack.poll(task_id))
+
+
+def test_finished_tasks_answer_409001(stack: Stack) -> None:
+    stack.dispatcher("pod-a")
+    done = stack.submit({"sleep": 0})
+    failed = stack.submit({"sleep": 0, "mustSucceed": False})
+    assert stack.finish(done)["status"] == "SUCCESS"
+    assert stack.finish(failed)["errorMessage"] == "Argh!"
+    for task_id in (done, failed):
+        answer = _cancel(stack, task_id)
+        assert (answer.status_code, answer.json()["error"]["number"]) == (409, 409001)
+    assert stack.poll(done)["status"] == "SUCCESS"  # nothing changed
+
+
+def test_cancel_is_authorized_and_isolated_like_the_poll(stack: Stack, platform: Platform) -> None:
+    task_id = stack.submit({"sleep": 0})
+    other = platform.service()
+    with stack.gateway.http() as anonymous, stack.gateway.http(other.clients[0]) as stranger:
+        url = f"{stack.gateway.tasks_url(stack.service.name)}/{task_id}/cancel"
+        answers = {
+            "anonymous": anonymous.post(url),
+            "ungranted": stranger.post(url),
+            "no service": stranger.post(f"/v1/services/nope/tasks/{task_id}/cancel"),
+            "someone else's": stranger.post(
+                f"{stack.gateway.tasks_url(other.name)}/{task_id}/cancel"
+            ),
+            "no task": stranger.post(
+                f"{stack.gateway.tasks_url(other.name)}/{uuid.uuid4()}/cancel"
+            ),
+        }
+    assert {k: a.json()["error"]["number"] for k, a in answers.items()} == {
+        "anonymous": 403001,
+        "ungranted": 403001,
+        "no service": 404001,
+        "someone else's": 404002,
+        "no task": 404002,
+    }
+    assert stack.poll(task_id)["status"] == "PENDING"
+
+
+def test_the_callback_is_sent_for_a_cancelled_task(stack: Stack, sink: CallbackSink) -> None:
+    task_id = stack.submit({"sleep": 0}, callback=sink.url)
+    assert _cancel(stack, task_id).status_code == 200
+    assert wait_until(lambda: len(sink.received) == 1, 10)
+    body = sink.received[0]["body"]
+    assert body["taskId"] == task_id and body["errorMessage"] == CANCELLED
+
+
+@pytest.mark.parametrize("moment", [0.0, 0.02, 0.05])
+def test_a_cancel_racing_the_start_and_the_answer_stays_cancelled(
+    stack: Stack, moment: float
+) -> None:
+    """Right as the dispatcher publishes `started`, or while a quick function answers: the
+    result that may still arrive changes nothing."""
+    stack.dispatcher("pod-a")
+    task_ids = [stack.submit({"sleep": 0.05}) for _ in range(8)]
+    time.sleep(moment)
+    answers = [_cancel(stack, t) for t in task_ids]
+    cancelled = [t for t, a in zip(task_ids, answers, strict=True) if a.status_code == 200]
+    finished = [t for t, a in zip(task_ids, answers, strict=True) if a.status_code == 409]
+    assert len(cancelled) + len(finished) == len(task_ids)
+    assert wait_until(lambda: _in_queue_empty(stack), 15)
+    time.sleep(1.0)  # late results, if any, have been applied by now
+    for task_id in cancelled:
+        assert _cancelled(stack.poll(task_id))
+    for task_id in finished:
+        assert stack.poll(task_id)["status"] == "SUCCESS"
+
+
+def test_a_cancel_during_a_sigterm_requeue_is_not_run_again(stack: Stack, call_log: Path) -> None:
+    pod = stack.dispatcher("pod-a", SHUTDOWN_MODE="requeue")
+    task_id = stack.submit({"sleep": 20})
+    stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
+    pod.signal(signal.SIGTERM)  # hands the message back
+    assert _cancel(stack, task_id).status_code == 200
+    assert pod.reap(15) == 0
+    stack.dispatcher("pod-b")  # takes the requeued copy, if any, and must not finish it
+    assert wait_until(lambda: _in_queue_empty(stack), 15)
+    time.sleep(1.0)
+    assert _cancelled(stack.poll(task_id))
+    assert all(c[2] == "aborted" for c in calls_of(call_log, task_id))
+
+
+async def test_the_sdks_and_the_cli_cancel(stack: Stack) -> None:
+    client_id, secret = stack.client.auth
+    first, second, third = (stack.submit({"sleep": 0}) for _ in range(3))
+    with ConveyorClient(stack.gateway.url, client_id, secret) as client:
+        assert client.cancel(stack.service.name, first).error_message == CANCELLED
+    async with AsyncConveyorClient(stack.gateway.url, client_id, secret) as aclient:
+        assert (await aclient.cancel(stack.service.name, second)).status == "FAILURE"
+    env = {
+        **os.environ,
+        "CONVEYOR_GATEWAY_URL": stack.gateway.url,
+        "CONVEYOR_CLIENT_ID": client_id,
+        "CONVEYOR_CLIENT_SECRET": secret,
+    }
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "conveyor", "task", "cancel", stack.service.name, third],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["errorMessage"] == CANCELLED

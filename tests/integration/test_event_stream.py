@@ -1,0 +1,238 @@
+"""GET …/tasks/{taskId}/events (SPEC §11.3): Server-Sent Events fed by PostgreSQL NOTIFY.
+
+The changes are made in the database, as a results consumer on any replica would make them
+(migration 0004's trigger notifies whoever made them); the stream is read from a gateway that
+made none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from conveyor.client import AsyncConveyorClient, ConveyorClient, TaskWaitTimeout
+from tests.support.gateway import Client, GatewayProcess, Platform, Service, gateway_env
+from tests.support.processes import Processes
+
+
+def _events_url(gateway: GatewayProcess, service: str, task_id: str) -> str:
+    return f"{gateway.tasks_url(service)}/{task_id}/events"
+
+
+def _submit(gateway: GatewayProcess, svc: Service) -> str:
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(svc.name), json={"body": {}})
+        assert answer.status_code == 201
+        return str(answer.json()["data"]["taskId"])
+
+
+def _set(platform: Platform, task_id: str, **columns: Any) -> None:
+    assignments = ", ".join(f"{name} = %({name})s" for name in columns)
+    platform.sql(f"UPDATE tasks SET {assignments} WHERE task_id = %(t)s", {**columns, "t": task_id})
+
+
+class Reader:
+    """Reads one stream in a thread; `events` fills as they come."""
+
+    def __init__(self, gateway: GatewayProcess, client: Client, path: str) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.comments = 0
+        self.ended = threading.Event()
+        self.http = httpx.Client(base_url=gateway.url, auth=client.auth, timeout=60)
+        self._thread = threading.Thread(target=self._read, args=(path,), daemon=True)
+        self._thread.start()
+
+    def _read(self, path: str) -> None:
+        try:
+            with self.http.stream("GET", path) as response:
+                assert response.headers["content-type"].startswith("text/event-stream")
+                fields: dict[str, str] = {}
+                for line in response.iter_lines():
+                    if line.startswith(":"):
+                        self.comments += 1
+                    elif line == "" and fields:
+                        self.events.append((fields["id"], json.loads(fields["data"])))
+                        fields = {}
+                    elif ":" in line:
+                        name, _, value = line.partition(":")
+                        fields[name] = value.strip()
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.ended.set()
+
+    def wait_for(self, count: int, timeout: float = 10) -> list[tuple[str, dict[str, Any]]]:
+        deadline = time.monotonic() + timeout
+        while len(self.events) < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(self.events) >= count, self.events
+        return self.events
+
+    def close(self) -> None:
+        self.http.close()
+
+
+@pytest.fixture(scope="module")
+def reader_gateway(
+    database_url: str, amqp_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """A second gateway on the same database, with a quick heartbeat; its own metrics."""
+    procs = Processes(tmp_path_factory.mktemp("reader"))
+    env = gateway_env(database_url, amqp_url, CONVEYOR_STREAM_HEARTBEAT="0.5")
+    yield GatewayProcess(procs, env, "gateway-reader")
+    procs.stop_all()
+
+
+def test_first_state_then_each_change_then_the_end(
+    gateway: GatewayProcess, reader_gateway: GatewayProcess, platform: Platform
+) -> None:
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    reader = Reader(reader_gateway, svc.clients[0], _events_url(reader_gateway, svc.name, task_id))
+    first = reader.wait_for(1)[0]
+    assert first[0] == "1" and first[1]["status"] == "PENDING" and first[1]["taskId"] == task_id
+    _set(platform, task_id, status="IN_PROGRESS", start_date=time.strftime("%Y-%m-%d %H:%M:%SZ"))
+    reader.wait_for(2)
+    _set(platform, task_id, progress=42.5)
+    reader.wait_for(3)
+    time.sleep(1.2)  # quiet: the heartbeat comes every 0.5 s here
+    _set(platform, task_id, status="SUCCESS", progress=100, response='{"ok": 1}', end_date="now()")
+    events = reader.wait_for(4)
+    assert reader.ended.wait(5), "the stream goes on after a terminal state"
+    assert [e[0] for e in events] == ["1", "2", "3", "4"]
+    assert [(e[1]["status"], e[1]["progress"]) for e in events] == [
+        ("PENDING", 0.0),
+        ("IN_PROGRESS", 0.0),
+        ("IN_PROGRESS", 42.5),
+        ("SUCCESS", 100.0),
+    ]
+    with gateway.http(svc.clients[0]) as http:  # each event is the poll's data
+        assert events[-1][1] == http.get(f"{gateway.tasks_url(svc.name)}/{task_id}").json()["data"]
+    assert reader.comments >= 1
+    reader.close()
+
+
+def test_a_finished_task_gives_one_event_and_the_end(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    _set(platform, task_id, status="FAILURE", error_message="Argh!", end_date="now()")
+    reader = Reader(gateway, svc.clients[0], _events_url(gateway, svc.name, task_id))
+    assert reader.ended.wait(5)
+    assert [(e[0], e[1]["status"], e[1]["errorMessage"]) for e in reader.events] == [
+        ("1", "FAILURE", "Argh!")
+    ]
+    reader.close()
+
+
+def test_errors_before_the_stream_are_the_polls(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    svc, other = platform.service(), platform.service()
+    task_id = _submit(gateway, svc)
+    url = _events_url(gateway, svc.name, task_id)
+    with gateway.http() as anonymous, gateway.http(other.clients[0]) as stranger:
+        answers = {
+            "anonymous": anonymous.get(url),
+            "ungranted": stranger.get(url),
+            "no service": stranger.get(_events_url(gateway, "no-such-service", task_id)),
+            "no task": stranger.get(_events_url(gateway, other.name, str(uuid.uuid4()))),
+            "not a uuid": stranger.get(_events_url(gateway, other.name, "nope")),
+            "someone else's": stranger.get(_events_url(gateway, other.name, task_id)),
+        }
+    numbers = {k: (a.status_code, a.json()["error"]["number"]) for k, a in answers.items()}
+    assert numbers == {
+        "anonymous": (403, 403001),
+        "ungranted": (403, 403001),
+        "no service": (404, 404001),
+        "no task": (404, 404002),
+        "not a uuid": (404, 404002),
+        "someone else's": (404, 404002),
+    }
+
+
+def _open_streams(gateway: GatewayProcess) -> float:
+    text = httpx.get(f"{gateway.url}/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("conveyor_gateway_event_streams "))
+    return float(line.split()[1])
+
+
+def test_a_client_that_goes_away_frees_its_stream(
+    reader_gateway: GatewayProcess, platform: Platform
+) -> None:
+    svc = platform.service()
+    task_ids = [_submit(reader_gateway, svc) for _ in range(5)]
+    before = _open_streams(reader_gateway)
+    readers = [
+        Reader(reader_gateway, svc.clients[0], _events_url(reader_gateway, svc.name, t))
+        for t in task_ids
+    ]
+    for reader in readers:
+        reader.wait_for(1)
+    assert _open_streams(reader_gateway) == before + 5
+    for reader in readers:
+        reader.close()
+    deadline = time.monotonic() + 10
+    while _open_streams(reader_gateway) > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _open_streams(reader_gateway) == before
+
+
+def test_the_sdk_follows_the_stream(gateway: GatewayProcess, platform: Platform) -> None:
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    seen: list[tuple[str, float]] = []
+
+    def change() -> None:
+        time.sleep(0.5)
+        _set(platform, task_id, status="IN_PROGRESS", progress=10)
+        time.sleep(0.3)
+        _set(platform, task_id, progress=60)
+        time.sleep(0.3)
+        _set(platform, task_id, status="SUCCESS", progress=100, response="{}", end_date="now()")
+
+    changer = threading.Thread(target=change)
+    changer.start()
+    client_id, secret = svc.clients[0].auth
+    with ConveyorClient(gateway.url, client_id, secret) as client:
+        # A poll every 60 s would see none of the steps: only the stream does.
+        for task in client.follow(svc.name, task_id, timeout=20, interval=60):
+            seen.append((task.status, task.progress))
+    changer.join()
+    assert seen == [
+        ("PENDING", 0.0),
+        ("IN_PROGRESS", 10.0),
+        ("IN_PROGRESS", 60.0),
+        ("SUCCESS", 100.0),
+    ]
+    with ConveyorClient(gateway.url, client_id, secret) as client:
+        quiet = _submit(gateway, svc)
+        began = time.monotonic()
+        with pytest.raises(TaskWaitTimeout):
+            client.wait(svc.name, quiet, timeout=1.0)
+        assert time.monotonic() - began < 5
+
+
+async def test_the_async_sdk_follows_the_stream(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    client_id, secret = svc.clients[0].auth
+    async with AsyncConveyorClient(gateway.url, client_id, secret) as client:
+        statuses = []
+        async for task in client.follow(svc.name, task_id, timeout=20, interval=60):
+            statuses.append(task.status)
+            if task.status == "PENDING":
+                _set(platform, task_id, status="FAILURE", error_message="x", end_date="now()")
+        assert statuses == ["PENDING", "FAILURE"]
+        with pytest.raises(TaskWaitTimeout):
+            await client.wait(svc.name, _submit(gateway, svc), timeout=1.0)

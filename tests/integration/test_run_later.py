@@ -1,0 +1,184 @@
+"""Run later (SPEC §11.4): `notBefore` / `delaySeconds` on a create or a batch item.
+
+A delayed task is PENDING with `notBefore` in its poll, is published by the outbox relay once
+due (never before, within about a second after), is counted by capacity but not in positions,
+and is published exactly once even with two gateways and one of them killed around its time.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from conveyor.client import ConveyorClient
+from conveyor.events import WireMessage, decode_submission
+from tests.support.amqp import collect, message_count, take_all, wait_for_queues
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
+from tests.support.processes import Processes
+
+
+def _rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _id(message: WireMessage) -> str:
+    return decode_submission(message).task_id
+
+
+def _service(platform: Platform, amqp_url: str, **options: Any) -> Service:
+    """A new service, once the gateway has declared its queues (the fast path needs them)."""
+    svc = platform.service(**options)
+    wait_for_queues(amqp_url, [f"{svc.queue_name}-in"])
+    return svc
+
+
+def _published(
+    url: str, queue: str, count: int, timeout: float, settle: float = 0.5
+) -> list[WireMessage]:
+    """The next `count` submissions on the service's `-in`."""
+    return collect(url, f"{queue}-in", count, timeout=timeout, settle=settle)
+
+
+def test_a_delayed_task_waits_then_is_published_once(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    svc = _service(platform, amqp_url)
+    at = datetime.now(UTC) + timedelta(seconds=3)
+    with gateway.http(svc.clients[0]) as http:
+        by_time = http.post(
+            gateway.tasks_url(svc.name), json={"body": {"n": 1}, "notBefore": _rfc3339(at)}
+        )
+        by_delay = http.post(
+            gateway.tasks_url(svc.name), json={"body": {"n": 2}, "delaySeconds": 3}
+        )
+        now = http.post(gateway.tasks_url(svc.name), json={"body": {"n": 3}})
+        assert by_time.status_code == by_delay.status_code == now.status_code == 201
+        # Only the task that is due counts in positions.
+        assert now.json()["data"]["taskPosition"] == 1
+        assert by_time.json()["data"]["taskPosition"] == 0
+        polled = http.get(f"{gateway.tasks_url(svc.name)}/{by_time.json()['data']['taskId']}")
+        data = polled.json()["data"]
+        assert data["status"] == "PENDING" and data["notBefore"] == _rfc3339(at)
+        assert (
+            "notBefore"
+            not in http.get(f"{gateway.tasks_url(svc.name)}/{now.json()['data']['taskId']}").json()[
+                "data"
+            ]
+        )
+    first = _published(amqp_url, svc.queue_name, 1, timeout=5, settle=0.5)
+    assert [_id(m) for m in first] == [now.json()["data"]["taskId"]]
+    assert datetime.now(UTC) < at  # nothing else went out before its time
+    later = _published(amqp_url, svc.queue_name, 2, timeout=10, settle=2.0)
+    published_at = datetime.now(UTC)
+    assert sorted(_id(m) for m in later) == sorted(
+        [by_time.json()["data"]["taskId"], by_delay.json()["data"]["taskId"]]
+    )
+    assert published_at - at < timedelta(seconds=3 + 2.0 + 1.0)  # 2 s of settle included
+
+
+def test_a_past_not_before_is_published_at_once(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    svc = _service(platform, amqp_url)
+    past = _rfc3339(datetime.now(UTC) - timedelta(hours=1))
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(svc.name), json={"body": {}, "notBefore": past})
+    assert answer.status_code == 201 and answer.json()["data"]["taskPosition"] == 1
+    assert len(_published(amqp_url, svc.queue_name, 1, timeout=5, settle=0.5)) == 1
+
+
+@pytest.mark.parametrize(
+    ("item", "path"),
+    [
+        ({"notBefore": "2026-11-24T10:00:00Z", "delaySeconds": 5}, "delaySeconds"),
+        ({"delaySeconds": 31 * 24 * 3600}, "delaySeconds"),
+        ({"delaySeconds": -1}, "delaySeconds"),
+        ({"delaySeconds": 1.5}, "delaySeconds"),
+        ({"delaySeconds": True}, "delaySeconds"),
+        ({"delaySeconds": "10"}, "delaySeconds"),
+        ({"notBefore": "tomorrow"}, "notBefore"),
+        ({"notBefore": "2026-11-24T10:00:00"}, "notBefore"),  # no offset
+        ({"notBefore": 1795562511}, "notBefore"),
+        ({"notBefore": "2999-01-01T00:00:00Z"}, "notBefore"),  # past the maximum delay
+        ({"notBefore": "2026-11-24T10:00:00Z" + "0" * 100}, "notBefore"),
+    ],
+)
+def test_bad_times_are_400002_naming_the_field(
+    gateway: GatewayProcess, platform: Platform, item: dict[str, Any], path: str
+) -> None:
+    svc = platform.service()
+    with gateway.http(svc.clients[0]) as http:
+        single = http.post(gateway.tasks_url(svc.name), json={"body": {}, **item})
+        batch = http.post(
+            gateway.tasks_url(svc.name) + "/batch",
+            json={"tasks": [{"body": {}}, {"body": {}, **item}]},
+        )
+    for answer, expected in ((single, path), (batch, f"tasks/1/{path}")):
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["number"] == 400002
+        assert answer.json()["error"]["errors"][0]["path"] == expected
+    assert platform.sql("SELECT count(*) FROM tasks WHERE service = %(s)s", {"s": svc.name}) == [
+        (0,)
+    ]
+
+
+def test_batch_items_wait_for_their_own_time_and_capacity_counts_them(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    svc = _service(platform, amqp_url, capacity=3)
+    items = [{"body": {"n": 0}}, {"body": {"n": 1}, "delaySeconds": 2}, {"body": {"n": 2}}]
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(svc.name) + "/batch", json={"tasks": items})
+        assert answer.status_code == 201, answer.text
+        tasks = answer.json()["data"]["tasks"]
+        assert [t["taskPosition"] for t in tasks] == [1, 1, 2]  # the delayed one is not due
+        full = http.post(gateway.tasks_url(svc.name), json={"body": {}, "delaySeconds": 60})
+        assert (full.status_code, full.json()["error"]["number"]) == (429, 429001)
+    now = _published(amqp_url, svc.queue_name, 2, timeout=5, settle=0.5)
+    assert {_id(m) for m in now} == {
+        tasks[0]["taskId"],
+        tasks[2]["taskId"],
+    }
+    later = _published(amqp_url, svc.queue_name, 1, timeout=8, settle=0.5)
+    assert [_id(m) for m in later] == [tasks[1]["taskId"]]
+
+
+def test_two_gateways_and_a_kill_publish_a_due_task_exactly_once(
+    procs: Processes, platform: Platform, database_url: str, amqp_url: str
+) -> None:
+    """Both relays see the due rows; one of them dies around their time, and comes back."""
+    env = gateway_env(database_url, amqp_url)
+    first, second = GatewayProcess(procs, env, "gw-a"), GatewayProcess(procs, env, "gw-b")
+    svc = _service(platform, amqp_url)
+    with ConveyorClient(first.url, *svc.clients[0].auth) as client:
+        submitted = client.submit_batch(
+            svc.name, [{"body": {"n": i}, "delaySeconds": 2} for i in range(50)]
+        )
+    ids = {s.task_id for s in submitted}
+    time.sleep(1.5)
+    first.proc.kill()  # close to the due time: its claims, if any, run out on their lease
+    got = _published(amqp_url, svc.queue_name, 50, timeout=15, settle=3.0)
+    restarted = GatewayProcess(procs, env, "gw-a2")
+    time.sleep(2.0)  # a restarted relay must not publish them again either
+    got += take_all(amqp_url, f"{svc.queue_name}-in")
+    task_ids = [_id(m) for m in got]
+    assert sorted(task_ids) == sorted(ids), f"{len(task_ids)} published for 50 tasks"
+    assert message_count(amqp_url, f"{svc.queue_name}-in") == 0
+    second.proc.kill()
+    restarted.proc.kill()
+
+
+def test_the_sdk_schedules_tasks(gateway: GatewayProcess, platform: Platform) -> None:
+    svc = platform.service()
+    at = datetime.now(UTC) + timedelta(minutes=5)
+    with ConveyorClient(gateway.url, *svc.clients[0].auth) as client:
+        delayed = client.submit(svc.name, {"n": 1}, delay_seconds=600)
+        timed = client.submit(svc.name, {"n": 2}, not_before=at)
+        task = client.get(svc.name, timed.task_id)
+        assert task.status == "PENDING" and task.not_before is not None
+        assert abs((task.not_before - at).total_seconds()) < 0.01
+        later = client.get(svc.name, delayed.task_id).not_before
+        assert later is not None and later > datetime.now(UTC) + timedelta(seconds=590)

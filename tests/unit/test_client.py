@@ -67,10 +67,13 @@ def success(status: int, data: dict[str, Any]) -> httpx.Response:
 class FakeGateway:
     """Answers like the gateway; `polls` is the sequence of states the task goes through."""
 
-    def __init__(self, polls: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, polls: list[dict[str, Any]] | None = None, stream: str = "none") -> None:
+        """`stream`: "none" answers the event stream like a gateway without one (404000),
+        "sse" sends every state as an event, "json" answers it like a poll (a proxy)."""
         self.requests: list[httpx.Request] = []
         self.polls = list(polls or [PENDING])
         self.idempotency: dict[str, str] = {}
+        self.stream = stream
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
@@ -85,6 +88,16 @@ class FakeGateway:
             return self.create(request)
         if parts[4] != TASK_ID:
             return error(404, 404002, "Task not found.")
+        if parts[5:] == ["events"] and self.stream == "none":
+            return error(404, 404000, "Not found.")
+        if parts[5:] == ["events"] and self.stream == "sse":
+            events = "".join(
+                f"event: task\nid: {i}\ndata: {json.dumps(state)}\n\n"
+                for i, state in enumerate(self.polls, 1)
+            )
+            return httpx.Response(
+                200, headers={"content-type": "text/event-stream"}, content=events.encode()
+            )
         return success(200, self.polls.pop(0) if len(self.polls) > 1 else self.polls[0])
 
     def create(self, request: httpx.Request) -> httpx.Response:
@@ -229,7 +242,22 @@ def test_wait_polls_until_the_task_ends() -> None:
         task = c.wait("sleeper", TASK_ID, interval=0.01)
 
     assert task.status == "SUCCESS"
-    assert len(gateway.requests) == 4
+    # The stream is tried once (this gateway has none), then four polls.
+    assert [r.url.path.endswith("/events") for r in gateway.requests] == [True] + [False] * 4
+
+
+@pytest.mark.parametrize("stream", ["sse", "json"])
+def test_follow_reads_the_stream_or_polls_past_a_proxy(stream: str) -> None:
+    gateway = FakeGateway([PENDING, RUNNING, FAILURE], stream=stream)
+    with ConveyorClient(BASE, "demo", "demo-secret", transport=httpx.MockTransport(gateway)) as c:
+        seen = [t.status for t in c.follow("sleeper", TASK_ID, interval=0.01)]
+    # A proxy's JSON answer is read as the first poll: polling goes on from the next state.
+    expected = (
+        ["PENDING", "IN_PROGRESS", "FAILURE"] if stream == "sse" else ["IN_PROGRESS", "FAILURE"]
+    )
+    assert seen == expected
+    polls = [r for r in gateway.requests if not r.url.path.endswith("/events")]
+    assert len(polls) == (0 if stream == "sse" else 2)
 
 
 def test_follow_yields_every_poll() -> None:

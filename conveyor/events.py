@@ -35,6 +35,10 @@ TRACEPARENT = "traceparent"
 EXT_ATTEMPT = "conveyorattempt"  # identifies one delivery of a task to a function
 EXT_MAX_ATTEMPTS = "conveyormaxattempts"
 EXT_TIMEOUT = "conveyortimeout"  # seconds one attempt may run
+# On a terminal event whose attempt sent no `started` (a call shorter than STARTED_DELAY_MS):
+# who ran it and when it began, so the task still gets its workerHost and startDate.
+EXT_HOST = "conveyorhost"
+EXT_STARTED = "conveyorstarted"
 
 SUBMITTED = "io.conveyor.task.submitted"
 CANCELLED = "io.conveyor.task.cancelled"  # gateway -> dispatchers, on `<queue>-control`
@@ -121,6 +125,7 @@ class TaskEvent:
     error_message: str | None = None
     attempt: str | None = None
     time: datetime | None = None
+    started: datetime | None = None  # terminal events only: the attempt sent no `started`
     event_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     traceparent: str | None = None
     # False for a legacy message without a message id: `event_id` was made up on receipt,
@@ -358,6 +363,10 @@ def encode_event(
     }
     if ev.attempt:
         attributes[EXT_ATTEMPT] = ev.attempt
+    if ev.started is not None and ev.kind.terminal:
+        attributes[EXT_STARTED] = ev.started.isoformat()
+        if ev.host:
+            attributes[EXT_HOST] = ev.host
     return _to_wire(attributes, data, ev.traceparent)
 
 
@@ -376,7 +385,7 @@ def _decode_ce_event(message: WireMessage) -> TaskEvent:
     data = event.get_data()
     if not isinstance(data, dict):
         raise WireError("event data is not a JSON object")
-    return _event_from_fields(
+    decoded = _event_from_fields(
         kind,
         task_id=event.get_subject(),
         data=data,
@@ -384,6 +393,15 @@ def _decode_ce_event(message: WireMessage) -> TaskEvent:
         time=_parse_time(event.get_time()),
         event_id=event.get_id(),
     )
+    started = event.get_extension(EXT_STARTED)
+    if kind.terminal and started is not None:
+        host = event.get_extension(EXT_HOST)
+        return replace(
+            decoded,
+            started=_parse_time(str(started)),
+            host=None if host is None else str(host)[:255],
+        )
+    return decoded
 
 
 def _decode_legacy_event(message: WireMessage) -> TaskEvent:

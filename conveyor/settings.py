@@ -148,6 +148,10 @@ class DispatcherSettings(BaseSettings):
     function_url: str = Field("http://127.0.0.1:8080/", validation_alias=_env("FUNCTION_URL"))
     function_ready_url: str | None = Field(None, validation_alias=_env("FUNCTION_READY_URL"))
     concurrency: int = Field(4, ge=1, le=1000, validation_alias=_env("CONCURRENCY"))
+    # Messages held beyond CONCURRENCY (prefetch = CONCURRENCY + this), so that the next one is
+    # already here when a call ends: a slot is free again as soon as the function has answered,
+    # while its terminal event is confirmed and its message acked in the background.
+    prefetch_buffer: int = Field(0, ge=0, le=1000, validation_alias=_env("PREFETCH_BUFFER"))
     shutdown_mode: ShutdownMode = Field(
         ShutdownMode.REQUEUE, validation_alias=_env("SHUTDOWN_MODE")
     )
@@ -167,6 +171,10 @@ class DispatcherSettings(BaseSettings):
     retry_backoff: float = Field(0.5, ge=0, validation_alias=_env("RETRY_BACKOFF"))
     retry_backoff_max: float = Field(30.0, ge=0, validation_alias=_env("RETRY_BACKOFF_MAX"))
     progress_interval: float = Field(0.5, ge=0, validation_alias=_env("PROGRESS_INTERVAL"))
+    # `started` goes out only once a call has run this long (0: always at once); a shorter
+    # call sends its terminal event alone, carrying the host and start time. One confirmed
+    # publish and one row write fewer per short task (legacy services always get `started`).
+    started_delay_ms: int = Field(100, ge=0, validation_alias=_env("STARTED_DELAY_MS"))
     # The longest answer read from the function: a longer one fails its task (RabbitMQ's own
     # limit on a message, 128 MiB by default, must never be reached: it closes the channel).
     max_response_bytes: int = Field(

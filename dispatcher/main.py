@@ -64,7 +64,7 @@ class Dispatcher:
             settings.amqp_url,
             in_queue(settings.queue),
             out_queue(settings.queue),
-            prefetch=1 if settings.one_shot else settings.concurrency,
+            prefetch=1 if settings.one_shot else settings.concurrency + settings.prefetch_buffer,
             name=f"conveyor-dispatcher {settings.hostname}",
             heartbeat=settings.amqp_heartbeat,
         )
@@ -121,6 +121,7 @@ class Dispatcher:
             self.metrics,
             self.in_flight,
             self.cancels,
+            self.shutdown.requested,
         )
         self.accepting = True
         await self.broker.listen_for_cancels(

@@ -1,7 +1,9 @@
 """What happens to one message taken from `<q>-in`, top to bottom (SPEC §7).
 
     decode            unreadable -> reject without requeue: `-dlq` (poison)
-    started           published concurrently with the start of the call
+    started           published once the call has run STARTED_DELAY_MS (or at its first
+                      progress report); a shorter call's terminal event carries the host
+                      and start time instead: one confirmed publish fewer per short task
     call the function with retries (retry.py), progress coalesced meanwhile
     terminal event    succeeded / failed, confirmed by the broker
     ack               only now, and only on the channel that delivered it
@@ -78,8 +80,12 @@ class Attempt:
     budget: Budget
     abort: AbortToken
     started_at: float
+    began: datetime  # wall clock, for a terminal event that stands in for `started`
     progress_token: str | None = None  # knative mode: what the progress URL must carry
     confirmed: bool = False  # its terminal event was confirmed by the broker
+    started_sent: bool = False  # `started` went (or is going) out: the task is IN_PROGRESS
+    holds_slot: bool = True  # one of the CONCURRENCY slots, until the function has answered
+    start_now: asyncio.Event = field(default_factory=asyncio.Event)  # progress: skip the delay
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -106,8 +112,12 @@ class Worker:
         metrics: Metrics,
         in_flight: InFlight,
         cancels: Cancels,
+        stopping: asyncio.Event,
     ) -> None:
         self.settings = settings
+        # CONCURRENCY calls at most; a message beyond them (PREFETCH_BUFFER) waits here.
+        self.slots = asyncio.Semaphore(settings.concurrency)
+        self.stopping = stopping
         self.cancels = cancels
         self.publisher = publisher
         self.invoker = invoker
@@ -139,12 +149,18 @@ class Worker:
             if self.cancels.cancelled(submission.task_id):
                 await self._ack_cancelled(delivery, submission.task_id, called=False)
                 return
-            attempt = self._begin(submission, delivery)
+            abort = self.in_flight.token()
+            if not await self._take_slot(abort, delivery):
+                self.in_flight.forget(abort)
+                await self._requeue(delivery, attempted=False)  # nothing if its channel died
+                return
+            attempt = self._begin(submission, delivery, abort)
             self.orphans.started(attempt)
             self.cancels.running(attempt.task_id, attempt.abort)
             try:
                 await self._run(attempt)
             finally:
+                self._free_slot(attempt)
                 self.cancels.finished(attempt.task_id, attempt.abort)
                 self.in_flight.forget(attempt.abort)
                 self.orphans.ended(attempt)
@@ -152,6 +168,27 @@ class Worker:
             # A bug, not a bad message: hand it back; the delivery limit ends a loop.
             log.exception("unexpected error", extra={"delivery_tag": delivery.tag})
             await delivery.nack_requeue()
+
+    async def _take_slot(self, abort: AbortToken, delivery: Delivery) -> bool:
+        """False when a buffered message must go back: a shutdown came while it waited (a
+        drain finishes the calls under way and starts no new one), or its channel died (the
+        broker has it again)."""
+        if not self.slots.locked():
+            await self.slots.acquire()  # free now: taken without yielding to another delivery
+            return True
+        try:
+            await abort.guard(self.slots.acquire())
+        except Aborted:
+            return False
+        if self.stopping.is_set() or not delivery.valid:
+            self.slots.release()
+            return False
+        return True
+
+    def _free_slot(self, attempt: Attempt) -> None:
+        if attempt.holds_slot:
+            attempt.holds_slot = False
+            self.slots.release()
 
     async def _run(self, attempt: Attempt) -> None:
         started = asyncio.create_task(self._publish_started(attempt))
@@ -169,7 +206,7 @@ class Worker:
             )
         except Aborted:
             await reporter.close(flush=False)
-            await asyncio.wait((started,))
+            await self._settle_started(attempt, started)
             if self.cancels.cancelled(attempt.task_id):
                 await self._ack_cancelled(attempt.delivery, attempt.task_id, called=True)
             else:
@@ -177,9 +214,20 @@ class Worker:
             return
         finally:
             self.board.remove(attempt.task_id, reporter)
-        await reporter.close(flush=True)
-        await asyncio.wait((started,))
+        # The function has answered: the next message may be called while this one's
+        # terminal event is confirmed and its message acked (never the ack first).
+        self._free_slot(attempt)
+        # Progress still waiting to go out only matters if `started` did: otherwise the
+        # terminal event, next, says it all.
+        await self._settle_started(attempt, started)
+        await reporter.close(flush=attempt.started_sent)
         await self._finish(attempt, outcome)
+
+    async def _settle_started(self, attempt: Attempt, started: asyncio.Task[None]) -> None:
+        """A `started` still in its delay is not sent at all; one going out is waited for."""
+        if not attempt.started_sent:
+            started.cancel()
+        await asyncio.wait((started,))
 
     async def _call(self, attempt: Attempt, number: int, time_left: float) -> Outcome:
         began = time.perf_counter()
@@ -189,10 +237,16 @@ class Worker:
             self.metrics.call_seconds.observe(time.perf_counter() - began)
 
     async def _finish(self, attempt: Attempt, outcome: Outcome) -> None:
+        # Without a `started` of its own, the terminal event says who ran the task and when.
+        stand_in: dict[str, Any] = (
+            {}
+            if attempt.started_sent
+            else {"host": self.settings.hostname, "started": attempt.began}
+        )
         if isinstance(outcome, Success):
-            event = attempt.event(EventKind.SUCCEEDED, response=outcome.response)
+            event = attempt.event(EventKind.SUCCEEDED, response=outcome.response, **stand_in)
         else:
-            event = attempt.event(EventKind.FAILED, error_message=outcome.error)
+            event = attempt.event(EventKind.FAILED, error_message=outcome.error, **stand_in)
         fmt = attempt.submission.message_format
         delivery = attempt.delivery
         if not await self.publisher.publish_reliably(event, fmt, TERMINAL_PATIENCE):
@@ -219,10 +273,10 @@ class Worker:
 
     # -- set-up ---------------------------------------------------------------
 
-    def _begin(self, submission: Submission, delivery: Delivery) -> Attempt:
+    def _begin(self, submission: Submission, delivery: Delivery, abort: AbortToken) -> Attempt:
         timeout = submission.timeout or self.settings.task_timeout
         max_attempts = max(1, submission.max_attempts or self.settings.max_attempts)
-        deadline = delivery.received + timeout
+        deadline = time.monotonic() + timeout  # from the call, not from a wait in the buffer
         wall_deadline = datetime.now(UTC) + timedelta(seconds=deadline - time.monotonic())
         headers = delivery.headers
         legacy = submission.message_format is MessageFormat.LEGACY
@@ -245,8 +299,9 @@ class Worker:
             attempt_id=str(uuid.uuid4()),
             invocation=invocation,
             budget=Budget(max_attempts, deadline),
-            abort=self.in_flight.token(),
+            abort=abort,
             started_at=delivery.received,
+            began=datetime.now(UTC),
             progress_token=token,
         )
 
@@ -258,6 +313,14 @@ class Worker:
     # -- events ---------------------------------------------------------------
 
     async def _publish_started(self, attempt: Attempt) -> None:
+        delay = self.settings.started_delay_ms / 1000
+        if delay > 0 and attempt.submission.message_format is MessageFormat.CLOUDEVENTS:
+            # A legacy event cannot carry the stand-in fields: legacy tasks always get one.
+            try:
+                await asyncio.wait_for(attempt.start_now.wait(), delay)
+            except TimeoutError:
+                pass
+        attempt.started_sent = True
         event = attempt.event(EventKind.STARTED, host=self.settings.hostname)
         try:
             await asyncio.wait_for(
@@ -273,6 +336,7 @@ class Worker:
     async def _publish_progress(
         self, attempt: Attempt, started: asyncio.Task[None], value: float
     ) -> None:
+        attempt.start_now.set()  # a task that reports progress is running: say so now
         await asyncio.wait((started,))  # `started` first, always
         event = attempt.event(EventKind.PROGRESS, progress=value)
         await asyncio.wait_for(

@@ -82,11 +82,20 @@ _PROGRESS = """
     SELECT count(*) AS changed, 0 AS callbacks FROM task
     """
 
+# `started` below is the stand-in start of an attempt that sent no `started` event (a call
+# shorter than the dispatcher's STARTED_DELAY_MS): the terminal event then opens and closes
+# that attempt itself, one statement instead of two events' worth.
 _FINISH = """
     WITH task AS (
         UPDATE tasks
            SET status = CAST(%(status)s AS text), end_date = %(time)s, updated_at = now(),
-               start_date = COALESCE(start_date, %(time)s),
+               start_date = COALESCE(CAST(%(started)s AS timestamptz), start_date, %(time)s),
+               worker_host = CASE WHEN CAST(%(started)s AS timestamptz) IS NULL THEN worker_host
+                                  ELSE CAST(%(host)s AS text) END,
+               attempt_id = CASE WHEN CAST(%(started)s AS timestamptz) IS NULL THEN attempt_id
+                                 ELSE CAST(%(attempt)s AS text) END,
+               attempts = attempts + CASE WHEN CAST(%(started)s AS timestamptz) IS NULL
+                                          THEN 0 ELSE 1 END,
                response = CASE WHEN CAST(%(status)s AS text) = 'SUCCESS'
                                THEN CAST(%(response)s AS jsonb) END,
                error_message = CAST(%(error_message)s AS text),
@@ -96,11 +105,25 @@ _FINISH = """
         RETURNING task_id, attempt_id, callback IS NOT NULL AS notify
     ), history AS (
         UPDATE task_attempts a
-           SET end_date = %(time)s, outcome = lower(CAST(%(status)s AS text)),
-               error_message = CAST(%(error_message)s AS text)
+           SET end_date = %(time)s,
+               outcome = CASE WHEN a.attempt_id = COALESCE(CAST(%(attempt)s AS text), task.attempt_id)
+                              THEN lower(CAST(%(status)s AS text)) ELSE 'interrupted' END,
+               error_message = CASE WHEN a.attempt_id = COALESCE(CAST(%(attempt)s AS text),
+                                                                 task.attempt_id)
+                                    THEN CAST(%(error_message)s AS text) END
           FROM task
          WHERE a.task_id = task.task_id AND a.end_date IS NULL
-           AND a.attempt_id = COALESCE(CAST(%(attempt)s AS text), task.attempt_id)
+           AND (a.attempt_id = COALESCE(CAST(%(attempt)s AS text), task.attempt_id)
+                OR CAST(%(started)s AS timestamptz) IS NOT NULL)
+    ), stand_in AS (
+        INSERT INTO task_attempts
+               (task_id, attempt_id, worker_host, start_date, end_date, outcome, error_message)
+        SELECT task_id, CAST(%(attempt)s AS text), CAST(%(host)s AS text),
+               CAST(%(started)s AS timestamptz), %(time)s, lower(CAST(%(status)s AS text)),
+               CAST(%(error_message)s AS text)
+          FROM task
+         WHERE CAST(%(started)s AS timestamptz) IS NOT NULL
+        ON CONFLICT (task_id, attempt_id) DO NOTHING
     )
     SELECT count(*) AS changed, count(*) FILTER (WHERE notify) AS callbacks FROM task
     """
@@ -160,13 +183,15 @@ def transition(event: TaskEvent) -> Transition:
             }
             return Transition(_PROGRESS, progress, Applied.CHANGED)
         case EventKind.SUCCEEDED:
-            return _finish(task_id, "SUCCESS", time, event.attempt, _jsonb(event.response), None)
+            return _finish(
+                task_id, "SUCCESS", time, event.attempt, _jsonb(event.response), None, event
+            )
         case EventKind.FAILED:
             message = (event.error_message or "The function failed without a message.").replace(
                 "\x00",
                 "\ufffd",  # PostgreSQL text cannot hold NUL
             )
-            return _finish(task_id, "FAILURE", time, event.attempt, None, message)
+            return _finish(task_id, "FAILURE", time, event.attempt, None, message, event)
     raise ValueError(f"no transition for {event.kind!r}")
 
 
@@ -182,7 +207,11 @@ def _finish(
     attempt: str | None,
     response: Jsonb | None,
     error_message: str | None,
+    event: TaskEvent | None = None,
 ) -> Transition:
+    started = None if event is None else event.started
+    if event is not None and started is not None and not attempt:
+        attempt = event.event_id  # a stand-in attempt needs an id: a producer sent none
     params = {
         "task_id": task_id,
         "status": status,
@@ -190,6 +219,8 @@ def _finish(
         "attempt": attempt,
         "response": response,
         "error_message": error_message,
+        "started": started,
+        "host": None if event is None else event.host,
     }
     return Transition(_FINISH, params, Applied.FINISHED)
 

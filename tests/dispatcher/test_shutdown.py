@@ -20,7 +20,7 @@ LONG_FIRST = {"sleep": 30, "sleepOnAttempts": [1]}
 async def test_sigterm_requeues_the_task_and_a_second_dispatcher_finishes_it(
     rabbit: Rabbit, function: FakeFunction, launch: Launch
 ) -> None:
-    first = launch(function.url)
+    first = launch(function.url, started_delay_ms=0)  # `started` at once: both hosts seen
     await first.wait_ready()
     task_id = await rabbit.submit(LONG_FIRST)
     await function.wait_calls(task_id)
@@ -34,7 +34,7 @@ async def test_sigterm_requeues_the_task_and_a_second_dispatcher_finishes_it(
     assert rabbit.kinds(task_id) == [EventKind.STARTED]  # no terminal event when requeued
     assert await rabbit.depth(rabbit.in_q) == 1  # back in -in
 
-    second = launch(function.url)
+    second = launch(function.url, started_delay_ms=0)
     done = await rabbit.wait_terminal(task_id)
     assert done.kind is EventKind.SUCCEEDED
     hosts = [e.host for e in rabbit.of(task_id) if e.kind is EventKind.STARTED]

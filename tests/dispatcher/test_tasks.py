@@ -181,3 +181,42 @@ async def test_function_slow_to_start_loses_no_task(
         assert (await rabbit.wait_terminal(task_id, timeout=20)).kind is EventKind.SUCCEEDED
     await eventually(lambda: all(slow.calls(t) for t in tasks), 5, "calls")
     assert await stop_and_count(dispatcher, rabbit) == 0
+
+
+async def test_a_short_call_sends_its_terminal_event_alone_carrying_host_and_start(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """STARTED_DELAY_MS (default 100): a call that answers sooner sends no `started`."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    before = datetime.now(UTC)
+    quick = await rabbit.submit({"response": {"n": 1}})
+    slow = await rabbit.submit({"sleep": 0.6})
+    reporting = await rabbit.submit({"progress": [30]})  # short, but it reports progress
+
+    done = await rabbit.wait_terminal(quick)
+    assert rabbit.kinds(quick) == [EventKind.SUCCEEDED]
+    assert done.host == "pod-1" and done.started is not None
+    assert before <= done.started <= datetime.now(UTC)
+    assert done.attempt
+
+    slow_done = await rabbit.wait_terminal(slow)
+    assert rabbit.kinds(slow) == [EventKind.STARTED, EventKind.SUCCEEDED]
+    assert slow_done.started is None  # its `started` said it already
+
+    await rabbit.wait_terminal(reporting)
+    kinds = rabbit.kinds(reporting)
+    assert kinds[0] is EventKind.STARTED and EventKind.PROGRESS in kinds  # `started` first
+    assert await stop_and_count(dispatcher, rabbit) == 0
+
+
+async def test_started_delay_0_always_sends_started(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(function.url, started_delay_ms=0)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({})
+    done = await rabbit.wait_terminal(task_id)
+    assert rabbit.kinds(task_id) == [EventKind.STARTED, EventKind.SUCCEEDED]
+    assert done.started is None
+    assert await stop_and_count(dispatcher, rabbit) == 0

@@ -318,6 +318,64 @@ def test_redelivery_resets_host_progress_and_start_date(
     assert history == [(a, "host-a", "interrupted", True), (b, "host-b", "success", True)]
 
 
+def test_a_terminal_event_standing_in_for_started_opens_and_closes_its_attempt(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """A call shorter than STARTED_DELAY_MS sends no `started`: its terminal event carries
+    the host and the start, and the task reads as if both events had come."""
+    quick = _submit(gateway, svc, {"n": 1})
+    began = _ms(datetime.now(UTC) - timedelta(seconds=1))
+    _publish_events(
+        amqp_url,
+        svc,
+        _event(
+            svc, EventKind.SUCCEEDED, quick, response=1, attempt="c", host="host-c", started=began
+        ),
+    )
+    data = _poll_until(gateway, svc, quick, status="SUCCESS")
+    assert data["startDate"] == iso(began) and data["endDate"] >= data["startDate"]
+    assert _column(platform, quick, "worker_host") == "host-c"
+    assert _column(platform, quick, "attempts") == 1
+
+    # A redelivery that answered quickly, after an attempt that had said `started`.
+    redone = _submit(gateway, svc, {"n": 2})
+    first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    second = first + timedelta(seconds=10)
+    _publish_events(
+        amqp_url,
+        svc,
+        _event(svc, EventKind.STARTED, redone, host="host-a", attempt="a", time=first),
+    )
+    _poll_until(gateway, svc, redone, status="IN_PROGRESS")
+    _publish_events(
+        amqp_url,
+        svc,
+        _event(
+            svc,
+            EventKind.FAILED,
+            redone,
+            error_message="Argh!",
+            attempt="b",
+            host="host-b",
+            started=second,
+        ),
+    )
+    data = _poll_until(gateway, svc, redone, status="FAILURE")
+    assert data["startDate"] == iso(second) and data["errorMessage"] == "Argh!"
+    assert _column(platform, redone, "worker_host") == "host-b"
+    history = platform.sql(
+        "SELECT task_id::text, attempt_id, worker_host, outcome, error_message,"
+        " end_date IS NOT NULL FROM task_attempts"
+        " WHERE task_id = ANY(%(t)s::uuid[]) ORDER BY start_date",
+        {"t": [quick, redone]},
+    )
+    assert history == [
+        (redone, "a", "host-a", "interrupted", None, True),
+        (redone, "b", "host-b", "failure", "Argh!", True),
+        (quick, "c", "host-c", "success", None, True),
+    ]
+
+
 # -- the seed's own messages ---------------------------------------------------
 
 

@@ -278,7 +278,9 @@ def check_trigger(trigger: Doc, d: Dispatcher, auths: dict[str, Doc]) -> None:
     assert meta["protocol"] == "http", where
     assert meta["mode"] == "QueueLength", where
     assert meta["activationValue"] == "0", where
-    assert meta["value"] == d.env["CONCURRENCY"], f"{where}: trigger value != CONCURRENCY"
+    # A replica holds CONCURRENCY calls plus PREFETCH_BUFFER waiting messages (SPEC §7).
+    held = int(d.env["CONCURRENCY"]) + int(d.env.get("PREFETCH_BUFFER", "0"))
+    assert meta["value"] == str(held), f"{where}: trigger value != CONCURRENCY + PREFETCH_BUFFER"
     assert meta["queueName"] == d.env["CONVEYOR_QUEUE"] + "-in", f"{where}: queue mismatch"
     assert "host" not in meta, f"{where}: credentials belong in a TriggerAuthentication"
     auth = auths[trigger["authenticationRef"]["name"]]

@@ -1,0 +1,64 @@
+"""PREFETCH_BUFFER (SPEC §7): messages held beyond CONCURRENCY never raise the number of
+calls under way, and a shutdown hands them back uncalled, in either mode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import pytest
+
+from conveyor.events import EventKind
+from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit, eventually
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _most_at_once(function: FakeFunction) -> int:
+    """The most calls the function had open at one time, from its journal's order."""
+    journal = [json.loads(line) for line in function.log.read_text().splitlines() if line]
+    open_calls = most = 0
+    for entry in journal:
+        open_calls += {"start": 1, "end": -1}.get(entry["phase"], 0)
+        most = max(most, open_calls)
+    return most
+
+
+async def test_calls_stay_within_concurrency_and_a_sigterm_hands_the_buffer_back(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(function.url, concurrency=2, prefetch_buffer=2)
+    await dispatcher.wait_ready()
+    quick = [await rabbit.submit({}) for _ in range(10)]
+    for task_id in quick:
+        assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+    slow = [await rabbit.submit({"sleep": 30}) for _ in range(6)]
+    await eventually(lambda: len(function.entries("start")) >= 12, 10, "two slow calls")
+    await asyncio.sleep(0.5)  # the buffer has filled: 2 running, 2 waiting, 2 in the queue
+    assert len(function.entries("start")) == 12
+    assert await rabbit.depth(rabbit.in_q) == 2  # ready ones: 4 are held
+
+    dispatcher.signal(signal.SIGTERM)
+    assert await dispatcher.exit_code(10) == 0
+    assert await rabbit.depth(rabbit.in_q) == 6  # every slow task is back, none lost
+    assert not [t for t in slow if rabbit.terminal(t) is not None]
+    assert len(function.entries("start")) == 12  # the buffered ones were never called
+    assert _most_at_once(function) <= 2
+
+
+async def test_a_drain_finishes_the_calls_under_way_and_starts_no_buffered_one(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(
+        function.url, concurrency=2, prefetch_buffer=2, shutdown_mode="drain", drain_timeout=20
+    )
+    await dispatcher.wait_ready()
+    tasks = [await rabbit.submit({"sleep": 1.5}) for _ in range(5)]
+    await eventually(lambda: len(function.entries("start")) >= 2, 10, "two calls")
+    await asyncio.sleep(0.3)
+    dispatcher.signal(signal.SIGTERM)
+    assert await dispatcher.exit_code(20) == 0
+    finished = [t for t in tasks if rabbit.terminal(t) is not None]
+    assert len(finished) == 2 and len(function.entries("start")) == 2, dispatcher.proc.logs()
+    assert await rabbit.depth(rabbit.in_q) == 3

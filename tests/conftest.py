@@ -112,6 +112,22 @@ def private_rabbit() -> Iterator[RabbitNode]:
     node.stop()
 
 
+@pytest.fixture(autouse=True)
+def _remove_the_tests_services() -> Iterator[None]:
+    """The services a test made go when it ends (module- and session-wide ones are made before
+    it starts, and stay): their rows, queues and control exchange."""
+    from tests.support.amqp import remove_service
+
+    before = len(Platform.created)
+    yield
+    made, Platform.created[before:] = Platform.created[before:], []
+    for platform, service in made:
+        try:
+            remove_service(platform, AMQP_URL, service)
+        except Exception as exc:  # cleanup only: the run's end sweeps what is left
+            print(f"could not remove service {service.name}: {exc!r}")
+
+
 @pytest.fixture
 def queue_name() -> str:
     """Unique per test: tests never see each other's queues."""

@@ -94,6 +94,10 @@ class Service:
 class Platform:
     """Creates uniquely named services and clients in the test database."""
 
+    # Every service any Platform made, in order: a test's own are removed when it ends
+    # (tests/conftest.py), so that the broker never holds hundreds of leftover queues.
+    created: list[tuple[Platform, Service]] = []
+
     def __init__(self, database_url: str) -> None:
         self.database_url = database_url
 
@@ -126,7 +130,9 @@ class Platform:
                 ],
             }
         )
-        return Service(name, service["queueName"], made)
+        made_service = Service(name, service["queueName"], made)
+        Platform.created.append((self, made_service))
+        return made_service
 
     def sql(self, statement: str, params: Mapping[str, Any] | None = None) -> list[Any]:
         import psycopg

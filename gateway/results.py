@@ -125,6 +125,13 @@ class ResultConsumer:
     async def refresh(self) -> None:
         async with self.pool.connection() as conn:
             services = {s.name: s for s in await catalog.all_services(conn)}
+        if set(self._subscribed) - set(services) and self._channel is not None:
+            # A robust channel re-declares every queue it ever declared when it is restored,
+            # so a removed service's queues would come back after any reconnection, even once
+            # deleted. A fresh channel forgets them; unacked results go back to their queues.
+            forgotten, self._channel = self._channel, None
+            self._subscribed.clear()
+            await _close_quietly(forgotten)
         if self._channel is None or self._channel.is_closed:
             old, self._channel = self._channel, await self.broker.channel(prefetch=BATCH_SIZE * 2)
             self._subscribed.clear()

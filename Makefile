@@ -29,6 +29,7 @@ up: install services
 ## The test suite: unit, integration (real PostgreSQL + RabbitMQ) and end-to-end (real processes).
 test: install services
 	@command -v node >/dev/null || bash scripts/ensure-services.sh apt nodejs || true
+	@command -v chromium >/dev/null || bash scripts/ensure-services.sh apt chromium
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 ## ruff, the type checker and the import rules (gateway and dispatcher never import each other)

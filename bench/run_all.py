@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "scale": ([], ["--levels", "1000,100000", "--requests", "300", "--reps", "1"]),
     "batch": ([], ["--duration", "1", "--reps", "1"]),
     "streams": ([], ["--duration", "1", "--reps", "1", "--streams", "200"]),
+    "tracing": ([], ["--duration", "1", "--reps", "1"]),
 }
 TIMEOUTS = {
     "submit": 300,
@@ -36,6 +37,7 @@ TIMEOUTS = {
     "scale": 600,
     "batch": 240,
     "streams": 300,
+    "tracing": 300,
 }
 
 

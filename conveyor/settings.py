@@ -93,6 +93,8 @@ class GatewaySettings(CommonSettings):
     # plus this margin fails: its worker is gone, or its result was lost.
     silence_margin: float = 300.0
     service_refresh_interval: float = 5.0
+    # The per-service gauges of /metrics (tasks by status, queue depths) are this fresh.
+    stats_interval: float = Field(15.0, gt=0)
 
     @property
     def outbox_grace(self) -> float:

@@ -58,12 +58,26 @@ class TooLarge(Exception):
 class Success:
     response: Any
 
+    @property
+    def label(self) -> str:
+        """The call's outcome in metrics (`conveyor_dispatcher_function_calls_total`)."""
+        return "success"
+
 
 @dataclass(frozen=True, slots=True)
 class Failure:
     error: str
     retryable: bool
     retry_after: str | None = None  # the raw Retry-After header; see retry.py
+    timed_out: bool = False  # no whole answer in time: told apart from a refusal in metrics
+
+    @property
+    def label(self) -> str:
+        """`timeout` (no answer in time), `retryable` (408, 429, 5xx, network) or `failure`
+        (the function's final refusal, or an answer that cannot be carried)."""
+        if self.timed_out:
+            return "timeout"
+        return "retryable" if self.retryable else "failure"
 
 
 Outcome = Success | Failure
@@ -132,11 +146,12 @@ def network_failure(exc: httpx.HTTPError) -> Failure:
     """Connection refused or reset, timeouts: the function may come back."""
     kind = type(exc).__name__
     detail = str(exc) or kind
-    if isinstance(exc, httpx.TimeoutException):
+    timed_out = isinstance(exc, httpx.TimeoutException)
+    if timed_out:
         detail = f"timed out ({kind})"
     elif isinstance(exc, httpx.ConnectError):
         detail = f"cannot connect to the function: {detail}"
-    return Failure(truncate(detail), retryable=True)
+    return Failure(truncate(detail), retryable=True, timed_out=timed_out)
 
 
 def response_value(body: bytes) -> Any:
@@ -257,6 +272,7 @@ class Invoker:
             return Failure(
                 f"The function did not answer within the task timeout ({timeout:.3g} s left).",
                 retryable=True,
+                timed_out=True,
             )
         except TooLarge:
             limit = self.max_response_bytes

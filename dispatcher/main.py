@@ -22,7 +22,7 @@ from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from conveyor import logs
+from conveyor import logs, tracing
 from conveyor.amqp import from_amqp
 from conveyor.events import WireError, decode_cancel
 from conveyor.settings import DispatcherSettings
@@ -45,6 +45,7 @@ log = logging.getLogger("dispatcher")
 def run(settings: DispatcherSettings) -> int:
     """Runs the dispatcher until it stops; returns the process exit code."""
     logs.configure(settings.log_level, settings.log_format)
+    tracing.configure("conveyor-dispatcher")  # nothing unless an OTLP endpoint is set
     try:
         import uvloop
     except ImportError:
@@ -216,4 +217,6 @@ class Dispatcher:
             return_exceptions=True,
         )
         self.shutdown.uninstall()
+        if tracing.enabled:
+            await asyncio.to_thread(tracing.shutdown)  # the last spans are exported
         log.info("stopped")

@@ -17,6 +17,7 @@ from prometheus_client import (
 )
 
 _PREFIX = "conveyor_dispatcher"
+CALL_OUTCOMES = ("success", "failure", "retryable", "timeout", "aborted", "error")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
 
 
@@ -55,6 +56,15 @@ class Metrics:
         self.in_flight = Gauge(
             f"{_PREFIX}_tasks_in_flight", "Deliveries being handled.", registry=r
         )
+        self.calls = Counter(
+            f"{_PREFIX}_function_calls",
+            "HTTP calls to the function, by outcome: success, failure (final), retryable"
+            " (408, 429, 5xx, network), timeout, aborted (cancel, shutdown), error (a bug).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in CALL_OUTCOMES:  # exported at 0 from the start: rate() sees the 1st
+            self.calls.labels(outcome=outcome)
         self.call_seconds = Histogram(
             f"{_PREFIX}_function_call_seconds",
             "Duration of one HTTP call to the function.",

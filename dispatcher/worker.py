@@ -33,12 +33,13 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
 
 from conveyor import headers as h
+from conveyor import tracing
 from conveyor.events import (
     SUBMITTED,
     EventKind,
@@ -82,6 +83,7 @@ class Attempt:
     started_at: float
     began: datetime  # wall clock, for a terminal event that stands in for `started`
     progress_token: str | None = None  # knative mode: what the progress URL must carry
+    traceparent: str | None = None  # its events': the `consume` span's, or the submission's
     confirmed: bool = False  # its terminal event was confirmed by the broker
     started_sent: bool = False  # `started` went (or is going) out: the task is IN_PROGRESS
     holds_slot: bool = True  # one of the CONCURRENCY slots, until the function has answered
@@ -97,7 +99,7 @@ class Attempt:
             kind=kind,
             task_id=self.task_id,
             attempt=self.attempt_id,
-            traceparent=self.submission.traceparent,
+            traceparent=self.traceparent,
             **fields,
         )
 
@@ -143,31 +145,40 @@ class Worker:
             except WireError as exc:
                 await self._reject_poison(delivery, str(exc))
                 return
-            if await self.orphans.finished_here(submission.task_id):
-                await self._ack_finished_redelivery(delivery)
-                return
-            if self.cancels.cancelled(submission.task_id):
-                await self._ack_cancelled(delivery, submission.task_id, called=False)
-                return
-            abort = self.in_flight.token()
-            if not await self._take_slot(abort, delivery):
-                self.in_flight.forget(abort)
-                await self._requeue(delivery, attempted=False)  # nothing if its channel died
-                return
-            attempt = self._begin(submission, delivery, abort)
-            self.orphans.started(attempt)
-            self.cancels.running(attempt.task_id, attempt.abort)
-            try:
-                await self._run(attempt)
-            finally:
-                self._free_slot(attempt)
-                self.cancels.finished(attempt.task_id, attempt.abort)
-                self.in_flight.forget(attempt.abort)
-                self.orphans.ended(attempt)
+            attributes = (
+                {"conveyor.task_id": submission.task_id, "conveyor.queue": self.settings.queue}
+                if tracing.enabled
+                else None
+            )
+            with tracing.span("consume", submission.traceparent, attributes, kind="consumer"):
+                await self._handle(delivery, submission)
         except Exception:
             # A bug, not a bad message: hand it back; the delivery limit ends a loop.
             log.exception("unexpected error", extra={"delivery_tag": delivery.tag})
             await delivery.nack_requeue()
+
+    async def _handle(self, delivery: Delivery, submission: Submission) -> None:
+        if await self.orphans.finished_here(submission.task_id):
+            await self._ack_finished_redelivery(delivery)
+            return
+        if self.cancels.cancelled(submission.task_id):
+            await self._ack_cancelled(delivery, submission.task_id, called=False)
+            return
+        abort = self.in_flight.token()
+        if not await self._take_slot(abort, delivery):
+            self.in_flight.forget(abort)
+            await self._requeue(delivery, attempted=False)  # nothing if its channel died
+            return
+        attempt = self._begin(submission, delivery, abort)
+        self.orphans.started(attempt)
+        self.cancels.running(attempt.task_id, attempt.abort)
+        try:
+            await self._run(attempt)
+        finally:
+            self._free_slot(attempt)
+            self.cancels.finished(attempt.task_id, attempt.abort)
+            self.in_flight.forget(attempt.abort)
+            self.orphans.ended(attempt)
 
     async def _take_slot(self, abort: AbortToken, delivery: Delivery) -> bool:
         """False when a buffered message must go back: a shutdown came while it waited (a
@@ -231,10 +242,33 @@ class Worker:
 
     async def _call(self, attempt: Attempt, number: int, time_left: float) -> Outcome:
         began = time.perf_counter()
+        label = "error"  # unless the invoker answers: an exception escaped it
         try:
-            return await self.invoker.call(attempt.invocation, number - 1, time_left)
+            outcome = await self._invoke(attempt, number - 1, time_left)
+            label = outcome.label
+            return outcome
+        except asyncio.CancelledError:
+            label = "aborted"  # the task was cancelled or the dispatcher shuts down
+            raise
         finally:
             self.metrics.call_seconds.observe(time.perf_counter() - began)
+            self.metrics.calls.labels(outcome=label).inc()
+
+    async def _invoke(self, attempt: Attempt, retry: int, time_left: float) -> Outcome:
+        """The HTTP call; with tracing on, in a `call` span whose context the function gets in
+        its `traceparent` header (its own spans then join the task's trace)."""
+        if not tracing.enabled:
+            return await self.invoker.call(attempt.invocation, retry, time_left)
+        attributes: tracing.Attributes = {
+            "conveyor.task_id": attempt.task_id,
+            "conveyor.retry": retry,
+        }
+        with tracing.span("call", None, attributes, kind="client"):
+            invocation = replace(attempt.invocation, traceparent=tracing.current())
+            outcome = await self.invoker.call(invocation, retry, time_left)
+            if isinstance(outcome, Failure):
+                tracing.failed(outcome.error)
+            return outcome
 
     async def _finish(self, attempt: Attempt, outcome: Outcome) -> None:
         # Without a `started` of its own, the terminal event says who ran the task and when.
@@ -303,6 +337,7 @@ class Worker:
             started_at=delivery.received,
             began=datetime.now(UTC),
             progress_token=token,
+            traceparent=tracing.current() or submission.traceparent,
         )
 
     def _progress_url(self, task_id: str, token: str | None) -> str:

@@ -19,7 +19,13 @@ from psycopg import AsyncConnection
 from conveyor.events import MessageFormat
 from gateway.auth import generate_secret, hash_secret
 from gateway.pgpool import jsonb
-from gateway.platform_file import ClientSpec, PlatformError, PlatformSpec, ServiceSpec
+from gateway.platform_file import (
+    ClientSpec,
+    OperatorSpec,
+    PlatformError,
+    PlatformSpec,
+    ServiceSpec,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +76,21 @@ async def upsert_service(conn: AsyncConnection[Any], spec: ServiceSpec) -> Chang
     return Change("service", spec.name, action)
 
 
-async def _stored_hash(conn: AsyncConnection[Any], client_id: str) -> str | None:
+# Clients and operators are kept apart: each table is the only one its API reads.
+_PRINCIPALS = {"client": ("clients", "client_id"), "operator": ("operators", "operator_id")}
+
+
+async def _stored_hash(conn: AsyncConnection[Any], ident: str, kind: str = "client") -> str | None:
+    table, column = _PRINCIPALS[kind]
     cursor = await conn.execute(
-        "SELECT secret_hash FROM clients WHERE client_id = %s", (client_id,)
+        f"SELECT secret_hash FROM {table} WHERE {column} = %s",  # table and column: fixed names
+        (ident,),
     )
     row = await cursor.fetchone()
     return None if row is None else row.secret_hash
 
 
-def _hash_for(spec: ClientSpec, stored: str | None) -> str:
+def _hash_for(spec: OperatorSpec, stored: str | None) -> str:
     if spec.secretHash is not None:
         return spec.secretHash
     assert spec.secret is not None
@@ -106,15 +118,27 @@ async def upsert_client(conn: AsyncConnection[Any], spec: ClientSpec) -> Change:
     return Change("client", spec.id, action)
 
 
-async def _set_secret_hash(conn: AsyncConnection[Any], client_id: str, secret_hash: str) -> None:
+async def _set_secret_hash(
+    conn: AsyncConnection[Any], ident: str, secret_hash: str, kind: str = "client"
+) -> None:
+    table, column = _PRINCIPALS[kind]
     await conn.execute(
-        """
-        INSERT INTO clients (client_id, secret_hash) VALUES (%(id)s, %(hash)s)
-        ON CONFLICT (client_id) DO UPDATE SET secret_hash = EXCLUDED.secret_hash,
-                                              updated_at = now()
-        """,
-        {"id": client_id, "hash": secret_hash},
+        f"""
+        INSERT INTO {table} ({column}, secret_hash) VALUES (%(id)s, %(hash)s)
+        ON CONFLICT ({column}) DO UPDATE SET secret_hash = EXCLUDED.secret_hash,
+                                             updated_at = now()
+        """,  # table and column: fixed names
+        {"id": ident, "hash": secret_hash},
     )
+
+
+async def upsert_operator(conn: AsyncConnection[Any], spec: OperatorSpec) -> Change:
+    stored = await _stored_hash(conn, spec.id, "operator")
+    wanted = _hash_for(spec, stored)
+    if stored == wanted:
+        return Change("operator", spec.id, "unchanged")
+    await _set_secret_hash(conn, spec.id, wanted, "operator")
+    return Change("operator", spec.id, "created" if stored is None else "updated")
 
 
 async def _set_grants(conn: AsyncConnection[Any], spec: ClientSpec) -> bool:
@@ -146,6 +170,7 @@ async def apply(conn: AsyncConnection[Any], spec: PlatformSpec) -> list[Change]:
                         f"client {client.id}: grant to unknown service '{g.service}'"
                     )
             changes.append(await upsert_client(conn, client))
+        changes += [await upsert_operator(conn, o) for o in spec.operators]
     return changes
 
 
@@ -213,9 +238,11 @@ async def listing(conn: AsyncConnection[Any]) -> dict[str, list[dict[str, Any]]]
         " || ')', ''), ', ' ORDER BY a.service), '') AS grants FROM clients c"
         " LEFT JOIN authorizations a USING (client_id) GROUP BY c.client_id ORDER BY 1"
     )
+    operators = await conn.execute("SELECT operator_id FROM operators ORDER BY 1")
     return {
         "services": service_rows,
         "clients": [row._asdict() for row in await clients.fetchall()],
+        "operators": [row._asdict() for row in await operators.fetchall()],
     }
 
 

@@ -21,8 +21,10 @@ from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
-from conveyor import envelope
+from conveyor import envelope, tracing
+from conveyor import headers as h
 from gateway import api_models, catalog, errors, metrics, pgpool
+from gateway.auth import Authenticator
 from gateway.callbacks import CallbackRefused, check_callback
 from gateway.cancel import cancel_task
 from gateway.outbox import submission_for
@@ -58,13 +60,15 @@ def runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-async def _client(request: Request, rt: Runtime) -> str:
+async def authenticated(request: Request, auth: Authenticator) -> str:
+    """The caller's id for this authenticator (clients, or operators), or the one 403001
+    every authentication failure gets."""
     source = request.client.host if request.client else ""
-    client_id = await rt.auth.authenticate(request.headers.get("authorization"), source)
-    if client_id is None:
+    found = await auth.authenticate(request.headers.get("authorization"), source)
+    if found is None:
         metrics.AUTH_FAILURES.inc()
         raise errors.ApiError(errors.FORBIDDEN)
-    return client_id
+    return found
 
 
 async def _access(rt: Runtime, client_id: str, service: str) -> catalog.Access | None:
@@ -211,24 +215,37 @@ _BATCH_DOC: dict[str, Any] = {
 @router.post("/v1/services/{service}/tasks/", include_in_schema=False, **_CREATE_DOC)
 async def create(service: str, request: Request) -> Json:
     rt = runtime(request)
-    client_id, access = await _granted(request, rt, service)
-    payload = _check_item(
-        _parse(
-            await _read_body(request, rt.settings.max_body_bytes),
-            request.headers.get("content-type"),
+    incoming = tracing.checked(request.headers.get(h.TRACEPARENT))
+    with tracing.span("submit", incoming, {"conveyor.service": service}, kind="server"):
+        trace = tracing.current() or incoming
+        client_id, access = await _granted(request, rt, service)
+        payload = _check_item(
+            _parse(
+                await _read_body(request, rt.settings.max_body_bytes),
+                request.headers.get("content-type"),
+            )
         )
-    )
-    new = await _new_task(rt, client_id, access, payload, _idempotency_key(request))
-    accepted = await create_task(rt.pool, new, rt.intake.insert)
-    await _publish(rt, request, [(new, accepted)])
-    data = {"taskId": str(accepted.task_id), "taskPosition": accepted.position}
-    return _ok(data, 201 if accepted.created else 200)
+        key = _idempotency_key(request)
+        new = await _new_task(rt, client_id, access, payload, key, trace)
+        accepted = await create_task(rt.pool, new, rt.intake.insert)
+        await _publish(rt, [(new, accepted)])
+        task_id = str(accepted.task_id)
+        tracing.annotate("conveyor.task_id", task_id)
+        data = {"taskId": task_id, "taskPosition": accepted.position}
+        return _ok(data, 201 if accepted.created else 200)
 
 
 @router.post("/v1/services/{service}/tasks/batch", summary="Create many tasks", **_BATCH_DOC)
 async def create_batch(service: str, request: Request) -> Json:
-    """All or nothing: one transaction, one insert, capacity counted for the whole batch."""
+    """All or nothing: one transaction, one insert, capacity counted for the whole batch;
+    one trace for the whole batch, as for any one request."""
     rt = runtime(request)
+    incoming = tracing.checked(request.headers.get(h.TRACEPARENT))
+    with tracing.span("submit", incoming, {"conveyor.service": service}, kind="server"):
+        return await _create_batch(service, request, rt, tracing.current() or incoming)
+
+
+async def _create_batch(service: str, request: Request, rt: Runtime, trace: str | None) -> Json:
     client_id, access = await _granted(request, rt, service)
     payload = _parse(
         await _read_body(request, rt.settings.max_batch_bytes), request.headers.get("content-type")
@@ -243,7 +260,9 @@ async def create_batch(service: str, request: Request) -> Json:
     key = _idempotency_key(request)
     checked = await asyncio.gather(
         *(
-            _new_task(rt, client_id, access, item, key and f"{key}\n{i}", where=f"tasks/{i}/")
+            _new_task(
+                rt, client_id, access, item, key and f"{key}\n{i}", trace, where=f"tasks/{i}/"
+            )
             for i, item in enumerate(items)
         ),
         return_exceptions=True,
@@ -256,7 +275,7 @@ async def create_batch(service: str, request: Request) -> Json:
             raise outcome
     news = [c for c in checked if isinstance(c, NewTask)]
     accepted = await create_tasks(rt.pool, news)
-    await _publish(rt, request, list(zip(news, accepted, strict=True)))
+    await _publish(rt, list(zip(news, accepted, strict=True)))
     created = bool(accepted) and accepted[0].created
     tasks = [{"taskId": str(a.task_id), "taskPosition": a.position} for a in accepted]
     return _ok({"tasks": tasks}, 201 if created else 200)
@@ -264,7 +283,7 @@ async def create_batch(service: str, request: Request) -> Json:
 
 async def _granted(request: Request, rt: Runtime, service: str) -> tuple[str, catalog.Access]:
     """The caller and their access to the service, in the SPEC's order of refusals."""
-    client_id = await _client(request, rt)
+    client_id = await authenticated(request, rt.auth)
     access = await _access(rt, client_id, service)
     if access is None:
         raise errors.ApiError(errors.SERVICE_NOT_FOUND)
@@ -279,6 +298,7 @@ async def _new_task(
     access: catalog.Access,
     item: Any,
     key: str | None,
+    traceparent: str | None,
     where: str = "",
 ) -> NewTask:
     """One task checked: its shape, its callback (SSRF guard) and the service's JSON Schema."""
@@ -295,7 +315,7 @@ async def _new_task(
         for error in schema_errors:
             error["path"] = where + error["path"]
         raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
-    return NewTask(client_id, access, item["body"], callback, key, not_before)
+    return NewTask(client_id, access, item["body"], callback, key, not_before, traceparent)
 
 
 def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime | None:
@@ -335,16 +355,15 @@ def _all_refusals(refused: list[errors.ApiError]) -> errors.ApiError:
     return errors.ApiError(chosen[0].kind, found)
 
 
-async def _publish(rt: Runtime, request: Request, done: list[tuple[NewTask, Accepted]]) -> None:
+async def _publish(rt: Runtime, done: list[tuple[NewTask, Accepted]]) -> None:
     """The fast path of the outbox, after the commit: the relay retries what fails here."""
-    trace = request.headers.get("traceparent")
     publishes = []
     for new, accepted in done:
         if accepted.created and accepted.outbox_id is not None and not accepted.delayed:
             service = new.access.service
             metrics.SUBMITTED.labels(service=service.name).inc()
             submission = submission_for(
-                accepted.task_id, service, new.body, rt.settings.pending_ttl, trace
+                accepted.task_id, service, new.body, rt.settings.pending_ttl, new.traceparent
             )
             publishes.append(
                 rt.outbox.publish_now(accepted.outbox_id, submission, service.queue_name)

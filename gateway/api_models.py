@@ -135,3 +135,101 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         503: "503001 database unavailable",
     }
     return {c: {"model": ErrorEnvelope, "description": descriptions[c]} for c in codes}
+
+
+# -- the admin API (SPEC §11.6) ----------------------------------------------
+
+
+class StatusCounts(BaseModel):
+    """The live statuses now; finished tasks are counted in `finishedLastHour`."""
+
+    PENDING: int
+    IN_PROGRESS: int
+
+
+class Outcomes(BaseModel):
+    SUCCESS: int
+    FAILURE: int
+
+
+class QueueDepths(BaseModel):
+    in_: int | None = Field(None, alias="in", description="Ready in -in; null: broker unknown")
+    dlq: int | None = None
+
+
+class RunTime(BaseModel):
+    p50: float | None = Field(None, description="Seconds, newest tasks finished in the hour")
+    p95: float | None = None
+
+
+class Throughput(BaseModel):
+    bucketSeconds: int
+    buckets: list[Outcomes] = Field(description="Oldest first; the last is the current one")
+
+
+class ServiceFigures(BaseModel):
+    service: str
+    tasks: StatusCounts
+    finishedLastHour: Outcomes
+    oldestPendingAgeSeconds: float | None = Field(None, description="Oldest due PENDING task")
+    queues: QueueDepths
+    runTimeSeconds: RunTime
+    throughput: Throughput
+
+
+class ServicesEnvelope(BaseModel):
+    status: Literal["success"]
+    data: dict[Literal["services"], list[ServiceFigures]]
+
+
+class TaskSummary(BaseModel):
+    taskId: str
+    clientId: str
+    status: Literal["PENDING", "IN_PROGRESS", "SUCCESS", "FAILURE"]
+    submitionDate: str
+    startDate: str | None = None
+    endDate: str | None = None
+    progress: float
+    errorMessage: str | None = None
+    workerHost: str | None = None
+
+
+class TaskPage(BaseModel):
+    tasks: list[TaskSummary] = Field(description="Newest first")
+    nextCursor: str | None = Field(None, description="Pass as `cursor` for the next page")
+
+
+class TaskPageEnvelope(BaseModel):
+    status: Literal["success"]
+    data: TaskPage
+
+
+class Attempt(BaseModel):
+    attemptId: str
+    workerHost: str | None = None
+    startDate: str
+    endDate: str | None = None
+    outcome: str | None = None
+    errorMessage: str | None = None
+
+
+class CallbackOutcome(BaseModel):
+    url: str
+    status: str | None = Field(None, description="PENDING, SUCCESS or FAILURE of the delivery")
+    attempts: int
+
+
+class TaskDetail(TaskSummary):
+    service: str
+    request: Any = Field(description="The body the task was submitted with")
+    response: Any = None
+    notBefore: str | None = None
+    idempotencyKey: str | None = None
+    deliveries: int = Field(description="Times the function was called")
+    callback: CallbackOutcome | None = None
+    attempts: list[Attempt]
+
+
+class TaskDetailEnvelope(BaseModel):
+    status: Literal["success"]
+    data: TaskDetail

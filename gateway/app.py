@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,8 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from conveyor import tracing
 from conveyor.settings import GatewaySettings
-from gateway import api, errors, metrics
+from gateway import admin_api, api, dashboard, errors, metrics
 from gateway.responses import Json
 from gateway.runtime import Runtime
 
@@ -33,6 +35,7 @@ def create_app(settings: GatewaySettings | None = None, background: bool = True)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tracing.configure("conveyor-gateway")  # nothing unless an OTLP endpoint is set
         rt = Runtime(settings)
         app.state.runtime = rt
         await rt.start(background=background)
@@ -40,6 +43,8 @@ def create_app(settings: GatewaySettings | None = None, background: bool = True)
             yield
         finally:
             await rt.stop()
+            if tracing.enabled:
+                await asyncio.to_thread(tracing.shutdown)  # the last spans are exported
 
     app = FastAPI(
         title="Conveyor gateway",
@@ -50,6 +55,8 @@ def create_app(settings: GatewaySettings | None = None, background: bool = True)
         default_response_class=Json,
     )
     app.include_router(api.router)
+    app.include_router(admin_api.router)
+    app.include_router(dashboard.router)
     _add_operations(app)
     _add_error_handlers(app)
     app.add_middleware(_Measure)
@@ -180,7 +187,7 @@ class _Measure:
         try:
             await self.app(scope, receive, watch)
         finally:
-            self._observe(getattr(scope.get("route"), "path", "unmatched"), status, started)
+            self._observe(_route_label(scope), status, started)
 
     def _observe(self, route: str, status: int, started: float) -> None:
         latency = self._latency.get(route)
@@ -193,3 +200,16 @@ class _Measure:
                 route=route, status=str(status)
             )
         counter.inc()
+
+
+UNMATCHED = "unmatched"
+
+
+def _route_label(scope: Scope) -> str:
+    """The matched route's template, e.g. `/v1/services/{service}/tasks`: one label per route,
+    never the raw path (a label per task id or per scanner's guess would grow the registry
+    without bound). Requests no route took (404s, 431s refused before routing) share
+    UNMATCHED, as does a router entry without a template of its own (FastAPI's included
+    router node, should a request stop there)."""
+    path = getattr(scope.get("route"), "path", None)
+    return path if isinstance(path, str) and path.startswith("/") else UNMATCHED

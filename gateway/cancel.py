@@ -19,7 +19,7 @@ from typing import Any
 
 from conveyor import topology
 from conveyor.events import MessageFormat, encode_cancel
-from gateway import errors, lifecycle
+from gateway import errors, lifecycle, metrics
 from gateway.broker import Broker, PublishError
 from gateway.catalog import Service
 from gateway.pgpool import Pool
@@ -43,6 +43,8 @@ async def cancel_task(
         async with pool.connection() as conn:
             outcome = await lifecycle.apply(conn, change)
         finished_now = outcome.applied is lifecycle.Applied.FINISHED
+        if (done := outcome.finished) is not None:
+            metrics.task_finished(done.service, done.status, done.waited, done.ran)
         data = await get_task(pool, client_id, service.name, task_id)
     if data["status"] != "FAILURE" or data.get("errorMessage") != CANCELLED:
         raise errors.ApiError(errors.ALREADY_FINISHED)

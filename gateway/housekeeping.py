@@ -87,13 +87,17 @@ async def reaper_loop(
             async with pool.connection() as conn:  # autocommit: one statement each
                 expired = await lifecycle.expire_pending(conn, ttl)
                 abandoned = await lifecycle.abandon_silent(conn, silence_margin)
-            if expired:
-                metrics.REAPED.inc(expired)
-                log.info("expired pending tasks", extra={"count": expired})
-            if abandoned:
-                metrics.ABANDONED.inc(abandoned)
-                log.warning("failed silent in-progress tasks", extra={"count": abandoned})
-            if expired or abandoned:
+            for failed in (expired, abandoned):  # no durations: the platform ended them
+                for service, count in failed.items():
+                    metrics.task_finished(service, "FAILURE", None, None, count)
+            reaped, silent = sum(expired.values()), sum(abandoned.values())
+            if reaped:
+                metrics.REAPED.inc(reaped)
+                log.info("expired pending tasks", extra={"count": reaped})
+            if silent:
+                metrics.ABANDONED.inc(silent)
+                log.warning("failed silent in-progress tasks", extra={"count": silent})
+            if reaped or silent:
                 on_expired()
         except Exception as exc:
             log.warning("reaper pass failed", extra={"error": repr(exc)})

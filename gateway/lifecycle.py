@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -102,7 +103,8 @@ _FINISH = """
                progress = CASE WHEN CAST(%(status)s AS text) = 'SUCCESS' THEN 100 ELSE progress END,
                notification_status = CASE WHEN callback IS NOT NULL THEN 'PENDING' END
          WHERE task_id = %(task_id)s AND status IN ('PENDING', 'IN_PROGRESS')
-        RETURNING task_id, attempt_id, callback IS NOT NULL AS notify
+        RETURNING task_id, attempt_id, callback IS NOT NULL AS notify, service, attempts,
+                  submission_date, not_before, start_date, end_date
     ), history AS (
         UPDATE task_attempts a
            SET end_date = %(time)s,
@@ -125,7 +127,15 @@ _FINISH = """
          WHERE CAST(%(started)s AS timestamptz) IS NOT NULL
         ON CONFLICT (task_id, attempt_id) DO NOTHING
     )
-    SELECT count(*) AS changed, count(*) FILTER (WHERE notify) AS callbacks FROM task
+    SELECT count(*) AS changed, count(*) FILTER (WHERE notify) AS callbacks,
+           min(service) AS service,
+           -- durations only for a task some attempt started: one failed while PENDING
+           -- (dead-lettered, cancelled) neither waited its turn out nor ran
+           min(extract(epoch FROM start_date - greatest(submission_date, not_before))::float8)
+               FILTER (WHERE attempts > 0) AS waited,
+           min(extract(epoch FROM end_date - start_date)::float8) FILTER (WHERE attempts > 0)
+               AS ran
+      FROM task
     """
 
 
@@ -145,15 +155,39 @@ class Transition:
     def terminal(self) -> bool:
         return self.changed is Applied.FINISHED
 
-    def outcome(self, answer: tuple[int, int] | None) -> Outcome:
-        changed, callbacks = answer or (0, 0)
-        return Outcome(self.changed if changed else Applied.IGNORED, callbacks > 0)
+    def outcome(self, answer: Sequence[Any] | None) -> Outcome:
+        changed, callbacks = (answer or (0, 0))[:2]
+        if not changed:
+            return Outcome(Applied.IGNORED, False)
+        finished = None
+        if self.terminal and answer is not None and len(answer) >= 5:
+            service, waited, ran = answer[2:5]
+            finished = Finished(service, self.params["status"], _seconds(waited), _seconds(ran))
+        return Outcome(self.changed, callbacks > 0, finished)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A task this very statement ended (a duplicate terminal event ends nothing), for the
+    metrics: queue wait is start - submission (or - notBefore, a run-later task's own wait is
+    no queue's), run time end - start; None when no attempt ever started."""
+
+    service: str
+    status: str  # SUCCESS | FAILURE
+    waited: float | None
+    ran: float | None
 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
     applied: Applied
     callback_due: bool  # the task finished and has a callback URL: wake the notifier
+    finished: Finished | None = None
+
+
+def _seconds(value: float | None) -> float | None:
+    # Start dates are the worker's clock, submission dates the database's: never below 0.
+    return None if value is None else max(0.0, float(value))
 
 
 def transition(event: TaskEvent) -> Transition:
@@ -243,22 +277,28 @@ async def apply(conn: psycopg.AsyncConnection[Any], change: Transition) -> Outco
 
 
 _EXPIRE = """
-    UPDATE tasks t
-       SET status = 'FAILURE', end_date = now(), updated_at = now(),
-           error_message = 'The task expired: it stayed PENDING longer than its time to live.',
-           notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
-     WHERE t.status = 'PENDING'
-       -- a task that waited for its time (run later) lives from that time on
-       AND COALESCE(t.not_before, t.submission_date) < now() - make_interval(secs => LEAST(%(ttl)s,
-             -- a deleted service's tasks expire too, after the TTL alone
-             COALESCE((SELECT s.retention_seconds FROM services s WHERE s.name = t.service),
-                      %(ttl)s)))
+    WITH task AS (
+        UPDATE tasks t
+           SET status = 'FAILURE', end_date = now(), updated_at = now(),
+               error_message = 'The task expired: it stayed PENDING longer than its time to live.',
+               notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
+         WHERE t.status = 'PENDING'
+           -- a task that waited for its time (run later) lives from that time on
+           AND COALESCE(t.not_before, t.submission_date)
+               < now() - make_interval(secs => LEAST(%(ttl)s,
+                 -- a deleted service's tasks expire too, after the TTL alone
+                 COALESCE((SELECT s.retention_seconds FROM services s WHERE s.name = t.service),
+                          %(ttl)s)))
+        RETURNING t.service
+    )
+    SELECT service, count(*) FROM task GROUP BY service
     """
 
 
-async def expire_pending(conn: psycopg.AsyncConnection[Any], ttl: float) -> int:
-    """The reaper's transition: PENDING past its time to live becomes FAILURE."""
-    return (await conn.execute(_EXPIRE, {"ttl": ttl})).rowcount
+async def expire_pending(conn: psycopg.AsyncConnection[Any], ttl: float) -> dict[str, int]:
+    """The reaper's transition: PENDING past its time to live becomes FAILURE. How many
+    tasks per service."""
+    return await _per_service(conn, _EXPIRE, {"ttl": ttl})
 
 
 DEFAULT_TIME_LIMIT = 300 * 3  # taskTimeout x maxAttempts by default, for a deleted service
@@ -276,17 +316,24 @@ _ABANDON = """
            AND t.updated_at < now() - make_interval(secs => %(margin)s + COALESCE(
                  (SELECT s.task_timeout * s.max_attempts FROM services s WHERE s.name = t.service),
                  %(default_limit)s))
-        RETURNING t.task_id
+        RETURNING t.task_id, t.service
     ), history AS (
         UPDATE task_attempts a SET end_date = now(), outcome = 'abandoned'
           FROM task WHERE a.task_id = task.task_id AND a.end_date IS NULL
     )
-    SELECT count(*) FROM task
+    SELECT service, count(*) FROM task GROUP BY service
     """
 
 
-async def abandon_silent(conn: psycopg.AsyncConnection[Any], margin: float) -> int:
-    """The watchdog's transition: IN_PROGRESS with no word for too long becomes FAILURE."""
+async def abandon_silent(conn: psycopg.AsyncConnection[Any], margin: float) -> dict[str, int]:
+    """The watchdog's transition: IN_PROGRESS with no word for too long becomes FAILURE.
+    How many tasks per service."""
     params = {"margin": margin, "default_limit": DEFAULT_TIME_LIMIT}
-    row = await (await conn.execute(_ABANDON, params)).fetchone()
-    return row[0] if row else 0
+    return await _per_service(conn, _ABANDON, params)
+
+
+async def _per_service(
+    conn: psycopg.AsyncConnection[Any], statement: str, params: dict[str, Any]
+) -> dict[str, int]:
+    rows = await (await conn.execute(statement, params)).fetchall()
+    return {row[0]: int(row[1]) for row in rows}

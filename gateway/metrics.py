@@ -39,3 +39,32 @@ LATENCY = Histogram(
     ["route"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+
+# Task life (SPEC §11.6), counted where the gateway applies a terminal transition: once per
+# task, by the statement that really ended it (a duplicate terminal event ends nothing).
+_TASK_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+QUEUE_WAIT = Histogram(
+    "conveyor_task_queue_wait_seconds",
+    "Task start minus submission (minus notBefore for a task run later)",
+    ["service"],
+    buckets=_TASK_BUCKETS,
+)
+RUN_TIME = Histogram(
+    "conveyor_task_run_seconds", "Task end minus start", ["service"], buckets=_TASK_BUCKETS
+)
+FINISHED = Counter(
+    "conveyor_tasks_finished_total",
+    "Tasks ended, by outcome (SUCCESS | FAILURE; expired, abandoned and cancelled are FAILURE)",
+    ["service", "outcome"],
+)
+
+
+def task_finished(
+    service: str, outcome: str, waited: float | None, ran: float | None, count: int = 1
+) -> None:
+    """One task ended (or `count` of them, by the reaper): durations when it ever started."""
+    FINISHED.labels(service=service, outcome=outcome).inc(count)
+    if waited is not None:
+        QUEUE_WAIT.labels(service=service).observe(waited)
+    if ran is not None:
+        RUN_TIME.labels(service=service).observe(ran)

@@ -76,6 +76,15 @@ clients = Table(
     _updated(),
 )
 
+operators = Table(
+    "operators",
+    metadata,
+    Column("operator_id", Text, primary_key=True),
+    Column("secret_hash", Text, nullable=False),
+    _now(),
+    _updated(),
+)
+
 authorizations = Table(
     "authorizations",
     metadata,
@@ -110,6 +119,7 @@ tasks = Table(
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("idempotency_key", Text),
     Column("not_before", DateTime(timezone=True)),  # run later (SPEC §11.4)
+    Column("traceparent", Text),  # W3C trace context: the task's trace (SPEC §11.6)
     _updated(),
     CheckConstraint(
         "status IN ('PENDING', 'IN_PROGRESS', 'SUCCESS', 'FAILURE')", name="ck_tasks_status"
@@ -141,8 +151,11 @@ tasks = Table(
         "service",
         "end_date",
         postgresql_where=text("status IN ('SUCCESS', 'FAILURE')"),
+        postgresql_include=["status", "start_date"],  # the admin figures, index-only
     ),
     Index("ix_tasks_submission_date", "submission_date"),
+    Index("ix_tasks_service_id", "service", "id"),  # the admin API's newest first
+    Index("ix_tasks_running", "service", postgresql_where=text("status = 'IN_PROGRESS'")),
 )
 
 outbox = Table(

@@ -33,6 +33,8 @@ from tenacity import (
     wait_exponential,
 )
 
+from conveyor import headers as h
+from conveyor import tracing
 from gateway import callbacks, metrics
 from gateway.pgpool import CONNECTION_ERRORS, Pool
 from gateway.store import task_view
@@ -55,7 +57,7 @@ _CLAIM = """
               ORDER BY id LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED)
     RETURNING id, task_id, status, submission_date, start_date, end_date, progress, response,
-              error_message, callback, not_before
+              error_message, callback, not_before, traceparent
     """
 _RENEW = """
     UPDATE tasks SET notify_claimed_until = now() + make_interval(secs => %(lease)s)
@@ -147,8 +149,10 @@ class Notifier:
 
     async def _notify(self, row: Any) -> None:
         outcome = "SUCCESS"
+        attributes = {"conveyor.task_id": str(row.task_id)} if tracing.enabled else None
         try:
-            await self._deliver(row.callback["url"], task_view(row))
+            with tracing.span("callback", row.traceparent, attributes, kind="client"):
+                await self._deliver(row.callback["url"], task_view(row))
         except (
             Exception
         ) as exc:  # whatever happens, the outcome is recorded: nothing retries forever
@@ -198,6 +202,9 @@ class Notifier:
             callbacks.SIGNATURE_HEADER: callbacks.sign(self.signing_secret, body),
             **target.headers,
         }
+        trace = tracing.current()  # the callback span: the receiver's spans may join the trace
+        if trace is not None:
+            headers[h.TRACEPARENT] = trace
         request = self._client.build_request(
             "POST", target.url, content=body, headers=headers, extensions=target.extensions
         )

@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
-from conveyor import topology
+from conveyor import topology, tracing
 from conveyor.events import MessageFormat, Submission, encode_submission, now
 from gateway import lifecycle, metrics
 from gateway.broker import Broker, PublishError
@@ -54,7 +54,7 @@ _CLAIM = """
        AND t.task_id = o.task_id
     RETURNING o.id, t.task_id, t.status, t.request, t.service, s.name IS NULL AS orphan,
               s.queue_name, s.message_format, s.max_attempts, s.task_timeout,
-              t.submission_date, t.not_before, s.retention_seconds
+              t.submission_date, t.not_before, s.retention_seconds, t.traceparent
     """
 _UNCLAIMED = "(claimed_until IS NULL OR claimed_until < now())"
 # Rows to publish now, past the grace (ix_outbox_now); rows that waited for their time and are
@@ -171,13 +171,28 @@ class Outbox:
         if not self.broker.connected:
             return False
         try:
-            await self.broker.publish(encode_submission(submission), topology.in_queue(queue_name))
+            await self._send(submission, queue_name, "fast")
         except PublishError as exc:
             log.warning("fast-path publish failed; relay will retry", extra={"error": str(exc)})
             return False
         metrics.PUBLISHED.labels(path="fast").inc()
         self._note_confirmed([outbox_id])
         return True
+
+    async def _send(self, submission: Submission, queue_name: str, path: str) -> None:
+        """One confirmed publish; with tracing on, in a `publish` span of the task's trace,
+        whose context the message carries on (the dispatcher's spans are its children)."""
+        if not tracing.enabled:
+            await self.broker.publish(encode_submission(submission), topology.in_queue(queue_name))
+            return
+        attributes = {
+            "conveyor.task_id": submission.task_id,
+            "conveyor.publish_path": path,
+            "messaging.destination.name": topology.in_queue(queue_name),
+        }
+        with tracing.span("publish", submission.traceparent, attributes, kind="producer"):
+            traced = replace(submission, traceparent=tracing.current())
+            await self.broker.publish(encode_submission(traced), topology.in_queue(queue_name))
 
     async def flush_loop(self) -> None:
         """Deletes confirmed outbox rows in batches: one statement, not one per task."""
@@ -274,11 +289,10 @@ class Outbox:
             expires_at=expiry(
                 row.not_before or row.submission_date, self.ttl, row.retention_seconds
             ),
+            traceparent=row.traceparent,
         )
         try:
-            await self.broker.publish(
-                encode_submission(submission), topology.in_queue(row.queue_name)
-            )
+            await self._send(submission, row.queue_name, "relay")
         except PublishError as exc:
             return str(exc)[:500] or exc.__class__.__name__
         metrics.PUBLISHED.labels(path="relay").inc()

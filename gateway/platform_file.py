@@ -82,17 +82,18 @@ class GrantSpec(BaseModel):
 MAX_SECRET_BYTES = 72  # bcrypt reads no further (and bcrypt 5 refuses longer secrets)
 
 
-class ClientSpec(BaseModel):
+class OperatorSpec(BaseModel):
+    """Someone who reads every service through the admin API and the dashboard (SPEC §11.6)."""
+
     model_config = ConfigDict(extra="forbid")
     id: str
     secret: str | None = Field(None, min_length=8)
     secretHash: str | None = None
-    grants: list[GrantSpec] = Field(default_factory=list)
 
     _id = field_validator("id")(lambda cls, v: _check_name(v))
 
     @model_validator(mode="after")
-    def _one_secret(self) -> ClientSpec:
+    def _one_secret(self) -> OperatorSpec:
         if (self.secret is None) == (self.secretHash is None):
             raise ValueError("give exactly one of secret or secretHash")
         if self.secret is not None and len(self.secret.encode()) > MAX_SECRET_BYTES:
@@ -102,16 +103,30 @@ class ClientSpec(BaseModel):
         return self
 
 
+class ClientSpec(OperatorSpec):
+    """An operator's credentials plus grants: a consumer of the task API."""
+
+    grants: list[GrantSpec] = Field(default_factory=list)
+
+
 class PlatformSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     services: list[ServiceSpec] = Field(default_factory=list)
     clients: list[ClientSpec] = Field(default_factory=list)
+    operators: list[OperatorSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _references(self) -> PlatformSpec:
         names = [s.name for s in self.services]
         if len(set(names)) != len(names):
             raise ValueError("a service is declared twice")
+        for kind, ids in (
+            ("client", [c.id for c in self.clients]),
+            ("operator", [o.id for o in self.operators]),
+        ):
+            twice = sorted({i for i in ids if ids.count(i) > 1})
+            if twice:
+                raise ValueError(f"{kind} declared twice: {', '.join(twice)}")
         return self
 
 
@@ -132,7 +147,9 @@ def load(text: str) -> PlatformSpec:
     except yaml.YAMLError as exc:
         raise PlatformError(f"not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise PlatformError("the platform file must be a mapping with services and clients")
+        raise PlatformError(
+            "the platform file must be a mapping with services, clients and operators"
+        )
     try:
         return PlatformSpec.model_validate(data)
     except ValidationError as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from psycopg.types.json import Jsonb
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from conveyor import headers as h
-from conveyor import topology
+from conveyor import topology, tracing
 from conveyor.amqp import from_amqp
 from conveyor.events import WireError, WireMessage, decode_event, decode_submission
 from gateway import catalog, lifecycle, metrics
@@ -60,6 +61,12 @@ _ATTEMPTS = """
     SELECT t.task_id, (SELECT count(*) FROM task_attempts a WHERE a.task_id = t.task_id)
       FROM tasks t
      WHERE t.task_id = ANY(%(ids)s) AND t.status IN ('PENDING', 'IN_PROGRESS')
+    """
+
+# Only with tracing on: the traces of the tasks a batch ended (their `result` spans).
+_TRACES = """
+    SELECT task_id, traceparent, status FROM tasks
+     WHERE task_id = ANY(%(ids)s) AND traceparent IS NOT NULL
     """
 
 _POISON = """
@@ -107,6 +114,7 @@ class ResultConsumer:
         self._channel: AbstractChannel | None = None
         self._subscribed: dict[str, list[tuple[AbstractQueue, str]]] = {}  # service -> consumers
         self._broken: dict[str, str] = {}  # service -> why its topology could not be declared
+        self._ended: list[uuid.UUID] = []  # tasks the batch being applied ended (tracing on)
 
     def broken(self) -> dict[str, str]:
         """Services whose queues could not be declared as this gateway would, and why."""
@@ -246,6 +254,8 @@ class ResultConsumer:
         """Applies a batch, waiting out database outages, then acks it. Never raises: a
         batch that fails for an unexpected reason is handed back to the broker."""
         given_back: set[int] = set()  # published again already: not twice on a retry
+        started = time.time_ns()
+        self._ended.clear()
         try:
             retrying = AsyncRetrying(
                 retry=retry_if_exception(_transient),
@@ -267,10 +277,31 @@ class ResultConsumer:
             for delivery in batch:
                 await _settle(delivery.message.nack, requeue=True)
             return
+        applied = time.time_ns()
         for delivery in batch:
             await _settle(delivery.message.ack)
+        if self._ended:
+            await self._trace_results(started, applied)
         if callbacks:
             self.on_finished()
+
+    def _note(self, change: lifecycle.Transition, outcome: lifecycle.Outcome) -> None:
+        if tracing.enabled and outcome.applied is lifecycle.Applied.FINISHED:
+            self._ended.append(change.task_id)
+
+    async def _trace_results(self, started: int, applied: int) -> None:
+        """A `result` span per task the batch ended, in the task's trace (from its row): the
+        batch's time, as the batch is what applied it. Never fails the consumer."""
+        ended, self._ended = self._ended, []
+        try:
+            async with self.pool.connection() as conn:
+                rows = await (await conn.execute(_TRACES, {"ids": ended})).fetchall()
+        except Exception as exc:
+            log.debug("task traces not read", extra={"error": repr(exc)})
+            return
+        for row in rows:
+            attributes = {"conveyor.task_id": str(row.task_id), "conveyor.status": row.status}
+            tracing.record("result", row.traceparent, started, applied, attributes, "consumer")
 
     async def _give_back(self, batch: list[Delivery]) -> set[int]:
         """Dead letters the broker returned without a crash, published to `-in` again."""
@@ -327,7 +358,9 @@ class ResultConsumer:
                 sent.append((change, await conn.execute(change.sql, change.params), kind))
         callbacks = False
         for change, cursor, kind in sent:
-            callbacks |= _counted(kind, change.outcome(await cursor.fetchone()))
+            outcome = change.outcome(await cursor.fetchone())
+            self._note(change, outcome)
+            callbacks |= _counted(kind, outcome)
         return callbacks
 
     async def _apply_alone(self, batch: list[Delivery]) -> bool:
@@ -342,6 +375,7 @@ class ResultConsumer:
                         continue
                     change, kind = plan
                     outcome = await lifecycle.apply(conn, change)
+                self._note(change, outcome)
                 callbacks |= _counted(kind, outcome)
             except Exception as exc:
                 if _transient(exc):
@@ -362,7 +396,9 @@ class ResultConsumer:
             failed = lifecycle.failure(
                 plan[0].task_id, f"The function's result could not be stored ({reason})."
             )
-            return _counted(plan[1], await lifecycle.apply(conn, failed))
+            outcome = await lifecycle.apply(conn, failed)
+        self._note(failed, outcome)
+        return _counted(plan[1], outcome)
 
     def _plan(self, delivery: Delivery) -> tuple[lifecycle.Transition, str] | str:
         """The transition a message asks for and its kind, or why it is poison."""
@@ -389,6 +425,8 @@ def _counted(kind: str, outcome: lifecycle.Outcome) -> bool:
         metrics.DEAD_LETTERED.inc()
     else:
         metrics.EVENTS.labels(kind=kind, outcome=outcome.applied.value).inc()
+    if (done := outcome.finished) is not None:
+        metrics.task_finished(done.service, done.status, done.waited, done.ran)
     return outcome.callback_due
 
 

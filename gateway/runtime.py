@@ -26,6 +26,7 @@ from gateway.notifier import Notifier
 from gateway.outbox import Outbox
 from gateway.pgpool import Pool
 from gateway.results import ResultConsumer
+from gateway.service_stats import ServiceStats, register_gauges
 from gateway.supervisor import Supervisor
 from gateway.task_events import TaskEvents
 
@@ -52,10 +53,18 @@ class Runtime:
             allowed_hosts=tuple(settings.callback_allowed_hosts),
         )
         self.auth = Authenticator(
-            self._secret_hash,
+            self._client_hash,
             cache_ttl=settings.auth_cache_ttl,
             failures_per_minute=settings.auth_failures_per_minute,
         )
+        self.operators = Authenticator(  # its own table: neither opens the other's API
+            self._operator_hash,
+            cache_ttl=settings.auth_cache_ttl,
+            failures_per_minute=settings.auth_failures_per_minute,
+            bcrypt_threads=1,
+        )
+        self.stats = ServiceStats(self.pool, self.broker)
+        register_gauges(self.stats)
         self.outbox = Outbox(
             self.pool,
             self.broker,
@@ -84,12 +93,17 @@ class Runtime:
         self.loops = Supervisor()
         self._connecting: asyncio.Task[None] | None = None
 
-    async def _secret_hash(self, client_id: str) -> str | None:
+    async def _client_hash(self, client_id: str) -> str | None:
+        return await self._hash("SELECT secret_hash FROM clients WHERE client_id = %s", client_id)
+
+    async def _operator_hash(self, operator_id: str) -> str | None:
+        return await self._hash(
+            "SELECT secret_hash FROM operators WHERE operator_id = %s", operator_id
+        )
+
+    async def _hash(self, query: str, ident: str) -> str | None:
         async with self.pool.connection() as conn:
-            cursor = await conn.execute(
-                "SELECT secret_hash FROM clients WHERE client_id = %s", (client_id,)
-            )
-            row = await cursor.fetchone()
+            row = await (await conn.execute(query, (ident,))).fetchone()
         return None if row is None else row.secret_hash
 
     async def start(self, background: bool = True) -> None:
@@ -105,6 +119,7 @@ class Runtime:
                 "results-subscriptions": self.results.subscriptions_loop,
                 "results-apply": self.results.apply_loop,
                 "notifier": self.notifier.loop,
+                "service-stats": lambda: self.stats.refresh_loop(s.stats_interval),
                 "reaper": lambda: reaper_loop(
                     self.pool,
                     s.pending_ttl,
@@ -158,3 +173,4 @@ class Runtime:
         await self.broker.close()
         await self.pool.close()
         self.auth.close()
+        self.operators.close()

@@ -39,6 +39,7 @@ class NewTask:
     callback: dict[str, Any] | None
     idempotency_key: str | None
     not_before: datetime | None = None  # run later: published once due (SPEC §11.4)
+    traceparent: str | None = None  # the task's trace, for the gateway's later spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +59,14 @@ _INSERT = """
         SELECT * FROM unnest(CAST(%(task_ids)s AS uuid[]), CAST(%(client_ids)s AS text[]),
                              CAST(%(services)s AS text[]), CAST(%(requests)s AS jsonb[]),
                              CAST(%(callbacks)s AS jsonb[]), CAST(%(keys)s AS text[]),
-                             CAST(%(not_befores)s AS timestamptz[]))
+                             CAST(%(not_befores)s AS timestamptz[]),
+                             CAST(%(traceparents)s AS text[]))
                WITH ORDINALITY AS i(task_id, client_id, service, request, callback, key,
-                                    not_before, n)
+                                    not_before, traceparent, n)
     ), ins AS (
         INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key,
-                           not_before)
-        SELECT task_id, client_id, service, request, callback, key, not_before
+                           not_before, traceparent)
+        SELECT task_id, client_id, service, request, callback, key, not_before, traceparent
           FROM input ORDER BY n
         RETURNING id, task_id, service, not_before
     ), ob AS (
@@ -222,6 +224,7 @@ async def insert_many(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[
         "callbacks": [jsonb(t.callback) for t in tasks],
         "keys": [t.idempotency_key for t in tasks],
         "not_befores": [t.not_before for t in tasks],
+        "traceparents": [t.traceparent for t in tasks],
     }
     rows = await (await conn.execute(_INSERT, params)).fetchall()
     by_id = {row.task_id: row for row in rows}

@@ -187,7 +187,7 @@ def revoke(client_id: str, service: str) -> None:
 
 @app.command("list")
 def list_all() -> None:
-    """Services, clients and their grants."""
+    """Services, clients and their grants, operators."""
     from gateway import admin
 
     typer.echo(json.dumps(_run(admin.listing), indent=2, default=str))

@@ -102,3 +102,23 @@ def test_batch_benchmark_runs(tmp_path: Path) -> None:
     )
     assert {run["size"] for run in result["runs"]} == {1, 10}
     assert all(set(run["statuses"]) == {"201"} for run in result["runs"])
+
+
+def test_tracing_benchmark_runs(tmp_path: Path) -> None:
+    result = _run(
+        "bench.tracing",
+        "--duration",
+        "0.5",
+        "--reps",
+        "1",
+        "--warmup",
+        "0.2",
+        "--concurrency",
+        "2",
+        results=tmp_path,
+    )
+    (level,) = result["summary"]
+    assert set(level) == {"concurrency", "off", "on", "on_over_off"}
+    assert all(set(run["statuses"]) == {"201"} for run in result["runs"])
+    assert result["spans_received"] > 0  # the `on` gateway did export
+    assert str(REPO) not in json.dumps(result)

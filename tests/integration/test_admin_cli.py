@@ -187,6 +187,41 @@ def test_unknown_key_is_refused_by_name(cli: Any, tmp_path: Path, platform: Plat
     assert platform.sql("SELECT 1 FROM services WHERE name = %(n)s", {"n": service}) == []
 
 
+@pytest.mark.timeout(90)
+def test_apply_reports_operators_like_clients_and_keeps_them_apart(
+    cli: Any, tmp_path: Path, platform: Platform, gateway: GatewayProcess
+) -> None:
+    operator, secret = _unique("adm-op"), "operator-secret"
+    path = _write(tmp_path, {"operators": [{"id": operator, "secret": secret}]})
+
+    assert cli("apply", "-f", str(path)).stdout.splitlines() == [f"operator {operator}: created"]
+    assert cli("apply", "-f", str(path)).stdout.splitlines() == [f"operator {operator}: unchanged"]
+    (stored,) = platform.sql(
+        "SELECT secret_hash FROM operators WHERE operator_id = %(o)s", {"o": operator}
+    )[0]
+    assert bcrypt.checkpw(secret.encode(), stored.encode())
+    assert platform.sql("SELECT 1 FROM clients WHERE client_id = %(o)s", {"o": operator}) == []
+    assert operator in cli("list").stdout
+
+    with gateway.http() as http:
+        admin = http.get("/v1/admin/services", auth=(operator, secret))
+        client_route = http.get("/v1/services/anything/tasks/x", auth=(operator, secret))
+    assert admin.status_code == 200
+    assert client_route.status_code == 403 and _error_number(client_route) == 403001
+
+    changed = _write(tmp_path, {"operators": [{"id": operator, "secret": "another-secret"}]})
+    assert cli("apply", "-f", str(changed)).stdout.splitlines() == [f"operator {operator}: updated"]
+
+
+def test_an_operator_declared_twice_is_refused(cli: Any, tmp_path: Path) -> None:
+    twice = {
+        "operators": [{"id": "op-a", "secret": "12345678"}, {"id": "op-a", "secret": "87654321"}]
+    }
+    done = cli("apply", "-f", str(_write(tmp_path, twice)), check=False)
+    assert done.returncode != 0
+    assert "operator declared twice: op-a" in done.stderr
+
+
 # -- clients and grants ------------------------------------------------------------------
 
 

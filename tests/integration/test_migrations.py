@@ -18,6 +18,7 @@ from tests.support.amqp import scratch_database
 TABLES = {
     "services",
     "clients",
+    "operators",
     "authorizations",
     "tasks",
     "outbox",
@@ -31,6 +32,8 @@ INDEXES = {
     "ix_tasks_notify",
     "ix_tasks_finished",
     "ix_tasks_submission_date",
+    "ix_tasks_service_id",
+    "ix_tasks_running",
     "ix_outbox_task_id",
 }
 

@@ -134,6 +134,12 @@ class Platform:
         Platform.created.append((self, made_service))
         return made_service
 
+    def operator(self) -> Client:
+        """An operator (SPEC §11.6): reads every service through the admin API."""
+        made = Client(f"op-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex)
+        self.apply({"operators": [{"id": made.client_id, "secretHash": fast_hash(made.secret)}]})
+        return made
+
     def sql(self, statement: str, params: Mapping[str, Any] | None = None) -> list[Any]:
         import psycopg
 

@@ -1,0 +1,169 @@
+"""OpenTelemetry spans along a task's path, one trace per task across processes (SPEC §11.6).
+
+Off unless OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set. Off,
+every helper returns at its first line (`enabled` is False) and OpenTelemetry is never
+imported: the hot path pays one global read, the dispatcher's memory and start-up nothing.
+On, spans go through a BatchSpanProcessor (its own thread) to the OTLP/HTTP exporter, which,
+like the sampler, reads the other standard OTEL_* variables itself.
+
+The trace crosses processes as a W3C `traceparent`: in the HTTP request, in the CloudEvents
+tracing extension of each message, on the task's row (for the result and the callback).
+
+The provider is Conveyor's own, not installed as the process-global one: a global SDK provider
+switches on FastAPI's built-in instrumentation (spans and metrics on every request), a cost
+the spans below do not need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span, Tracer
+
+log = logging.getLogger("conveyor.tracing")
+
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+Kind = Literal["internal", "server", "client", "producer", "consumer"]
+Attributes = Mapping[str, str | int | float | bool]
+
+# version-traceid-parentid-flags; a later version may append fields (W3C Trace Context §3.2).
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[^\s]*)?")
+_MAX_TRACEPARENT = 256
+_NO_SPAN: AbstractContextManager[None] = contextlib.nullcontext()
+
+enabled = False
+_provider: TracerProvider | None = None
+_tracer: Tracer | None = None
+_current_span: Callable[[], Span] | None = None
+_extract: Callable[[str], Context] | None = None
+_kinds: dict[str, Any] = {}
+
+
+def configure(service_name: str) -> bool:
+    """Turns tracing on when an OTLP endpoint is configured; True if it is on.
+
+    OTEL_SERVICE_NAME, when set, names the service instead of `service_name`.
+    """
+    global enabled, _provider, _tracer, _current_span, _extract
+    if enabled:
+        return True
+    if not any(os.environ.get(name) for name in ENDPOINT_VARIABLES):
+        return False
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
+        return False
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    propagator = TraceContextTextMapPropagator()
+
+    def extract(traceparent: str) -> Context:
+        return propagator.extract({"traceparent": traceparent})
+
+    _kinds.update({kind.name.lower(): kind for kind in trace.SpanKind})
+    _provider = provider
+    _tracer = provider.get_tracer("conveyor")
+    _current_span = trace.get_current_span
+    _extract = extract
+    enabled = True
+    log.info("tracing on: spans exported over OTLP/HTTP", extra={"service": name})
+    return True
+
+
+def shutdown() -> None:
+    """Exports the spans still buffered, then stops (blocking: at most the export timeout)."""
+    global enabled, _provider, _tracer
+    provider, _provider = _provider, None
+    enabled = False
+    _tracer = None
+    if provider is not None:
+        provider.shutdown()  # flushes the BatchSpanProcessor first
+
+
+def span(
+    name: str,
+    parent: str | None = None,
+    attributes: Attributes | None = None,
+    kind: Kind = "internal",
+) -> AbstractContextManager[object]:
+    """A span around a `with` block, current inside it: the child of `parent` (a traceparent)
+    when given, else of the current span. A shared no-op when tracing is off."""
+    if not enabled or _tracer is None:
+        return _NO_SPAN
+    return _tracer.start_as_current_span(
+        name, context=_parent(parent), kind=_kinds[kind], attributes=attributes
+    )
+
+
+def record(
+    name: str,
+    parent: str | None,
+    start_ns: int,
+    end_ns: int,
+    attributes: Attributes | None = None,
+    kind: Kind = "internal",
+) -> None:
+    """A span that already happened (e.g. one task's share of a batch), from `time.time_ns()`
+    readings."""
+    if not enabled or _tracer is None:
+        return
+    made = _tracer.start_span(
+        name, context=_parent(parent), kind=_kinds[kind], attributes=attributes, start_time=start_ns
+    )
+    made.end(end_time=end_ns)
+
+
+def current() -> str | None:
+    """The current span as a traceparent, to hand on; None when tracing is off."""
+    if not enabled or _current_span is None:
+        return None
+    context = _current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+
+def annotate(key: str, value: str | int | float | bool) -> None:
+    """Sets an attribute on the current span (e.g. a task id known only once it exists)."""
+    if not enabled or _current_span is None:
+        return
+    _current_span().set_attribute(key, value)
+
+
+def failed(message: str) -> None:
+    """Marks the current span as failed (an outcome that is not an exception)."""
+    if not enabled or _current_span is None:
+        return
+    from opentelemetry.trace import Status, StatusCode
+
+    _current_span().set_status(Status(StatusCode.ERROR, message[:500]))
+
+
+def checked(traceparent: str | None) -> str | None:
+    """A traceparent worth passing on and storing, or None (absent, malformed, oversized)."""
+    if not traceparent or len(traceparent) > _MAX_TRACEPARENT:
+        return None
+    return traceparent if _TRACEPARENT.fullmatch(traceparent) else None
+
+
+def _parent(traceparent: str | None) -> Context | None:
+    if traceparent is None or _extract is None:
+        return None  # the current context
+    return _extract(traceparent)

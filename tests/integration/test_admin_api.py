@@ -1,0 +1,227 @@
+"""The admin API (SPEC §11.6) on a real gateway: operators only, any client's tasks, cursor
+pages, figures from PostgreSQL and the broker."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.gateway import Client, GatewayProcess, Platform
+
+ADMIN = "/v1/admin"
+
+
+def _figures(http: httpx.Client, service: str) -> dict[str, Any]:
+    answer = http.get(f"{ADMIN}/services")
+    assert answer.status_code == 200, answer.text
+    found = [s for s in answer.json()["data"]["services"] if s["service"] == service]
+    assert len(found) == 1
+    return found[0]
+
+
+def _eventually(check: Any, timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+
+
+def _submit(gateway: GatewayProcess, client: Client, service: str, **extra: Any) -> str:
+    with gateway.http(client) as http:
+        answer = http.post(gateway.tasks_url(service), json={"body": {"n": 1}, **extra})
+    assert answer.status_code == 201, answer.text
+    return answer.json()["data"]["taskId"]
+
+
+@pytest.fixture(scope="module")
+def operator(platform: Platform) -> Client:
+    return platform.operator()
+
+
+def test_clients_and_anonymous_get_403001_on_every_admin_route(
+    gateway: GatewayProcess, platform: Platform, operator: Client
+) -> None:
+    svc = platform.service()
+    task_id = _submit(gateway, svc.clients[0], svc.name)
+    routes = [f"{ADMIN}/services", f"{ADMIN}/services/{svc.name}/tasks", f"{ADMIN}/tasks/{task_id}"]
+    wrong = Client(operator.client_id, "not-the-secret")
+    for who in (None, svc.clients[0], wrong):
+        with gateway.http(who) as http:
+            for route in routes:
+                answer = http.get(route)
+                assert answer.status_code == 403, (who, route, answer.text)
+                assert answer.json()["error"]["number"] == 403001
+    with gateway.http(operator) as http:
+        for route in routes:
+            assert http.get(route).status_code == 200, route
+
+
+def test_an_operator_is_no_client(
+    gateway: GatewayProcess, platform: Platform, operator: Client
+) -> None:
+    svc = platform.service()
+    task_id = _submit(gateway, svc.clients[0], svc.name)
+    with gateway.http(operator) as http:
+        created = http.post(gateway.tasks_url(svc.name), json={"body": {}})
+        polled = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+    for answer in (created, polled):
+        assert answer.status_code == 403
+        assert answer.json()["error"]["number"] == 403001
+
+
+def test_another_clients_task_is_visible_to_operators_only(
+    gateway: GatewayProcess, platform: Platform, operator: Client
+) -> None:
+    svc = platform.service(clients=2)
+    owner, other = svc.clients
+    task_id = _submit(gateway, owner, svc.name)
+    with gateway.http(other) as http:
+        assert http.get(f"{gateway.tasks_url(svc.name)}/{task_id}").status_code == 404
+    with gateway.http(operator) as http:
+        listed = http.get(f"{ADMIN}/services/{svc.name}/tasks").json()["data"]["tasks"]
+        detail = http.get(f"{ADMIN}/tasks/{task_id}").json()["data"]
+    assert [t["taskId"] for t in listed] == [task_id]
+    assert listed[0]["clientId"] == owner.client_id
+    assert detail["clientId"] == owner.client_id
+    assert detail["service"] == svc.name
+    assert detail["request"] == {"n": 1}
+    assert detail["status"] == "PENDING"
+    assert detail["attempts"] == []
+
+
+def test_pages_go_newest_first_with_a_cursor_and_a_status_filter(
+    gateway: GatewayProcess, platform: Platform, operator: Client
+) -> None:
+    svc = platform.service()
+    made = [_submit(gateway, svc.clients[0], svc.name) for _ in range(5)]
+    platform.sql(
+        "UPDATE tasks SET status = 'FAILURE', start_date = now(), end_date = now(),"
+        " error_message = 'boom' WHERE task_id = %(id)s",
+        {"id": made[1]},
+    )
+    seen: list[str] = []
+    cursor = None
+    with gateway.http(operator) as http:
+        for _ in range(5):
+            params: dict[str, Any] = {"limit": 2}
+            if cursor:
+                params["cursor"] = cursor
+            page = http.get(f"{ADMIN}/services/{svc.name}/tasks", params=params).json()["data"]
+            seen += [t["taskId"] for t in page["tasks"]]
+            cursor = page["nextCursor"]
+            if cursor is None:
+                break
+        failures = http.get(
+            f"{ADMIN}/services/{svc.name}/tasks", params={"status": "FAILURE"}
+        ).json()["data"]
+    assert seen == list(reversed(made))
+    assert [t["taskId"] for t in failures["tasks"]] == [made[1]]
+    assert failures["tasks"][0]["errorMessage"] == "boom"
+    assert failures["nextCursor"] is None
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"limit": "0"}, {"limit": "201"}, {"limit": "x"}, {"status": "DONE"}, {"cursor": "bm9wZQ"}],
+)
+def test_bad_page_parameters_are_400002(
+    gateway: GatewayProcess, platform: Platform, operator: Client, params: dict[str, str]
+) -> None:
+    svc = platform.service()
+    with gateway.http(operator) as http:
+        answer = http.get(f"{ADMIN}/services/{svc.name}/tasks", params=params)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["number"] == 400002
+
+
+def test_unknown_service_and_task_are_404(gateway: GatewayProcess, operator: Client) -> None:
+    with gateway.http(operator) as http:
+        service = http.get(f"{ADMIN}/services/no-such-{uuid.uuid4().hex}/tasks")
+        nul = http.get(f"{ADMIN}/services/a%00b/tasks")
+        task = http.get(f"{ADMIN}/tasks/{uuid.uuid4()}")
+        garbage = http.get(f"{ADMIN}/tasks/not-a-uuid")
+    assert service.json()["error"]["number"] == 404001
+    assert nul.json()["error"]["number"] == 404001
+    assert task.json()["error"]["number"] == 404002
+    assert garbage.json()["error"]["number"] == 404002
+
+
+def test_service_figures_count_statuses_queue_depth_and_run_times(
+    gateway: GatewayProcess, platform: Platform, operator: Client
+) -> None:
+    svc = platform.service()
+    made = [_submit(gateway, svc.clients[0], svc.name) for _ in range(4)]
+
+    def published() -> dict[str, Any]:
+        with gateway.http(operator) as http:
+            figures = _figures(http, svc.name)
+        assert figures["queues"]["in"] == 4  # every submission published, none consumed
+        return figures
+
+    assert _eventually(published)["tasks"]["PENDING"] == 4
+    platform.sql(
+        "UPDATE tasks SET status = 'SUCCESS', start_date = now() - interval '3 seconds',"
+        " end_date = now() - interval '1 second' WHERE task_id = ANY(%(ids)s)",
+        {"ids": made[:2]},
+    )
+    platform.sql(
+        "UPDATE tasks SET status = 'IN_PROGRESS', start_date = now() WHERE task_id = %(id)s",
+        {"id": made[2]},
+    )
+
+    def settled() -> dict[str, Any]:
+        with gateway.http(operator) as http:
+            figures = _figures(http, svc.name)
+        assert figures["finishedLastHour"]["SUCCESS"] == 2
+        return figures
+
+    figures = _eventually(settled)
+    assert figures["tasks"] == {"PENDING": 1, "IN_PROGRESS": 1}
+    assert figures["finishedLastHour"] == {"SUCCESS": 2, "FAILURE": 0}
+    assert figures["queues"]["dlq"] == 0
+    assert figures["runTimeSeconds"]["p50"] == pytest.approx(2.0, abs=0.01)
+    assert figures["oldestPendingAgeSeconds"] is not None
+    assert figures["oldestPendingAgeSeconds"] >= 0
+    assert sum(b["SUCCESS"] for b in figures["throughput"]["buckets"]) == 2
+    assert figures["throughput"]["buckets"][-1]["SUCCESS"] == 2  # the current bucket is last
+
+
+def test_a_task_detail_holds_its_callback(
+    gateway: GatewayProcess, platform: Platform, operator: Client
+) -> None:
+    svc = platform.service()
+    hook = "http://localhost:9/hook"
+    task_id = _submit(gateway, svc.clients[0], svc.name, callback={"type": "http", "url": hook})
+    with gateway.http(operator) as http:
+        detail = http.get(f"{ADMIN}/tasks/{task_id}").json()["data"]
+    assert detail["callback"] == {"url": hook, "status": None, "attempts": 0}
+
+
+def test_the_admin_routes_are_in_the_openapi_document(gateway: GatewayProcess) -> None:
+    paths = httpx.get(f"{gateway.url}/openapi.json").json()["paths"]
+    assert "get" in paths["/v1/admin/services"]
+    assert "get" in paths["/v1/admin/services/{service}/tasks"]
+    assert "get" in paths["/v1/admin/tasks/{task_id}"]
+
+
+def test_the_gauges_show_the_figures(
+    gateway: GatewayProcess, platform: Platform, operator: Client
+) -> None:
+    svc = platform.service()
+    _submit(gateway, svc.clients[0], svc.name)
+    line = f'conveyor_service_tasks{{service="{svc.name}",status="PENDING"}} 1.0'
+
+    def scraped() -> None:
+        with gateway.http(operator) as http:
+            http.get(f"{ADMIN}/services")  # a fresh snapshot feeds the gauges too
+            assert line in http.get("/metrics").text
+
+    _eventually(scraped)

@@ -30,7 +30,7 @@ up: install services
 test: install services
 	@command -v node >/dev/null || bash scripts/ensure-services.sh apt nodejs || true
 	@command -v chromium >/dev/null || bash scripts/ensure-services.sh apt chromium
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 ## ruff, the type checker and the import rules (gateway and dispatcher never import each other)
 lint: install

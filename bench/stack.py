@@ -225,11 +225,12 @@ class Gateway:
 
 
 def start_gateway(
-    procs: Processes, database_url: str, name: str = "gateway", **env: str
+    procs: Processes, database_url: str, name: str = "gateway", workers: int = 1, **env: str
 ) -> Gateway:
     port = free_port()
+    more = ("--workers", str(workers)) if workers > 1 else ()
     proc = procs.conveyor(
-        name, "gateway", "--port", str(port), env=gateway_env(database_url, **env)
+        name, "gateway", "--port", str(port), *more, env=gateway_env(database_url, **env)
     )
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/readyz", timeout=60, proc=proc, ok=300)

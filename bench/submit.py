@@ -16,7 +16,10 @@ verification cache (`CONVEYOR_AUTH_CACHE_TTL`, default 30 s) and without it
 (`CONVEYOR_AUTH_CACHE_TTL=0`: every request pays one bcrypt at the production
 cost of 12), at concurrency 1 so that no two requests share a verification.
 
-    python -m bench.submit [--duration 5] [--reps 3] [--concurrency 1,16,64]
+    python -m bench.submit [--duration 5] [--reps 3] [--concurrency 1,16,64] [--workers 1,2]
+
+`--workers 1,2` measures `conveyor gateway --workers N` at each N in turn (CPU of all its
+processes).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def load(
         "warmup": warmup,
         "auth": list(service.auth),
     }
-    meter = CpuMeter([gateway.proc.pid])
+    meter = CpuMeter([gateway.proc.pid], tree=True)  # `--workers`: the workers too
     meter.start()
     report = run_json([PYTHON, "-m", "bench.loadgen", json.dumps(job)], timeout=duration * 3 + 120)
     cpu = meter.stop()
@@ -159,12 +162,23 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     }
     with processes() as procs, fresh_database() as database_url:
         service = create_service(database_url, schema=SCHEMA)
-        banner("gateway submit: closed loop")
-        gateway = start_gateway(procs, database_url)
-        result["levels"] = concurrency_levels(
-            gateway, service, database_url, levels, options.reps, options.duration, options.warmup
-        )
-        procs.stop(gateway.proc)
+        by_workers: dict[str, Any] = {}
+        for workers in [int(w) for w in options.workers.split(",")]:
+            banner(f"gateway submit: closed loop, {workers} worker(s)")
+            gateway = start_gateway(procs, database_url, workers=workers)
+            by_workers[str(workers)] = concurrency_levels(
+                gateway,
+                service,
+                database_url,
+                levels,
+                options.reps,
+                options.duration,
+                options.warmup,
+            )
+            procs.stop(gateway.proc)
+        result["levels"] = next(iter(by_workers.values()))
+        if len(by_workers) > 1:
+            result["by_workers"] = by_workers
         if not options.skip_auth:
             banner("what the bcrypt verification cache buys")
             result["auth_cache"] = auth_cache(
@@ -179,6 +193,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument(
+        "--workers", default="1", help="gateway processes (`--workers`), e.g. 1,2: each in turn"
+    )
     parser.add_argument("--auth-duration", type=float, default=3.0)
     parser.add_argument("--auth-concurrency", type=int, default=1)
     parser.add_argument("--skip-auth", action="store_true")

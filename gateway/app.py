@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -148,13 +149,19 @@ def _add_operations(app: FastAPI) -> None:
         ok = all(checks.values())
         details = {k: v for k, v in runtime.problems().items() if v}
         return Json(
-            {"status": "ok" if ok else "unavailable", "checks": checks, **details},
+            {
+                "status": "ok" if ok else "unavailable",
+                "checks": checks,
+                "background": runtime.background,  # this process runs the loops
+                "process": os.getpid(),  # which of `--workers` answered
+                **details,
+            },
             status_code=200 if ok else 503,
         )
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.EXPOSED), media_type=CONTENT_TYPE_LATEST)
 
 
 class _Measure:

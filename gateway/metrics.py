@@ -1,8 +1,29 @@
-"""Prometheus metrics of the gateway, declared once and imported where counted."""
+"""Prometheus metrics of the gateway, declared once and imported where counted.
+
+With `conveyor gateway --workers N` every worker counts into files in PROMETHEUS_MULTIPROC_DIR
+(prometheus_client's multiprocess mode, set by the supervisor before any worker starts), and
+`/metrics`, whichever worker answers, reads them all: one set of figures for the port.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import os
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+
+def _exposed() -> CollectorRegistry:
+    if not MULTIPROCESS:
+        return REGISTRY
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    return registry
+
+
+EXPOSED = _exposed()  # what /metrics renders; per-process collectors register here too
 
 REQUESTS = Counter("conveyor_gateway_requests_total", "API answers", ["route", "status"])
 SUBMITTED = Counter("conveyor_gateway_tasks_submitted_total", "Tasks accepted", ["service"])
@@ -31,7 +52,11 @@ BATCHES_HANDED_BACK = Counter(
 LOOP_RESTARTS = Counter(
     "conveyor_gateway_loop_restarts_total", "Background loops restarted after a crash", ["loop"]
 )
-EVENT_STREAMS = Gauge("conveyor_gateway_event_streams", "Task event streams open (SSE)")
+EVENT_STREAMS = Gauge(
+    "conveyor_gateway_event_streams",
+    "Task event streams open (SSE)",
+    multiprocess_mode="livesum",  # all workers' streams
+)
 AUTH_FAILURES = Counter("conveyor_gateway_auth_failures_total", "403001 answers")
 LATENCY = Histogram(
     "conveyor_gateway_request_seconds",

@@ -91,6 +91,7 @@ class Runtime:
             on_finished=self.notifier.wake,
         )
         self.loops = Supervisor()
+        self.background = False
         self._connecting: asyncio.Task[None] | None = None
 
     async def _client_hash(self, client_id: str) -> str | None:
@@ -107,10 +108,13 @@ class Runtime:
         return None if row is None else row.secret_hash
 
     async def start(self, background: bool = True) -> None:
+        self.background = background
         self._connecting = asyncio.create_task(self._connect_broker())
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "outbox-flush": self.outbox.flush_loop,
             "listener": self.listener.listen_loop,
+            # Every process: a scrape may reach any worker of `--workers`.
+            "service-stats": lambda: self.stats.refresh_loop(self.settings.stats_interval),
         }
         if background:
             s = self.settings
@@ -119,7 +123,6 @@ class Runtime:
                 "results-subscriptions": self.results.subscriptions_loop,
                 "results-apply": self.results.apply_loop,
                 "notifier": self.notifier.loop,
-                "service-stats": lambda: self.stats.refresh_loop(s.stats_interval),
                 "reaper": lambda: reaper_loop(
                     self.pool,
                     s.pending_ttl,

@@ -23,10 +23,11 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from prometheus_client.core import REGISTRY, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from conveyor import topology
+from gateway import metrics
 from gateway.broker import Broker
 from gateway.pgpool import Pool
 
@@ -236,11 +237,11 @@ _gauges: ServiceGauges | None = None
 
 
 def register_gauges(stats: ServiceStats) -> None:
-    """One collector per process on the global registry (the gateway's /metrics); a second
+    """One collector per process on the registry /metrics renders; a second
     app in the same process (tests) points it at its own figures."""
     global _gauges
     if _gauges is None:
         _gauges = ServiceGauges(stats)
-        REGISTRY.register(_gauges)
+        metrics.EXPOSED.register(_gauges)
     else:
         _gauges.stats = stats

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+from typing import Any
 
 import typer
 
@@ -22,6 +24,9 @@ def _install_uvloop() -> None:
 def gateway(
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
     port: int = typer.Option(8000),
+    workers: int = typer.Option(
+        1, min=1, max=64, help="API processes on the port; one of them runs the loops"
+    ),
     no_background: bool = typer.Option(False, help="Serve the API only"),
     only_background: bool = typer.Option(
         False, help="Run relay, result consumer, notifier and reaper only"
@@ -32,27 +37,41 @@ def gateway(
     logs.configure(settings.log_level, settings.log_format)
     if no_background and only_background:
         raise typer.BadParameter("--no-background and --only-background exclude each other")
+    if workers > 1 and (no_background or only_background):
+        raise typer.BadParameter("--workers runs the loops in one of its workers")
     problem = settings.signing_secret_problem()
     if problem:
         typer.echo(f"error: {problem} (e.g. export it from `openssl rand -hex 32`)", err=True)
         raise typer.Exit(2)
     import uvicorn
 
+    serving: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "log_config": None,
+        "access_log": False,
+        "timeout_graceful_shutdown": 5,
+        "h11_max_incomplete_event_size": 64 * 1024,
+    }
+    if workers > 1:
+        import tempfile
+
+        from gateway.workers import LOCK_ENV, METRICS_ENV
+
+        with tempfile.TemporaryDirectory(prefix="conveyor-gateway-") as folder:
+            os.environ[LOCK_ENV] = os.path.join(folder, "loops.lock")
+            os.environ[METRICS_ENV] = os.path.join(folder, "metrics")
+            os.mkdir(os.environ[METRICS_ENV])
+            uvicorn.run("gateway.workers:worker_app", factory=True, workers=workers, **serving)
+        return
+
     from gateway.app import create_app
 
     _install_uvloop()
     app = create_app(settings, background=not no_background)
     if only_background:
-        host, port = "127.0.0.1", port  # health endpoints stay available to probes
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-        h11_max_incomplete_event_size=64 * 1024,
-    )
+        serving["host"] = "127.0.0.1"  # health endpoints stay available to probes
+    uvicorn.run(app, **serving)
 
 
 def dispatcher() -> None:

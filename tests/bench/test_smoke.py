@@ -122,3 +122,22 @@ def test_tracing_benchmark_runs(tmp_path: Path) -> None:
     assert all(set(run["statuses"]) == {"201"} for run in result["runs"])
     assert result["spans_received"] > 0  # the `on` gateway did export
     assert str(REPO) not in json.dumps(result)
+
+
+def test_admin_figures_benchmark_runs(tmp_path: Path) -> None:
+    result = _run(
+        "bench.admin_figures",
+        "--finished",
+        "2000",
+        "--last-hour",
+        "200",
+        "--pending",
+        "10",
+        "--running",
+        "2",
+        "--reps",
+        "1",
+        results=tmp_path,
+    )
+    assert {"figures", "throughput_first", "throughput_then", "task_page"} <= set(result["queries"])
+    assert all(q["plan"] for q in result["queries"].values())

@@ -56,6 +56,8 @@ schema = schemathesis.openapi.from_dict(DOCUMENT)
 @schema.hook
 def flatmap_path_parameters(context: Any, path_parameters: dict[str, Any]):
     """Each generated path also comes aimed at the real service, and at its real tasks."""
+    if path_parameters is None:  # a route without path parameters
+        return st.just(path_parameters)
     real = {**path_parameters, "service": SERVICE}
     options = [real, path_parameters]
     if "task_id" in path_parameters:

@@ -1,0 +1,73 @@
+"""`conveyor gateway --workers 2`: two processes answer on one port, exactly one runs the
+background loops, and when that one is killed its replacement takes them over."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Stack
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.processes import Processes
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _answering(url: str, want: int, timeout: float = 30) -> dict[int, bool]:
+    """Which processes answered /readyz (a new connection each time), and whether each runs
+    the loops."""
+    seen: dict[int, bool] = {}
+    deadline = time.monotonic() + timeout
+    while len(seen) < want and time.monotonic() < deadline:
+        try:
+            ready = httpx.get(f"{url}/readyz", timeout=5).json()
+        except httpx.HTTPError:
+            time.sleep(0.1)
+            continue
+        seen[ready["process"]] = ready["background"]
+    return seen
+
+
+def test_one_worker_runs_the_loops_and_its_replacement_takes_them_over(
+    procs: Processes,
+    database_url: str,
+    amqp_url: str,
+    platform: Platform,
+    sleeper_url: str,
+) -> None:
+    gateway = GatewayProcess(
+        procs, gateway_env(database_url, amqp_url), "gateway-workers", "--workers", "2"
+    )
+    first = _answering(gateway.url, want=2)
+    assert len(first) == 2, first
+    assert sorted(first.values()) == [False, True], first
+
+    service = platform.service(jsonSchema={"type": "object"}, taskTimeout=30)
+    stack = Stack(procs, gateway, sleeper_url, amqp_url, service)
+    stack.dispatcher("pod-w")
+    assert stack.finish(stack.submit({"sleep": 0}), timeout=30)["status"] == "SUCCESS"
+
+    (looping,) = [pid for pid, background in first.items() if background]
+    os.kill(looping, signal.SIGKILL)  # a worker our gateway started: ended by its pid
+    deadline = time.monotonic() + 60
+    replaced: dict[int, bool] = {}
+    while time.monotonic() < deadline:
+        replaced = _answering(gateway.url, want=2, timeout=5)
+        if len(replaced) == 2 and looping not in replaced and any(replaced.values()):
+            break
+        time.sleep(0.5)
+    assert looping not in replaced and sorted(replaced.values()) == [False, True], replaced
+    assert stack.finish(stack.submit({"sleep": 0}), timeout=30)["status"] == "SUCCESS"
+    stack.http.close()
+
+    # Whichever worker answers /metrics, it counts every worker's requests (the killed
+    # worker's included): the two creates of this test.
+    line = 'conveyor_gateway_requests_total{route="/v1/services/{service}/tasks",status="201"}'
+    for _ in range(6):
+        scraped = httpx.get(f"{gateway.url}/metrics", timeout=5).text
+        values = [float(x.split()[-1]) for x in scraped.splitlines() if x.startswith(line)]
+        assert values == [2.0], values

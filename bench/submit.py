@@ -131,6 +131,27 @@ def _level_summary(concurrency: int, runs: list[dict[str, Any]]) -> dict[str, An
     }
 
 
+def _by_workers(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per worker count and level: the median over every round of that count."""
+    summary = []
+    for workers in sorted({r["workers"] for r in rounds}):
+        mine = [r["levels"] for r in rounds if r["workers"] == workers]
+        for index, level in enumerate(mine[0]):
+            runs = [levels[index] for levels in mine]
+            summary.append(
+                {
+                    "workers": workers,
+                    "concurrency": level["concurrency"],
+                    "throughput_rps": median(r["throughput_rps"] for r in runs),
+                    "p99_ms": median(r["p99_ms"] for r in runs),
+                    "gateway_cpu_ms_per_request": median(
+                        r["gateway_cpu_ms_per_request"] for r in runs
+                    ),
+                }
+            )
+    return summary
+
+
 def auth_cache(
     procs: Any, database_url: str, service: BenchService, duration: float, concurrency: int
 ) -> dict[str, Any]:
@@ -162,11 +183,11 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     }
     with processes() as procs, fresh_database() as database_url:
         service = create_service(database_url, schema=SCHEMA)
-        by_workers: dict[str, Any] = {}
+        rounds: list[dict[str, Any]] = []
         for workers in [int(w) for w in options.workers.split(",")]:
             banner(f"gateway submit: closed loop, {workers} worker(s)")
             gateway = start_gateway(procs, database_url, workers=workers)
-            by_workers[str(workers)] = concurrency_levels(
+            found = concurrency_levels(
                 gateway,
                 service,
                 database_url,
@@ -175,10 +196,12 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
                 options.duration,
                 options.warmup,
             )
+            rounds.append({"workers": workers, "levels": found})
             procs.stop(gateway.proc)
-        result["levels"] = next(iter(by_workers.values()))
-        if len(by_workers) > 1:
-            result["by_workers"] = by_workers
+        result["levels"] = rounds[0]["levels"]
+        if len(rounds) > 1:
+            result["by_workers"] = rounds
+            result["workers_summary"] = _by_workers(rounds)
         if not options.skip_auth:
             banner("what the bcrypt verification cache buys")
             result["auth_cache"] = auth_cache(

@@ -26,6 +26,29 @@ router = APIRouter(route_class=DirectRoute, tags=["admin"])
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
 
+# Read by the handler itself (DirectRoute), documented here.
+_PAGE_PARAMETERS = [
+    {
+        "name": "status",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string", "enum": ["PENDING", "IN_PROGRESS", "SUCCESS", "FAILURE"]},
+    },
+    {
+        "name": "limit",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT, "default": DEFAULT_LIMIT},
+    },
+    {
+        "name": "cursor",
+        "in": "query",
+        "required": False,
+        "description": "The previous page's `nextCursor`",
+        "schema": {"type": "string"},
+    },
+]
+
 _PAGE = """
     SELECT id, task_id, client_id, status, submission_date, start_date, end_date, progress,
            error_message, worker_host
@@ -63,6 +86,7 @@ async def services(request: Request) -> Json:
     summary="A service's tasks, any client's, newest first",
     response_model=api_models.TaskPageEnvelope,
     responses=api_models.error_responses(400, 403, 404, 431, 503),
+    openapi_extra={"parameters": _PAGE_PARAMETERS},
 )
 async def service_tasks(service: str, request: Request) -> Json:
     """`status` filters; `limit` 1 to 200 (50); `cursor` is the previous page's `nextCursor`."""

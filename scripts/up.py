@@ -314,6 +314,8 @@ def print_banner(console: Console, ports: Ports) -> None:
         """  .venv/bin/conveyor task submit sleeper --body '{"sleep": 5}' --wait""",
         "  .venv/bin/conveyor task watch <taskId> --service sleeper",
         "",
+        f"The dashboard: {url}/ui/ (operator ops, secret ops-secret).",
+        "",
         "Ctrl-C stops everything.",
         "",
     ]

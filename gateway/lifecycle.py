@@ -104,7 +104,7 @@ _FINISH = """
                notification_status = CASE WHEN callback IS NOT NULL THEN 'PENDING' END
          WHERE task_id = %(task_id)s AND status IN ('PENDING', 'IN_PROGRESS')
         RETURNING task_id, attempt_id, callback IS NOT NULL AS notify, service, attempts,
-                  submission_date, not_before, start_date, end_date
+                  submission_date, not_before, start_date, end_date, traceparent
     ), history AS (
         UPDATE task_attempts a
            SET end_date = %(time)s,
@@ -134,7 +134,8 @@ _FINISH = """
            min(extract(epoch FROM start_date - greatest(submission_date, not_before))::float8)
                FILTER (WHERE attempts > 0) AS waited,
            min(extract(epoch FROM end_date - start_date)::float8) FILTER (WHERE attempts > 0)
-               AS ran
+               AS ran,
+           min(traceparent) AS traceparent
       FROM task
     """
 
@@ -160,9 +161,11 @@ class Transition:
         if not changed:
             return Outcome(Applied.IGNORED, False)
         finished = None
-        if self.terminal and answer is not None and len(answer) >= 5:
-            service, waited, ran = answer[2:5]
-            finished = Finished(service, self.params["status"], _seconds(waited), _seconds(ran))
+        if self.terminal and answer is not None and len(answer) >= 6:
+            service, waited, ran, trace = answer[2:6]
+            finished = Finished(
+                service, self.params["status"], _seconds(waited), _seconds(ran), trace
+            )
         return Outcome(self.changed, callbacks > 0, finished)
 
 
@@ -176,6 +179,7 @@ class Finished:
     status: str  # SUCCESS | FAILURE
     waited: float | None
     ran: float | None
+    traceparent: str | None = None  # the task's trace, for the gateway's `result` span
 
 
 @dataclass(frozen=True, slots=True)

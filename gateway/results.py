@@ -63,12 +63,6 @@ _ATTEMPTS = """
      WHERE t.task_id = ANY(%(ids)s) AND t.status IN ('PENDING', 'IN_PROGRESS')
     """
 
-# Only with tracing on: the traces of the tasks a batch ended (their `result` spans).
-_TRACES = """
-    SELECT task_id, traceparent, status FROM tasks
-     WHERE task_id = ANY(%(ids)s) AND traceparent IS NOT NULL
-    """
-
 _POISON = """
     INSERT INTO poison_messages (queue, reason, headers, body, body_size)
     VALUES (%(queue)s, %(reason)s, %(headers)s, %(body)s, %(body_size)s)
@@ -114,7 +108,8 @@ class ResultConsumer:
         self._channel: AbstractChannel | None = None
         self._subscribed: dict[str, list[tuple[AbstractQueue, str]]] = {}  # service -> consumers
         self._broken: dict[str, str] = {}  # service -> why its topology could not be declared
-        self._ended: list[uuid.UUID] = []  # tasks the batch being applied ended (tracing on)
+        # The tasks the batch being applied ended, with their traces (tracing on only).
+        self._ended: list[tuple[uuid.UUID, lifecycle.Finished]] = []
 
     def broken(self) -> dict[str, str]:
         """Services whose queues could not be declared as this gateway would, and why."""
@@ -281,27 +276,22 @@ class ResultConsumer:
         for delivery in batch:
             await _settle(delivery.message.ack)
         if self._ended:
-            await self._trace_results(started, applied)
+            self._trace_results(started, applied)
         if callbacks:
             self.on_finished()
 
     def _note(self, change: lifecycle.Transition, outcome: lifecycle.Outcome) -> None:
-        if tracing.enabled and outcome.applied is lifecycle.Applied.FINISHED:
-            self._ended.append(change.task_id)
+        finished = outcome.finished
+        if tracing.enabled and finished is not None and finished.traceparent:
+            self._ended.append((change.task_id, finished))
 
-    async def _trace_results(self, started: int, applied: int) -> None:
-        """A `result` span per task the batch ended, in the task's trace (from its row): the
-        batch's time, as the batch is what applied it. Never fails the consumer."""
+    def _trace_results(self, started: int, applied: int) -> None:
+        """A `result` span per task the batch ended, in the task's trace (the terminal
+        statement returned it): the batch's time, as the batch is what applied it."""
         ended, self._ended = self._ended, []
-        try:
-            async with self.pool.connection() as conn:
-                rows = await (await conn.execute(_TRACES, {"ids": ended})).fetchall()
-        except Exception as exc:
-            log.debug("task traces not read", extra={"error": repr(exc)})
-            return
-        for row in rows:
-            attributes = {"conveyor.task_id": str(row.task_id), "conveyor.status": row.status}
-            tracing.record("result", row.traceparent, started, applied, attributes, "consumer")
+        for task_id, finished in ended:
+            attributes = {"conveyor.task_id": str(task_id), "conveyor.status": finished.status}
+            tracing.record("result", finished.traceparent, started, applied, attributes, "consumer")
 
     async def _give_back(self, batch: list[Delivery]) -> set[int]:
         """Dead letters the broker returned without a crash, published to `-in` again."""

@@ -119,7 +119,7 @@ def measure_submit(
     top = sql(database_url, "SELECT coalesce(max(id), 0) FROM tasks")[0][0]
     body = [{"method": "POST", "path": service.tasks_path, "body": {"body": {"n": 1}}}]
     report = closed_loop(gateway, service, body, count)
-    time.sleep(0.5)  # outbox deletions are batched
+    time.sleep(0.5)  # published marks are batched
     sql(database_url, "DELETE FROM tasks WHERE id > %(top)s", {"top": top})
     purge_queue(f"{service.name}-in")
     return report

@@ -1,7 +1,7 @@
 """Benchmark 1: gateway submit throughput and latency (SPEC §10, first row).
 
 `POST /v1/services/<s>/tasks` with everything a real submission does: HTTP
-Basic authentication, JSON Schema validation, the task row and its outbox entry
+Basic authentication, JSON Schema validation, the task row (its own outbox entry)
 in one commit, the position, and the publish confirmed by RabbitMQ. One gateway
 process (`conveyor gateway`, background loops on, as deployed); the load
 generator (`bench.loadgen`) is a separate process. Closed loop at 1, 16 and 64
@@ -29,7 +29,7 @@ import json
 import sys
 from typing import Any
 
-from bench.meters import CpuMeter
+from bench.meters import CpuMeter, ServerMeter
 from bench.record import PYTHON, banner, metadata, run_json, write_result
 from bench.stack import (
     BenchService,
@@ -68,12 +68,17 @@ def load(
         "auth": list(service.auth),
     }
     meter = CpuMeter([gateway.proc.pid], tree=True)  # `--workers`: the workers too
+    servers = ServerMeter()
     meter.start()
+    servers.start()
     report = run_json([PYTHON, "-m", "bench.loadgen", json.dumps(job)], timeout=duration * 3 + 120)
     cpu = meter.stop()
+    server_cpu = servers.stop()
     report["gateway_cpu_s"] = cpu
     served = report["requests"] + report.get("warmup_requests", 0)  # the CPU covers both
     report["gateway_cpu_ms_per_request"] = round(cpu * 1000 / served, 3) if served else None
+    for name, seconds in server_cpu.items():  # the database's share of a submission, too
+        report[f"{name}_cpu_ms_per_request"] = round(seconds * 1000 / served, 3) if served else None
     return report
 
 
@@ -110,7 +115,8 @@ def concurrency_levels(
                 f"  c={concurrency:>3} rep {rep + 1}: {report['throughput_rps']} req/s,"
                 f" p50 {report['latency_ms']['p50']} ms, p99 {report['latency_ms']['p99']} ms,"
                 f" statuses {report['statuses']}, errors {report['errors']},"
-                f" gateway CPU {report['gateway_cpu_ms_per_request']} ms/req",
+                f" gateway CPU {report['gateway_cpu_ms_per_request']} ms/req,"
+                f" PostgreSQL {report.get('postgresql_cpu_ms_per_request')} ms/req",
                 flush=True,
             )
         found.append(_level_summary(concurrency, runs))
@@ -124,6 +130,9 @@ def _level_summary(concurrency: int, runs: list[dict[str, Any]]) -> dict[str, An
         "p50_ms": median(r["latency_ms"]["p50"] for r in runs),
         "p99_ms": median(r["latency_ms"]["p99"] for r in runs),
         "gateway_cpu_ms_per_request": median(r["gateway_cpu_ms_per_request"] for r in runs),
+        "postgresql_cpu_ms_per_request": median(
+            r.get("postgresql_cpu_ms_per_request") or 0.0 for r in runs
+        ),
         "non_2xx": sum(
             n for r in runs for status, n in r["statuses"].items() if not status.startswith("2")
         ),

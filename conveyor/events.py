@@ -4,7 +4,8 @@ Gateway and dispatcher both speak through this module and nothing else, so the
 format is defined once. Two formats exist side by side (SPEC §6.2, §6.3):
 
 * CloudEvents, RabbitMQ binary binding: attributes in `ce-` headers, `data` in
-  the body. Encoded and decoded with the `cloudevents` 2.x binding.
+  the body. Encoded and decoded with the `cloudevents` 2.x binding, its JSON
+  data written and read by `strict_json` (once per message, orjson's speed).
 * The seed's legacy JSON, read in both camelCase and snake_case spellings.
 
 Decoding never raises anything but `WireError`, so a consumer can set a poison
@@ -42,7 +43,51 @@ EXT_STARTED = "conveyorstarted"
 
 SUBMITTED = "io.conveyor.task.submitted"
 CANCELLED = "io.conveyor.task.cancelled"  # gateway -> dispatchers, on `<queue>-control`
-_JSON = JSONFormat()
+
+
+def _json_type(datacontenttype: str | None) -> bool:
+    """JSON data, as the binding decides it."""
+    pattern = JSONFormat.JSON_CONTENT_TYPE_PATTERN
+    return pattern.match(datacontenttype or JSONFormat.DEFAULT_CONTENT_TYPE) is not None
+
+
+class _Format(JSONFormat):
+    """The binding's JSON format, with `data` written by strict_json and read by it once.
+
+    `parsed` is the body as `_from_wire` already read it (strictly): it is the data whenever
+    the binding's own reading (the stdlib's, of the body decoded as UTF-8) would have given
+    the same; otherwise the binding reads the body itself, exactly as it always did.
+    """
+
+    def __init__(self, parsed: Any = None) -> None:
+        self.parsed = parsed
+
+    def write_data(self, data: Any, datacontenttype: str | None) -> bytes:
+        if isinstance(data, dict) and _json_type(datacontenttype):
+            return strict_json.dumps(data, allow_nan=True)  # as the binding's json.dumps
+        return super().write_data(data, datacontenttype)
+
+    def read_data(self, body: bytes, datacontenttype: str | None) -> Any:
+        if body and _json_type(datacontenttype) and _plain_utf8(body):
+            return self.parsed
+        return super().read_data(body, datacontenttype)
+
+
+def _plain_utf8(body: bytes) -> bool:
+    """Whether the stdlib reads `body` and `body.decode()` alike: UTF-8 without a byte order
+    mark, no encoded surrogates, no bytes that make it guess UTF-16 or UTF-32."""
+    if json.detect_encoding(body) != "utf-8":
+        return False
+    if body.isascii():
+        return True
+    try:
+        body.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+_WRITER = _Format()
 
 
 class WireError(ValueError):
@@ -142,7 +187,7 @@ def now() -> datetime:
 
 
 def _json_bytes(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+    return strict_json.dumps(value)
 
 
 def _load_json(body: bytes) -> Any:
@@ -201,7 +246,7 @@ def is_cloudevent(headers: dict[str, Any] | None) -> bool:
 def _to_wire(attributes: dict[str, Any], data: Any, traceparent: str | None) -> WireMessage:
     if traceparent:
         attributes[TRACEPARENT] = traceparent
-    binary = ce_rabbitmq.to_binary(CloudEvent(attributes=attributes, data=data), _JSON)
+    binary = ce_rabbitmq.to_binary(CloudEvent(attributes=attributes, data=data), _WRITER)
     return WireMessage(binary.body, dict(binary.headers), binary.content_type, attributes["id"])
 
 
@@ -211,14 +256,14 @@ def _from_wire(message: WireMessage) -> CloudEvent:
         for k in message.headers
         if k.startswith("ce-") and (value := _header_str(message.headers, k)) is not None
     }
-    if message.body:
-        _load_json(message.body)  # the binding's own error would not be a WireError
+    # Read first, so that a body that is not JSON is a WireError saying so.
+    parsed = _load_json(message.body) if message.body else None
     try:
         event = ce_rabbitmq.from_binary(
             ce_rabbitmq.RabbitMQMessage(
                 headers=headers, content_type=message.content_type, body=message.body
             ),
-            _JSON,
+            _Format(parsed),
             CloudEvent,
         )
     except Exception as exc:  # the binding raises several unrelated types

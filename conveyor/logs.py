@@ -5,12 +5,18 @@ Message bodies and secrets are never passed to a logger; records carry ids only.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import sys
 from datetime import UTC, datetime
 
-from conveyor.settings import LogFormat
+
+class LogFormat(enum.StrEnum):
+    AUTO = "auto"  # readable on a terminal, JSON otherwise
+    JSON = "json"
+    TEXT = "text"
+
 
 # Standard record attributes, and uvicorn's ANSI duplicate of its message.
 _RESERVED = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message"}

@@ -1,24 +1,22 @@
-"""Configuration, from the environment (pydantic-settings).
+"""The gateway's (and the CLI's) configuration, from the environment (pydantic-settings).
 
 Every setting has a safe default that points at loopback, so a newcomer runs the
-platform with no configuration. Gateway settings use the `CONVEYOR_` prefix; the
-dispatcher's own variables (SPEC §7) are accepted with or without it, because
-Kubernetes manifests conventionally spell them bare (`FUNCTION_URL`).
+platform with no configuration. Gateway settings use the `CONVEYOR_` prefix. The
+dispatcher's settings are not here: the sidecar reads its own without importing pydantic
+(conveyor/dispatcher_settings.py), and shares its broker defaults with these.
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Annotated, Any
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from conveyor.dispatcher_settings import DEFAULT_AMQP_HEARTBEAT, DEFAULT_AMQP_URL
+from conveyor.logs import LogFormat
+
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/conveyor"
-DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
-# Short enough that a frozen broker node is left within a minute, long enough that a
-# busy 2-core machine never misses one.
-DEFAULT_AMQP_HEARTBEAT = 15
 
 
 def normalize_database_url(url: str) -> str:
@@ -27,12 +25,6 @@ def normalize_database_url(url: str) -> str:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix) :]
     return url
-
-
-class LogFormat(enum.StrEnum):
-    AUTO = "auto"  # readable on a terminal, JSON otherwise
-    JSON = "json"
-    TEXT = "text"
 
 
 class CommonSettings(BaseSettings):
@@ -128,77 +120,3 @@ class GatewaySettings(CommonSettings):
         if isinstance(value, str):
             return [h.strip().lower() for h in value.split(",") if h.strip()]
         return value
-
-
-def _env(name: str) -> AliasChoices:
-    return AliasChoices(f"CONVEYOR_{name}", name)
-
-
-class ShutdownMode(enum.StrEnum):
-    REQUEUE = "requeue"
-    DRAIN = "drain"
-
-
-class DispatcherSettings(BaseSettings):
-    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
-
-    amqp_url: str = Field(DEFAULT_AMQP_URL, validation_alias=_env("AMQP_URL"))
-    amqp_heartbeat: int = Field(
-        DEFAULT_AMQP_HEARTBEAT, ge=0, validation_alias=_env("AMQP_HEARTBEAT")
-    )
-    queue: str = Field("sleeper", validation_alias=_env("QUEUE"))
-    function_url: str = Field("http://127.0.0.1:8080/", validation_alias=_env("FUNCTION_URL"))
-    function_ready_url: str | None = Field(None, validation_alias=_env("FUNCTION_READY_URL"))
-    concurrency: int = Field(4, ge=1, le=1000, validation_alias=_env("CONCURRENCY"))
-    # Messages held beyond CONCURRENCY (prefetch = CONCURRENCY + this), so that the next one is
-    # already here when a call ends: a slot is free again as soon as the function has answered,
-    # while its terminal event is confirmed and its message acked in the background.
-    prefetch_buffer: int = Field(0, ge=0, le=1000, validation_alias=_env("PREFETCH_BUFFER"))
-    shutdown_mode: ShutdownMode = Field(
-        ShutdownMode.REQUEUE, validation_alias=_env("SHUTDOWN_MODE")
-    )
-    drain_timeout: float = Field(30.0, ge=0, validation_alias=_env("DRAIN_TIMEOUT"))
-    dispatcher_port: int = Field(8081, validation_alias=_env("DISPATCHER_PORT"))
-    metrics_port: int | None = Field(None, validation_alias=_env("METRICS_PORT"))
-    # Knative mode (SPEC §11.5): progress reports from the function's pods reach the dispatcher
-    # on POD_IP:PROGRESS_PORT, with each attempt's token in the URL.
-    progress_port: int | None = Field(None, validation_alias=_env("PROGRESS_PORT"))
-    pod_ip: str | None = Field(None, validation_alias=_env("POD_IP"))
-    one_shot: bool = Field(False, validation_alias=_env("ONE_SHOT"))
-    idle_exit_seconds: float = Field(60.0, validation_alias=_env("IDLE_EXIT_SECONDS"))
-    hostname: str = Field("localhost", validation_alias=_env("HOSTNAME"))
-    # Used when a message does not carry its service's values (legacy format).
-    max_attempts: int = Field(3, ge=1, validation_alias=_env("MAX_ATTEMPTS"))
-    task_timeout: float = Field(300.0, gt=0, validation_alias=_env("TASK_TIMEOUT"))
-    retry_backoff: float = Field(0.5, ge=0, validation_alias=_env("RETRY_BACKOFF"))
-    retry_backoff_max: float = Field(30.0, ge=0, validation_alias=_env("RETRY_BACKOFF_MAX"))
-    progress_interval: float = Field(0.5, ge=0, validation_alias=_env("PROGRESS_INTERVAL"))
-    # `started` goes out only once a call has run this long (0: always at once); a shorter
-    # call sends its terminal event alone, carrying the host and start time. One confirmed
-    # publish and one row write fewer per short task (legacy services always get `started`).
-    started_delay_ms: int = Field(100, ge=0, validation_alias=_env("STARTED_DELAY_MS"))
-    # The longest answer read from the function: a longer one fails its task (RabbitMQ's own
-    # limit on a message, 128 MiB by default, must never be reached: it closes the channel).
-    max_response_bytes: int = Field(
-        8 * 1024 * 1024, ge=1024, validation_alias=_env("MAX_RESPONSE_BYTES")
-    )
-    function_wait_timeout: float = Field(
-        300.0, ge=0, validation_alias=_env("FUNCTION_WAIT_TIMEOUT")
-    )
-    # How long a cancelled task's id is remembered (SPEC §11.1): its message may still be
-    # queued, or requeued by another dispatcher, meanwhile.
-    cancel_memory_seconds: float = Field(
-        24 * 3600.0, gt=0, validation_alias=_env("CANCEL_MEMORY_SECONDS")
-    )
-    log_level: str = Field("INFO", validation_alias=_env("LOG_LEVEL"))
-    log_format: LogFormat = Field(LogFormat.AUTO, validation_alias=_env("LOG_FORMAT"))
-
-
-def dispatcher_variable(field: str, prefixed: bool = False) -> str:
-    """The environment variable that sets a dispatcher setting, as a manifest spells it:
-    bare (`FUNCTION_URL`), or with `prefixed` the `CONVEYOR_` form for names too generic to
-    stand alone in a pod's environment (`CONVEYOR_QUEUE`)."""
-    alias = DispatcherSettings.model_fields[field].validation_alias
-    assert isinstance(alias, AliasChoices)
-    with_prefix, bare = (str(choice) for choice in alias.choices)
-    return with_prefix if prefixed else bare

@@ -2,8 +2,8 @@
 
 import sys
 
-from conveyor.settings import DispatcherSettings
+from conveyor.dispatcher_settings import DispatcherSettings
 from dispatcher.main import run
 
 if __name__ == "__main__":
-    sys.exit(run(DispatcherSettings()))
+    sys.exit(run(DispatcherSettings.from_env()))

@@ -24,8 +24,8 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from conveyor import logs, tracing
 from conveyor.amqp import from_amqp
+from conveyor.dispatcher_settings import DispatcherSettings
 from conveyor.events import WireError, decode_cancel
-from conveyor.settings import DispatcherSettings
 from conveyor.topology import in_queue, out_queue
 from dispatcher.api import ApiServer, Endpoints
 from dispatcher.cancels import Cancels

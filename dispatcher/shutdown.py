@@ -34,7 +34,7 @@ import signal
 from collections.abc import Awaitable
 from typing import Protocol, TypeVar
 
-from conveyor.settings import ShutdownMode
+from conveyor.dispatcher_settings import ShutdownMode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -28,7 +28,6 @@ function may be called again for a task after a crash or a broker outage.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -39,7 +38,8 @@ from functools import partial
 from typing import Any
 
 from conveyor import headers as h
-from conveyor import tracing
+from conveyor import strict_json, tracing
+from conveyor.dispatcher_settings import DispatcherSettings
 from conveyor.events import (
     SUBMITTED,
     EventKind,
@@ -49,7 +49,6 @@ from conveyor.events import (
     WireError,
     decode_submission,
 )
-from conveyor.settings import DispatcherSettings
 from dispatcher.cancels import Cancels
 from dispatcher.consumer import BROKER_ERRORS, Delivery
 from dispatcher.inflight import InFlight, Orphans
@@ -319,7 +318,7 @@ class Worker:
             task_id=submission.task_id,
             attempt=delivery.previous_deliveries() + 1,
             deadline=wall_deadline,
-            body=json.dumps(submission.body).encode() if legacy else delivery.message.body,
+            body=_legacy_body(submission) if legacy else delivery.message.body,
             ce_type=_text(headers.get(h.CE_TYPE)) or SUBMITTED,
             ce_source=_text(headers.get(h.CE_SOURCE)) or f"/v1/services/{self.settings.queue}",
             ce_time=_text(headers.get(h.CE_TIME)),
@@ -443,6 +442,11 @@ class Worker:
                 "task requeued",
                 extra={"message_id": delivery.message_id, "previous_deliveries": previous},
             )
+
+
+def _legacy_body(submission: Submission) -> bytes:
+    """A legacy submission's body as JSON (a CloudEvent's is forwarded as it came)."""
+    return strict_json.dumps(submission.body, allow_nan=True)  # as json.dumps always did
 
 
 def _text(value: Any) -> str | None:

@@ -10,18 +10,18 @@ is parsed, and so that every refusal carries the seed's error envelope.
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
-from conveyor import envelope, tracing
+from conveyor import envelope, strict_json, tracing
 from conveyor import headers as h
 from gateway import api_models, catalog, errors, metrics, pgpool
 from gateway.auth import Authenticator
@@ -54,6 +54,8 @@ MAX_IDEMPOTENCY_KEY = 200
 # Deeper documents overflow recursive JSON encoders downstream (json, orjson: 254).
 MAX_DEPTH = 128
 _JSON_TYPES = ("application/json", "application/cloudevents+json")
+# Bytes that may hold what jsonb refuses: an escaped NUL, a surrogate escaped or encoded.
+_SUSPECT = re.compile(rb"\\u0000|\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def runtime(request: Request) -> Runtime:
@@ -100,12 +102,12 @@ def _parse(raw: bytes, content_type: str | None) -> dict[str, Any]:
     if media not in _JSON_TYPES and not media.endswith("+json"):
         raise errors.invalid("Content-Type", "must be application/json")
     try:
-        payload = orjson.loads(raw)  # refuses NaN/Infinity, invalid UTF-8 and deep nesting
-    except orjson.JSONDecodeError as exc:
+        payload = strict_json.loads(raw)  # refuses NaN/Infinity, invalid UTF-8, deep nesting
+    except strict_json.NotJson as exc:
         raise errors.invalid("", f"malformed JSON: {str(exc)[:200]}") from None
     if not isinstance(payload, dict):
         raise errors.invalid("", "the request must be a JSON object")
-    if b"\\u0000" in raw or raw.count(b"{") + raw.count(b"[") > MAX_DEPTH:
+    if _SUSPECT.search(raw) or raw.count(b"{") + raw.count(b"[") > MAX_DEPTH:
         _check_storable(payload)
     return payload
 
@@ -123,15 +125,27 @@ def _check_item(item: Any, where: str = "") -> dict[str, Any]:
     return item
 
 
+def _text_problem(text: str) -> str | None:
+    if "\x00" in text:
+        return "may not contain NUL (\\u0000)"
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            return "may not contain lone surrogates (\\ud800-\\udfff)"
+    return None
+
+
 def _check_storable(payload: dict[str, Any]) -> None:
-    """Refuses what cannot be stored or re-encoded: NUL characters (jsonb refuses them) and
-    nesting deeper than MAX_DEPTH. Iterative, so a hostile document cannot exhaust the stack."""
+    """Refuses what cannot be stored or re-encoded: NUL characters and lone surrogates (jsonb
+    refuses both) and nesting deeper than MAX_DEPTH. Iterative, so a hostile document cannot
+    exhaust the stack."""
     stack: list[tuple[Any, str, int]] = [(payload, "", 1)]
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, str):
-            if "\x00" in value:
-                raise errors.invalid(path[:200], "text may not contain NUL (\\u0000)")
+            if problem := _text_problem(value):
+                raise errors.invalid(path[:200], f"text {problem}")
             continue
         if not isinstance(value, dict | list):
             continue
@@ -139,8 +153,8 @@ def _check_storable(payload: dict[str, Any]) -> None:
             raise errors.invalid(path[:200], f"nested deeper than {MAX_DEPTH} levels")
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
-            if isinstance(key, str) and "\x00" in key:
-                raise errors.invalid(path[:200], "keys may not contain NUL (\\u0000)")
+            if isinstance(key, str) and (problem := _text_problem(key)):
+                raise errors.invalid(path[:200], f"keys {problem}")
             stack.append((item, f"{path}/{key}" if path else str(key), depth + 1))
 
 
@@ -227,7 +241,7 @@ async def create(service: str, request: Request) -> Json:
         )
         key = _idempotency_key(request)
         new = await _new_task(rt, client_id, access, payload, key, trace)
-        accepted = await create_task(rt.pool, new, rt.intake.insert)
+        accepted = await create_task(rt.pool, new, rt.intake.insert, rt.settings.outbox_grace)
         await _publish(rt, [(new, accepted)])
         task_id = str(accepted.task_id)
         tracing.annotate("conveyor.task_id", task_id)
@@ -274,7 +288,7 @@ async def _create_batch(service: str, request: Request, rt: Runtime, trace: str 
         if isinstance(outcome, BaseException):
             raise outcome
     news = [c for c in checked if isinstance(c, NewTask)]
-    accepted = await create_tasks(rt.pool, news)
+    accepted = await create_tasks(rt.pool, news, rt.settings.outbox_grace)
     await _publish(rt, list(zip(news, accepted, strict=True)))
     created = bool(accepted) and accepted[0].created
     tasks = [{"taskId": str(a.task_id), "taskPosition": a.position} for a in accepted]
@@ -359,15 +373,13 @@ async def _publish(rt: Runtime, done: list[tuple[NewTask, Accepted]]) -> None:
     """The fast path of the outbox, after the commit: the relay retries what fails here."""
     publishes = []
     for new, accepted in done:
-        if accepted.created and accepted.outbox_id is not None and not accepted.delayed:
+        if accepted.created and accepted.row_id is not None and not accepted.delayed:
             service = new.access.service
-            metrics.SUBMITTED.labels(service=service.name).inc()
+            metrics.child(metrics.SUBMITTED, service.name).inc()
             submission = submission_for(
                 accepted.task_id, service, new.body, rt.settings.pending_ttl, new.traceparent
             )
-            publishes.append(
-                rt.outbox.publish_now(accepted.outbox_id, submission, service.queue_name)
-            )
+            publishes.append(rt.outbox.publish_now(accepted.row_id, submission, service.queue_name))
     await asyncio.gather(*publishes)
 
 

@@ -8,7 +8,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -169,14 +168,11 @@ class _Measure:
 
     Starlette's `BaseHTTPMiddleware` (`app.middleware("http")`) runs the rest of
     the app in a task group with memory streams for every request; this only
-    watches `http.response.start` go by. Label children are cached per
-    (route, status), as `labels()` takes a lock and builds a key on every call.
+    watches `http.response.start` go by.
     """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._latency: dict[str, Any] = {}
-        self._requests: dict[tuple[str, int], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -197,16 +193,8 @@ class _Measure:
             self._observe(_route_label(scope), status, started)
 
     def _observe(self, route: str, status: int, started: float) -> None:
-        latency = self._latency.get(route)
-        if latency is None:
-            latency = self._latency[route] = metrics.LATENCY.labels(route=route)
-        latency.observe(time.perf_counter() - started)
-        counter = self._requests.get((route, status))
-        if counter is None:
-            counter = self._requests[(route, status)] = metrics.REQUESTS.labels(
-                route=route, status=str(status)
-            )
-        counter.inc()
+        metrics.child(metrics.LATENCY, route).observe(time.perf_counter() - started)
+        metrics.child(metrics.REQUESTS, route, str(status)).inc()
 
 
 UNMATCHED = "unmatched"

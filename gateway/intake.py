@@ -27,8 +27,11 @@ _Waiting = tuple[NewTask, "asyncio.Future[Accepted]"]
 
 
 class Intake:
-    def __init__(self, pool: Pool, max_batch: int = 200, concurrency: int = 2) -> None:
+    def __init__(
+        self, pool: Pool, grace: float, max_batch: int = 200, concurrency: int = 2
+    ) -> None:
         self.pool = pool
+        self.grace = grace  # the relay's wait before it publishes what the fast path did not
         self.max_batch = max_batch
         self.concurrency = concurrency
         self._waiting: list[_Waiting] = []
@@ -71,7 +74,7 @@ class Intake:
 
     async def _insert(self, tasks: list[NewTask]) -> list[Accepted]:
         async with self.pool.connection() as conn:  # autocommit: the statement is the commit
-            return await insert_many(conn, tasks)
+            return await insert_many(conn, tasks, self.grace)
 
     async def close(self) -> None:
         """Lets the batches being written finish (their requests are waiting for them)."""

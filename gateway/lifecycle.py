@@ -18,6 +18,9 @@ replicas applying events concurrently:
 * the first terminal event wins.
 
 Every attempt is also recorded in `task_attempts` for investigation in SQL.
+A task's first event also ends its row's life as an outbox entry (`publish_at`,
+see `outbox`): a message that was delivered, or a task that ended, needs no
+publish, and the update that says so is one the state machine makes anyway.
 
 A transition is data (`Transition`: a statement, its parameters, and how to
 read its one-row answer), so that the results consumer can send a whole batch
@@ -29,17 +32,16 @@ now have a callback to send (so that the notifier is woken only then).
 from __future__ import annotations
 
 import enum
-import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import orjson
 import psycopg
 from psycopg.types.json import Jsonb
 
+from conveyor import strict_json
 from conveyor.events import EventKind, TaskEvent, now
 
 
@@ -54,7 +56,7 @@ _STARTED = """
         UPDATE tasks
            SET status = 'IN_PROGRESS', worker_host = CAST(%(host)s AS text),
                start_date = %(time)s, progress = 0, attempt_id = %(attempt)s,
-               attempts = attempts + 1, updated_at = now()
+               attempts = attempts + 1, updated_at = now(), publish_at = NULL
          WHERE task_id = %(task_id)s
            AND (status = 'PENDING'
                 OR (status = 'IN_PROGRESS' AND attempt_id IS DISTINCT FROM %(attempt)s
@@ -101,7 +103,8 @@ _FINISH = """
                                THEN CAST(%(response)s AS jsonb) END,
                error_message = CAST(%(error_message)s AS text),
                progress = CASE WHEN CAST(%(status)s AS text) = 'SUCCESS' THEN 100 ELSE progress END,
-               notification_status = CASE WHEN callback IS NOT NULL THEN 'PENDING' END
+               notification_status = CASE WHEN callback IS NOT NULL THEN 'PENDING' END,
+               publish_at = NULL
          WHERE task_id = %(task_id)s AND status IN ('PENDING', 'IN_PROGRESS')
         RETURNING task_id, attempt_id, callback IS NOT NULL AS notify, service, attempts,
                   submission_date, not_before, start_date, end_date, traceparent
@@ -264,15 +267,8 @@ def _finish(
 
 
 def _jsonb(value: Any) -> Jsonb:
-    # A function's JSON may hold integers wider than 64 bits, which orjson refuses.
-    return Jsonb(value, dumps=_dumps)
-
-
-def _dumps(value: Any) -> bytes | str:
-    try:
-        return orjson.dumps(value)
-    except TypeError:
-        return json.dumps(value)
+    # A function's JSON may hold integers wider than 64 bits: strict_json keeps their digits.
+    return Jsonb(value, dumps=strict_json.dumps)
 
 
 async def apply(conn: psycopg.AsyncConnection[Any], change: Transition) -> Outcome:
@@ -285,7 +281,8 @@ _EXPIRE = """
         UPDATE tasks t
            SET status = 'FAILURE', end_date = now(), updated_at = now(),
                error_message = 'The task expired: it stayed PENDING longer than its time to live.',
-               notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
+               notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END,
+               publish_at = NULL
          WHERE t.status = 'PENDING'
            -- a task that waited for its time (run later) lives from that time on
            AND COALESCE(t.not_before, t.submission_date)

@@ -7,7 +7,9 @@ With `conveyor gateway --workers N` every worker counts into files in PROMETHEUS
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -24,6 +26,15 @@ def _exposed() -> CollectorRegistry:
 
 
 EXPOSED = _exposed()  # what /metrics renders; per-process collectors register here too
+
+
+@functools.cache
+def child(metric: Any, *values: str) -> Any:
+    """`metric.labels(*values)`, made once: `labels()` takes a lock and builds its key on
+    every call, several times per task on the hot paths. Label values are bounded (routes,
+    services, outcomes), and so is this cache."""
+    return metric.labels(*values)
+
 
 REQUESTS = Counter("conveyor_gateway_requests_total", "API answers", ["route", "status"])
 SUBMITTED = Counter("conveyor_gateway_tasks_submitted_total", "Tasks accepted", ["service"])
@@ -88,8 +99,8 @@ def task_finished(
     service: str, outcome: str, waited: float | None, ran: float | None, count: int = 1
 ) -> None:
     """One task ended (or `count` of them, by the reaper): durations when it ever started."""
-    FINISHED.labels(service=service, outcome=outcome).inc(count)
+    child(FINISHED, service, outcome).inc(count)
     if waited is not None:
-        QUEUE_WAIT.labels(service=service).observe(waited)
+        child(QUEUE_WAIT, service).observe(waited)
     if ran is not None:
-        RUN_TIME.labels(service=service).observe(ran)
+        child(RUN_TIME, service).observe(ran)

@@ -120,6 +120,10 @@ tasks = Table(
     Column("idempotency_key", Text),
     Column("not_before", DateTime(timezone=True)),  # run later (SPEC §11.4)
     Column("traceparent", Text),  # W3C trace context: the task's trace (SPEC §11.6)
+    # The task row is the outbox: when the relay may publish it; NULL once published.
+    Column("publish_at", DateTime(timezone=True)),
+    Column("publish_attempts", Integer, nullable=False, server_default="0"),
+    Column("publish_error", Text),
     _updated(),
     CheckConstraint(
         "status IN ('PENDING', 'IN_PROGRESS', 'SUCCESS', 'FAILURE')", name="ck_tasks_status"
@@ -156,26 +160,9 @@ tasks = Table(
     Index("ix_tasks_submission_date", "submission_date"),
     Index("ix_tasks_service_id", "service", "id"),  # the admin API's newest first
     Index("ix_tasks_running", "service", postgresql_where=text("status = 'IN_PROGRESS'")),
-)
-
-outbox = Table(
-    "outbox",
-    metadata,
-    Column("id", BigInteger, Identity(), primary_key=True),
-    Column(
-        "task_id",
-        UUID(as_uuid=True),
-        ForeignKey("tasks.task_id", ondelete="CASCADE"),
-        nullable=False,
-        index=True,
+    Index(
+        "ix_tasks_unpublished", "publish_at", "id", postgresql_where=text("publish_at IS NOT NULL")
     ),
-    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    Column("claimed_until", DateTime(timezone=True)),
-    Column("attempts", Integer, nullable=False, server_default="0"),
-    Column("last_error", Text),
-    Column("not_before", DateTime(timezone=True)),  # published once due
-    Index("ix_outbox_now", "id", postgresql_where=text("not_before IS NULL")),
-    Index("ix_outbox_later", "not_before", "id", postgresql_where=text("not_before IS NOT NULL")),
 )
 
 task_attempts = Table(

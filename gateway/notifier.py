@@ -159,7 +159,7 @@ class Notifier:
             outcome = "FAILURE"
             reason = str(exc) or exc.__class__.__name__
             log.info("callback failed", extra={"task_id": str(row.task_id), "reason": reason})
-        metrics.NOTIFICATIONS.labels(outcome=outcome).inc()
+        metrics.child(metrics.NOTIFICATIONS, outcome).inc()
         await self._record(row.id, outcome)
 
     async def _record(self, row_id: int, outcome: str) -> None:

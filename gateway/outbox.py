@@ -1,27 +1,33 @@
-"""Publishing without losing tasks: the transactional outbox.
+"""Publishing without losing tasks: the task row is the outbox.
 
-A submission commits its task row and an outbox row together, then publishes
-*after* the commit (nothing is ever published inside a transaction). Two paths
-empty the outbox:
+A submission commits its task row with `publish_at` set (when the relay may
+publish it), then publishes *after* the commit (nothing is ever published inside
+a transaction). The row stops being an outbox entry when `publish_at` goes back
+to NULL, which happens in one of three ways:
 
 * the fast path: the API publishes at once and, once the broker confirms,
-  queues the outbox id for deletion; deletions are batched into one statement;
-* the relay: a background loop that claims rows older than a grace period
-  (their fast path failed, or the gateway died between commit and publish),
-  publishes them and deletes them. Claims are leases taken with
-  `FOR UPDATE SKIP LOCKED`, so several gateway replicas never publish the same
-  row at the same time, and a replica that dies mid-publish only delays a row
-  until its lease expires. A row whose service was deleted is resolved on
-  the spot: its task fails with "Service deleted." and the row goes.
+  queues the row for marking; marks are batched into one statement;
+* the task's first event: `started`, or a terminal state however reached,
+  clears it in the update the state machine makes anyway (`lifecycle`), so most
+  tasks are marked at no cost and the fast path's mark finds nothing to do;
+* the relay: a background loop that claims rows whose `publish_at` has passed
+  (their fast path failed, the gateway died between commit and publish, or a
+  run-later task is due), publishes them and marks them. A claim is a lease
+  (`publish_at` moves 30 s ahead) taken with `FOR UPDATE SKIP LOCKED`, so several
+  gateway replicas never publish the same row at the same time, and a replica that
+  dies mid-publish only delays a row until its lease expires. A row whose service
+  was deleted is resolved on the spot: its task fails with "Service deleted.".
 
-The grace is longer than a fast-path publish can take (see
-`GatewaySettings.outbox_grace`), so the relay does not publish a second copy of
-a submission whose confirm is merely slow. A relay pass that publishes nothing
-(the broker is unreachable) makes the relay back off, up to `max_backoff`,
-instead of cycling through the whole backlog at every row's lease expiry.
+Only unpublished rows are in the partial index `ix_tasks_unpublished`, so the
+claim never reads the history. The fast path's grace (the first `publish_at`) is
+longer than a fast-path publish can take (see `GatewaySettings.outbox_grace`), so
+the relay does not publish a second copy of a submission whose confirm is merely
+slow. A relay pass that publishes nothing (the broker is unreachable) makes the
+relay back off, up to `max_backoff`, instead of cycling through the whole backlog
+at every row's lease expiry.
 
-At worst a task is published twice (confirm received, deletion lost): delivery
-is at-least-once end to end, and the state machine absorbs duplicates.
+At worst a task is published twice (confirm received, mark lost): delivery is
+at-least-once end to end, and the state machine absorbs duplicates.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -45,40 +52,34 @@ from gateway.pgpool import Pool
 log = logging.getLogger("conveyor.gateway.outbox")
 
 # Every statement stands alone: run in autocommit, each is its own transaction.
-_DELETE = "DELETE FROM outbox WHERE id = ANY(%(ids)s)"
+_MARK_PUBLISHED = (
+    "UPDATE tasks SET publish_at = NULL WHERE id = ANY(%(ids)s) AND publish_at IS NOT NULL"
+)
+# Due rows (ix_tasks_unpublished), leased: `publish_at` moves past the lease.
 _CLAIM = """
-    UPDATE outbox o
-       SET claimed_until = now() + make_interval(secs => %(lease)s), attempts = o.attempts + 1
-      FROM tasks t LEFT JOIN services s ON s.name = t.service
-     WHERE o.id IN ({rows})
-       AND t.task_id = o.task_id
-    RETURNING o.id, t.task_id, t.status, t.request, t.service, s.name IS NULL AS orphan,
-              s.queue_name, s.message_format, s.max_attempts, s.task_timeout,
-              t.submission_date, t.not_before, s.retention_seconds, t.traceparent
+    WITH claimed AS (
+        UPDATE tasks t
+           SET publish_at = now() + make_interval(secs => %(lease)s),
+               publish_attempts = t.publish_attempts + 1
+         WHERE t.id IN (SELECT id FROM tasks
+                         WHERE publish_at IS NOT NULL AND publish_at <= now()
+                         ORDER BY publish_at, id LIMIT %(limit)s
+                         FOR UPDATE SKIP LOCKED)
+        RETURNING t.id, t.task_id, t.status, t.request, t.service, t.submission_date,
+                  t.not_before, t.traceparent
+    )
+    SELECT c.id, c.task_id, c.status, c.request, c.service, s.name IS NULL AS orphan,
+           s.queue_name, s.message_format, s.max_attempts, s.task_timeout,
+           c.submission_date, c.not_before, s.retention_seconds, c.traceparent
+      FROM claimed c LEFT JOIN services s ON s.name = c.service
     """
-_UNCLAIMED = "(claimed_until IS NULL OR claimed_until < now())"
-# Rows to publish now, past the grace (ix_outbox_now); rows that waited for their time and are
-# due (ix_outbox_later, run later): two claims, each on its own index.
-_CLAIM_NOW = _CLAIM.format(
-    rows=f"""SELECT id FROM outbox
-              WHERE not_before IS NULL AND created_at < now() - make_interval(secs => %(grace)s)
-                AND {_UNCLAIMED}
-              ORDER BY id LIMIT %(limit)s
-              FOR UPDATE SKIP LOCKED"""
-)
-_CLAIM_DUE = _CLAIM.format(
-    rows=f"""SELECT id FROM outbox
-              WHERE not_before IS NOT NULL AND not_before <= now() AND {_UNCLAIMED}
-              ORDER BY not_before, id LIMIT %(limit)s
-              FOR UPDATE SKIP LOCKED"""
-)
 # A failed publish gives its lease back after a short, growing pause (capped at 10 s): the
 # row must not wait out the whole 30 s lease, meant for a relay that died mid-publish.
 _NOTE_ERRORS = """
-    UPDATE outbox o SET last_error = f.error,
-           claimed_until = now() + make_interval(secs => LEAST(o.attempts, 10))
+    UPDATE tasks t SET publish_error = f.error,
+           publish_at = now() + make_interval(secs => LEAST(t.publish_attempts, 10))
       FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(errors)s AS text[])) AS f(id, error)
-     WHERE o.id = f.id
+     WHERE t.id = f.id AND t.publish_at IS NOT NULL
     """
 SERVICE_DELETED = "Service deleted."
 
@@ -123,7 +124,6 @@ class Outbox:
         self,
         pool: Pool,
         broker: Broker,
-        grace: float,
         ttl: float,
         interval: float = 1.0,
         batch: int = 200,
@@ -133,21 +133,20 @@ class Outbox:
     ) -> None:
         self.pool = pool
         self.broker = broker
-        self.grace = grace
         self.ttl = ttl  # the reaper's time to live of a PENDING task
         self.interval = interval
         self.batch = batch
         self.max_backoff = max_backoff
         self.flush_every = flush_every
-        # A confirmed row is deleted only `keep_confirmed` seconds later (less than `grace`:
+        # A confirmed row is marked only `keep_confirmed` seconds later (less than the grace:
         # the relay never sees it meanwhile). A broker that crashes within that time may lose
         # what it confirmed (seen with a RabbitMQ 3.10 quorum queue declared seconds before a
         # crash of its one node): when the
         # connection drops, the rows still kept are left to the relay, which publishes them
         # again. A duplicate is harmless; a lost submission would leave its task PENDING.
         self.keep_confirmed = keep_confirmed
-        self._confirmed: list[tuple[float, int]] = []  # (when confirmed, outbox row id)
-        self._flush_wakeup = asyncio.Event()
+        # (when confirmed, task row id), oldest first: the ripe ones are a prefix
+        self._confirmed: deque[tuple[float, int]] = deque()
         broker.on_reconnect(self._distrust_recent)
 
     def _distrust_recent(self) -> None:
@@ -160,13 +159,11 @@ class Outbox:
 
     def _note_confirmed(self, ids: list[int]) -> None:
         at = time.monotonic()
-        self._confirmed.extend((at, outbox_id) for outbox_id in ids)
-        if len(self._confirmed) >= self.batch:
-            self._flush_wakeup.set()
+        self._confirmed.extend((at, row_id) for row_id in ids)
 
     # -- fast path ---------------------------------------------------------
 
-    async def publish_now(self, outbox_id: int, submission: Submission, queue_name: str) -> bool:
+    async def publish_now(self, row_id: int, submission: Submission, queue_name: str) -> bool:
         """Publishes right after the commit; False leaves the task to the relay."""
         if not self.broker.connected:
             return False
@@ -175,8 +172,8 @@ class Outbox:
         except PublishError as exc:
             log.warning("fast-path publish failed; relay will retry", extra={"error": str(exc)})
             return False
-        metrics.PUBLISHED.labels(path="fast").inc()
-        self._note_confirmed([outbox_id])
+        metrics.child(metrics.PUBLISHED, "fast").inc()
+        self._note_confirmed([row_id])
         return True
 
     async def _send(self, submission: Submission, queue_name: str, path: str) -> None:
@@ -195,31 +192,29 @@ class Outbox:
             await self.broker.publish(encode_submission(traced), topology.in_queue(queue_name))
 
     async def flush_loop(self) -> None:
-        """Deletes confirmed outbox rows in batches: one statement, not one per task."""
+        """Marks confirmed rows published in batches: one statement, not one per task. No
+        wakeup on a full batch: nothing ripens before `keep_confirmed` has passed anyway."""
         while True:
-            try:
-                await asyncio.wait_for(self._flush_wakeup.wait(), self.flush_every)
-            except TimeoutError:
-                pass
-            self._flush_wakeup.clear()
+            await asyncio.sleep(self.flush_every)
             await self.flush()
 
     async def flush(self, everything: bool = False) -> None:
-        """Deletes the rows confirmed long enough ago (all of them with `everything`)."""
+        """Marks the rows confirmed long enough ago (all of them with `everything`)."""
         if not everything and not self.broker.connected:
             return  # the broker may have crashed: what it confirmed last is not trusted yet
         trusted = time.monotonic() - self.keep_confirmed
-        ripe = [entry for entry in self._confirmed if everything or entry[0] <= trusted]
-        if not ripe:
+        confirmed = self._confirmed
+        ids = []
+        while confirmed and (everything or confirmed[0][0] <= trusted):
+            ids.append(confirmed.popleft()[1])
+        if not ids:
             return
-        self._confirmed = self._confirmed[len(ripe) :]
-        ids = [outbox_id for _, outbox_id in ripe]
         try:
             async with self.pool.connection() as conn:
-                await conn.execute(_DELETE, {"ids": ids})
+                await conn.execute(_MARK_PUBLISHED, {"ids": ids})
         except Exception as exc:
-            # The rows stay; the relay republishes them later (a harmless duplicate).
-            log.warning("could not delete confirmed outbox rows", extra={"error": repr(exc)})
+            # The rows stay unpublished; the relay republishes them later (a harmless duplicate).
+            log.warning("could not mark confirmed tasks published", extra={"error": repr(exc)})
 
     # -- relay -------------------------------------------------------------
 
@@ -245,11 +240,10 @@ class Outbox:
                 return
 
     async def relay_once(self) -> RelayPass:
-        """Claims up to a batch of rows past the grace and settles each one."""
-        params = {"lease": 30.0, "grace": self.grace, "limit": self.batch}
+        """Claims up to a batch of due rows and settles each one."""
+        params = {"lease": 30.0, "limit": self.batch}
         async with self.pool.connection() as conn:
-            rows = await (await conn.execute(_CLAIM_NOW, params)).fetchall()
-            rows += await (await conn.execute(_CLAIM_DUE, params)).fetchall()
+            rows = await (await conn.execute(_CLAIM, params)).fetchall()
         if not rows:
             return RelayPass(0, 0)
         orphans = [row for row in rows if row.orphan]
@@ -259,7 +253,7 @@ class Outbox:
         errors = await asyncio.gather(*(self._relay_row(row) for row in live))
         done = [row.id for row, error in zip(live, errors, strict=True) if error is None]
         failed = [(row.id, error) for row, error in zip(live, errors, strict=True) if error]
-        self._note_confirmed(done)  # deleted once the broker has had time to keep them
+        self._note_confirmed(done)  # marked once the broker has had time to keep them
         if failed:
             ids, messages = zip(*failed, strict=True)
             async with self.pool.connection() as conn:
@@ -267,12 +261,13 @@ class Outbox:
         return RelayPass(len(rows), len(done) + len(orphans))
 
     async def _end_orphans(self, rows: list[Any]) -> None:
-        """Tasks whose service was deleted: nothing can run them, so they fail and leave."""
+        """Tasks whose service was deleted: nothing can run them, so they fail (which ends
+        their publishing too)."""
         changes = [lifecycle.failure(row.task_id, SERVICE_DELETED) for row in rows]
         async with self.pool.connection() as conn, conn.pipeline(), conn.transaction():
             for change in changes:
                 await conn.execute(change.sql, change.params)
-            await conn.execute(_DELETE, {"ids": [row.id for row in rows]})
+            await conn.execute(_MARK_PUBLISHED, {"ids": [row.id for row in rows]})
         log.info("ended tasks of a deleted service", extra={"count": len(rows)})
 
     async def _relay_row(self, row: Any) -> str | None:
@@ -295,7 +290,7 @@ class Outbox:
             await self._send(submission, row.queue_name, "relay")
         except PublishError as exc:
             return str(exc)[:500] or exc.__class__.__name__
-        metrics.PUBLISHED.labels(path="relay").inc()
+        metrics.child(metrics.PUBLISHED, "relay").inc()
         return None
 
 

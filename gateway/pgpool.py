@@ -18,34 +18,35 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import orjson
 import psycopg
 from psycopg.pq import ConnStatus, TransactionStatus
 from psycopg.rows import namedtuple_row
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
+from conveyor import strict_json
 from gateway.database_url import libpq
 
 CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
 
 
 def jsonb(value: Any) -> Jsonb | None:
-    """A JSON parameter for a jsonb column, encoded by orjson; None stays SQL NULL."""
-    return None if value is None else Jsonb(value, dumps=orjson.dumps)
+    """A JSON parameter for a jsonb column (conveyor.strict_json: orjson's speed, every
+    integer's digits); None stays SQL NULL."""
+    return None if value is None else Jsonb(value, dumps=strict_json.dumps)
 
 
 async def connect(database_url: str, connect_timeout: int = 5) -> psycopg.AsyncConnection[Any]:
     """One connection outside the pool, for a command's lifetime (admin, purge): autocommit,
-    rows as named tuples, JSON through orjson, like the pool's."""
+    rows as named tuples, JSON through conveyor.strict_json, like the pool's."""
     conn = await psycopg.AsyncConnection.connect(
         libpq(database_url),
         autocommit=True,
         row_factory=namedtuple_row,
         connect_timeout=connect_timeout,
     )
-    set_json_dumps(orjson.dumps, conn)
-    set_json_loads(orjson.loads, conn)
+    set_json_dumps(strict_json.dumps, conn)
+    set_json_loads(strict_json.loads, conn)
     return conn
 
 
@@ -100,8 +101,8 @@ class Pool:
         await self._pool.close()  # a no-op if never opened
 
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        set_json_dumps(orjson.dumps, conn)
-        set_json_loads(orjson.loads, conn)
+        set_json_dumps(strict_json.dumps, conn)
+        set_json_loads(strict_json.loads, conn)
         self._since[conn] = time.monotonic()
 
     async def _check(self, conn: psycopg.AsyncConnection[Any]) -> None:

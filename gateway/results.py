@@ -195,7 +195,7 @@ class ResultConsumer:
         except aio_pika.exceptions.AMQPError as exc:
             reason = str(exc)[:300] or exc.__class__.__name__
             if self._broken.get(service.name) != reason:
-                metrics.BROKEN_TOPOLOGY.labels(service=service.name).inc()
+                metrics.child(metrics.BROKEN_TOPOLOGY, service.name).inc()
                 log.error(
                     "queues of a service declared with other arguments; consuming as they are",
                     extra={"service": service.name, "error": reason},
@@ -273,8 +273,8 @@ class ResultConsumer:
                 await _settle(delivery.message.nack, requeue=True)
             return
         applied = time.time_ns()
-        for delivery in batch:
-            await _settle(delivery.message.ack)
+        for message in last_per_channel(batch):
+            await _settle(message.ack, multiple=True)
         if self._ended:
             self._trace_results(started, applied)
         if callbacks:
@@ -414,7 +414,7 @@ def _counted(kind: str, outcome: lifecycle.Outcome) -> bool:
     if kind == DEAD_LETTERED:
         metrics.DEAD_LETTERED.inc()
     else:
-        metrics.EVENTS.labels(kind=kind, outcome=outcome.applied.value).inc()
+        metrics.child(metrics.EVENTS, kind, outcome.applied.value).inc()
     if (done := outcome.finished) is not None:
         metrics.task_finished(done.service, done.status, done.waited, done.ran)
     return outcome.callback_due
@@ -482,7 +482,7 @@ async def _set_aside(conn: psycopg.AsyncConnection[Any], delivery: Delivery, rea
             "body_size": len(body),
         },
     )
-    metrics.POISON.labels(queue_kind="dlq" if delivery.dead_lettered else "out").inc()
+    metrics.child(metrics.POISON, "dlq" if delivery.dead_lettered else "out").inc()
     log.warning(
         "message set aside",
         extra={"queue": delivery.queue, "reason": reason[:200], "size": len(body)},
@@ -494,6 +494,21 @@ async def _close_quietly(channel: AbstractChannel) -> None:
         await channel.close()
     except Exception:
         log.debug("closing a stale channel failed")
+
+
+def last_per_channel(batch: list[Delivery]) -> list[AbstractIncomingMessage]:
+    """The message whose `multiple` ack settles the whole batch on its channel: the one with
+    the highest tag. One ack frame per batch instead of one per event. Safe because a batch is
+    a prefix of the inbox, which receives each channel's deliveries in tag order, and every
+    earlier batch was settled whole: every tag up to that one on the channel is in this
+    batch. A channel that closed since (its tags mean nothing now) refuses the ack, as it
+    refused each one before."""
+    last: dict[int, AbstractIncomingMessage] = {}
+    for delivery in batch:
+        message, key = delivery.message, id(delivery.message.channel)
+        if key not in last or (message.delivery_tag or 0) > (last[key].delivery_tag or 0):
+            last[key] = message
+    return list(last.values())
 
 
 async def _settle(action: Callable[..., Any], **options: Any) -> None:

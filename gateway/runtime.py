@@ -37,7 +37,7 @@ class Runtime:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.pool = Pool(settings.database_url, settings.db_pool_size)  # the API's hot path
-        self.intake = Intake(self.pool)
+        self.intake = Intake(self.pool, settings.outbox_grace)
         self.listener = Listener(settings.database_url)  # one LISTEN connection
         self.access = AccessCache(self.pool, self.listener)
         self.task_events = TaskEvents(self.listener)
@@ -68,7 +68,6 @@ class Runtime:
         self.outbox = Outbox(
             self.pool,
             self.broker,
-            grace=settings.outbox_grace,
             ttl=settings.pending_ttl,
             interval=settings.relay_interval,
             keep_confirmed=settings.outbox_keep_confirmed,

@@ -1,7 +1,8 @@
 """The task store: creating a task (capacity, idempotency, outbox) and reading one.
 
-A task is accepted only once its row and its outbox entry are committed
-together; publishing happens after the commit (see `outbox`). Capacity must
+A task is accepted once its row is committed; the row is its own outbox entry
+(`publish_at`: when the relay may publish it, should the fast path not have), and
+publishing happens after the commit (see `outbox`). Capacity must
 hold under concurrency, so a service with a capacity serializes its own
 submissions on a transaction-scoped advisory lock: the count and the insert
 then see each other. Services without a capacity take no lock at all.
@@ -47,8 +48,8 @@ class Accepted:
     task_id: uuid.UUID
     position: int
     created: bool  # False: an idempotent repeat of an earlier submission
-    outbox_id: int | None
-    delayed: bool = False  # waits in the outbox for its time: the relay publishes it
+    row_id: int | None  # the task row, marked published once the broker confirms
+    delayed: bool = False  # waits for its time: the relay publishes it
 
 
 # Any number of tasks in one statement (the intake batches concurrent submissions).
@@ -64,16 +65,15 @@ _INSERT = """
                WITH ORDINALITY AS i(task_id, client_id, service, request, callback, key,
                                     not_before, traceparent, n)
     ), ins AS (
+        -- the row is its own outbox entry: the relay may take it after the fast path's grace,
+        -- or at its time (a past notBefore is published at once)
         INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key,
-                           not_before, traceparent)
-        SELECT task_id, client_id, service, request, callback, key, not_before, traceparent
+                           not_before, traceparent, publish_at)
+        SELECT task_id, client_id, service, request, callback, key, not_before, traceparent,
+               CASE WHEN not_before > now() THEN not_before
+                    ELSE now() + make_interval(secs => %(grace)s) END
           FROM input ORDER BY n
-        RETURNING id, task_id, service, not_before
-    ), ob AS (
-        -- only a time still to come waits: a past notBefore is published at once
-        INSERT INTO outbox (task_id, not_before)
-        SELECT task_id, CASE WHEN not_before > now() THEN not_before END FROM ins
-        RETURNING id, task_id, not_before IS NOT NULL AS delayed
+        RETURNING id, task_id, service, not_before, COALESCE(not_before > now(), false) AS delayed
     ), ahead AS (
         SELECT b.service,
                (SELECT count(*) FROM tasks t
@@ -81,10 +81,10 @@ _INSERT = """
                    AND (t.not_before IS NULL OR t.not_before <= now())) AS n
           FROM (SELECT service, min(id) AS first FROM ins GROUP BY service) b
     )
-    SELECT ins.task_id, ob.id AS outbox_id, ob.delayed,
+    SELECT ins.task_id, ins.id AS row_id, ins.delayed,
            ahead.n + count(*) FILTER (WHERE ins.not_before IS NULL OR ins.not_before <= now())
                      OVER (PARTITION BY ins.service ORDER BY ins.id) AS position
-      FROM ins JOIN ob ON ob.task_id = ins.task_id JOIN ahead ON ahead.service = ins.service
+      FROM ins JOIN ahead ON ahead.service = ins.service
     """
 # Only due tasks are in the queue, so only they count in a position (SPEC §11.4).
 _DUE = "(p.not_before IS NULL OR p.not_before <= now())"
@@ -125,28 +125,29 @@ Repeat = Callable[[AsyncConnection[Any], list[NewTask]], Awaitable[list[Accepted
 
 
 async def create_task(
-    pool: Pool, new: NewTask, batched: Callable[[NewTask], Awaitable[Accepted]]
+    pool: Pool, new: NewTask, batched: Callable[[NewTask], Awaitable[Accepted]], grace: float
 ) -> Accepted:
-    """Stores a task and its outbox entry; `batched` (the intake) writes the common case
-    together with others."""
+    """Stores a task, to be published; `batched` (the intake) writes the common case
+    together with others. The relay publishes it `grace` seconds later unless the fast
+    path has by then."""
     if _single_statement(new):
         return await batched(new)
-    return (await _create_in_transaction(pool, [new], _single_repeat))[0]
+    return (await _create_in_transaction(pool, [new], _single_repeat, grace))[0]
 
 
-async def create_tasks(pool: Pool, tasks: list[NewTask]) -> list[Accepted]:
+async def create_tasks(pool: Pool, tasks: list[NewTask], grace: float) -> list[Accepted]:
     """A batch, all or nothing, in one transaction and one insert. Its tasks share one
     service, client and Idempotency-Key: each task's key is the batch's, a newline and its
     index (a header cannot hold a newline, so no single submission's key collides with one)."""
-    return await _create_in_transaction(pool, tasks, _batch_repeat)
+    return await _create_in_transaction(pool, tasks, _batch_repeat, grace)
 
 
 async def _create_in_transaction(
-    pool: Pool, tasks: list[NewTask], repeat: Repeat
+    pool: Pool, tasks: list[NewTask], repeat: Repeat, grace: float
 ) -> list[Accepted]:
     try:
         async with pool.connection() as conn, conn.transaction():
-            return await _create(conn, tasks, repeat)
+            return await _create(conn, tasks, repeat, grace)
     except psycopg.errors.UniqueViolation:
         # Two concurrent requests with one Idempotency-Key: the loser answers the winner's.
         if tasks[0].idempotency_key is None:
@@ -159,7 +160,7 @@ async def _create_in_transaction(
 
 
 async def _create(
-    conn: AsyncConnection[Any], tasks: list[NewTask], repeat: Repeat
+    conn: AsyncConnection[Any], tasks: list[NewTask], repeat: Repeat, grace: float
 ) -> list[Accepted]:
     # The key is looked up under the capacity lock: a repeat that queued behind its own first
     # submission then sees it committed, and answers it rather than counting it against capacity.
@@ -173,7 +174,7 @@ async def _create(
             return found
     if limited:
         await _check_capacity(conn, first, len(tasks))
-    return await insert_many(conn, tasks)
+    return await insert_many(conn, tasks, grace)
 
 
 async def _single_repeat(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted] | None:
@@ -213,8 +214,10 @@ def _single_statement(new: NewTask) -> bool:
     )
 
 
-async def insert_many(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted]:
-    """Inserts tasks with their outbox entries in one statement; answers in input order."""
+async def insert_many(
+    conn: AsyncConnection[Any], tasks: list[NewTask], grace: float
+) -> list[Accepted]:
+    """Inserts tasks, to be published, in one statement; answers in input order."""
     ids = [uuid.uuid4() for _ in tasks]
     params = {
         "task_ids": ids,
@@ -225,10 +228,11 @@ async def insert_many(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[
         "keys": [t.idempotency_key for t in tasks],
         "not_befores": [t.not_before for t in tasks],
         "traceparents": [t.traceparent for t in tasks],
+        "grace": grace,
     }
     rows = await (await conn.execute(_INSERT, params)).fetchall()
     by_id = {row.task_id: row for row in rows}
-    return [Accepted(i, by_id[i].position, True, by_id[i].outbox_id, by_id[i].delayed) for i in ids]
+    return [Accepted(i, by_id[i].position, True, by_id[i].row_id, by_id[i].delayed) for i in ids]
 
 
 async def _count(conn: AsyncConnection[Any], query: str, params: dict[str, Any]) -> int:

@@ -63,7 +63,7 @@ class Supervisor:
     def _crashed(self, name: str, state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome else None
         self._down[name] = repr(error)[:300]
-        metrics.LOOP_RESTARTS.labels(loop=name).inc()
+        metrics.child(metrics.LOOP_RESTARTS, name).inc()
         log.error(
             "background loop crashed; restarting",
             exc_info=error,

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import orjson
 import psycopg
 
+from conveyor import strict_json
 from gateway import errors, metrics
 from gateway.listener import Listener
 from gateway.pgpool import CONNECTION_ERRORS
@@ -98,4 +98,4 @@ class TaskEvents:
 
 
 def _event(number: int, data: dict[str, Any]) -> dict[str, str]:
-    return {"event": "task", "id": str(number), "data": orjson.dumps(data).decode()}
+    return {"event": "task", "id": str(number), "data": strict_json.dumps(data).decode()}

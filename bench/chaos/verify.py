@@ -88,7 +88,11 @@ def progress(database_url: str, amqp_url: str, service: str, queue: str) -> Prog
             "SELECT count(*) FROM tasks WHERE service = %(s)s AND notification_status = 'PENDING'",
             {"s": service},
         )[0]
-        (outbox,) = query(database_url, "SELECT count(*) FROM outbox")[0]
+        (outbox,) = query(
+            database_url,
+            "SELECT count(*) FROM tasks WHERE service = %(s)s AND publish_at IS NOT NULL",
+            {"s": service},
+        )[0]
     except Exception:  # the database may be restarting under a late fault
         return None
     state = queue_state(amqp_url, topology.in_queue(queue))

@@ -14,10 +14,10 @@ import sys
 
 def main() -> None:
     if sys.argv[1:] == ["dispatcher"]:
-        from conveyor.settings import DispatcherSettings
+        from conveyor.dispatcher_settings import DispatcherSettings
         from dispatcher.main import run
 
-        sys.exit(run(DispatcherSettings()))
+        sys.exit(run(DispatcherSettings.from_env()))
     from conveyor.cli.app import app
 
     try:

@@ -10,7 +10,8 @@ from typing import Any
 import typer
 
 from conveyor import logs
-from conveyor.settings import DispatcherSettings, GatewaySettings
+from conveyor.dispatcher_settings import DispatcherSettings
+from conveyor.settings import GatewaySettings
 
 
 def _install_uvloop() -> None:
@@ -76,7 +77,7 @@ def gateway(
 
 def dispatcher() -> None:
     """The sidecar: queue -> HTTP function bridge, configured by environment (docs/functions.md)."""
-    settings = DispatcherSettings()
+    settings = DispatcherSettings.from_env()
     logs.configure(settings.log_level, settings.log_format)
     from dispatcher.main import run
 

@@ -14,10 +14,10 @@ Injection is idempotent: injecting the output again gives the same bytes.
   Service; the dispatcher runs as its own Deployment posting to it.
 """
 
+from conveyor.dispatcher_settings import ShutdownMode
 from conveyor.inject.documents import InjectError, dump_documents, load_documents
 from conveyor.inject.modes import InjectResult, inject_documents, inject_yaml
 from conveyor.inject.wiring import InjectOptions, Mode
-from conveyor.settings import ShutdownMode
 
 __all__ = [
     "InjectError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.dispatcher_settings import DispatcherSettings
 from conveyor.inject.documents import Doc, InjectError
 from conveyor.inject.wiring import (
     AMQP_URL,
@@ -25,11 +26,10 @@ from conveyor.inject.wiring import (
     int_or_none,
     resolve,
 )
-from conveyor.settings import DispatcherSettings
 
 DISPATCHER_CONTAINER = "conveyor-dispatcher"
 AMQP_URL_KEY = "amqp-url"  # amqp://user:pass@rabbitmq:5672/vhost, for the dispatcher
-DEFAULT_DISPATCHER_PORT: int = DispatcherSettings.model_fields["dispatcher_port"].default
+DEFAULT_DISPATCHER_PORT: int = DispatcherSettings().dispatcher_port
 KNATIVE_PROGRESS_PORT = 8082  # knative mode: progress from the function's pods (SPEC §11.5)
 GRACE_MARGIN_SECONDS = 15  # nack, close and the function's own stop, after the drain
 DEPLOYMENT_GRACE_LIMIT = 120  # SPEC §8: keep rolling updates short

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor import __version__
+from conveyor.dispatcher_settings import ShutdownMode, dispatcher_variable
 from conveyor.inject.documents import Doc, InjectError
-from conveyor.settings import ShutdownMode, dispatcher_variable
 
-# The dispatcher's variables, named by its settings (conveyor.settings), never re-spelled.
+# The dispatcher's variables, named by its settings (dispatcher_settings), never re-spelled.
 QUEUE = dispatcher_variable("queue", prefixed=True)
 AMQP_URL = dispatcher_variable("amqp_url", prefixed=True)
 FUNCTION_URL = dispatcher_variable("function_url")

@@ -141,3 +141,9 @@ def test_admin_figures_benchmark_runs(tmp_path: Path) -> None:
     )
     assert {"figures", "throughput_first", "throughput_then", "task_page"} <= set(result["queries"])
     assert all(q["plan"] for q in result["queries"].values())
+
+
+def test_codec_benchmark_runs(tmp_path: Path) -> None:
+    result = _run("bench.codec", "--reps", "1", "--number", "20", results=tmp_path)
+    assert set(result["codec"]) == set(result["json"]) == {"small", "large"}
+    assert result["codec"]["small"]["decode_event_us"] > 0

@@ -72,3 +72,18 @@ async def test_nul_bytes_are_replaced_so_the_result_can_be_stored(
     assert (await rabbit.wait_terminal(text)).response == "a\ufffdb"
     assert (await rabbit.wait_terminal(inside)).response == {"k\ufffd": ["x\ufffdy"]}
     assert (await rabbit.wait_terminal(error)).error_message == "bad\ufffdinput"
+
+
+async def test_a_number_beyond_a_double_is_kept_as_text_not_sent_as_infinity(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """`1e400` is no JSON this platform can carry (it would be read as infinity, and the event
+    holding it could not be read back): the answer is kept as the function's text, like any
+    answer that is not JSON, and the task ends with it."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"rawResponse": '{"x": 1e400}'})
+
+    done = await rabbit.wait_terminal(task_id)
+
+    assert (done.kind, done.response) == (EventKind.SUCCEEDED, '{"x": 1e400}')

@@ -17,6 +17,7 @@ import pytest
 
 from conveyor import topology
 from tests.e2e.conftest import Stack
+from tests.support.amqp import scratch_database
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
 from tests.support.servers import RabbitCluster, RabbitNode, rabbitmq_available
@@ -32,6 +33,20 @@ def cluster() -> Iterator[RabbitCluster]:
     made = RabbitCluster(3).start()
     yield made
     made.stop()
+
+
+@pytest.fixture(scope="module")
+def database_url(database_url: str) -> Iterator[str]:
+    """A database of this module's own: gateways that share a database must share a broker,
+    and the session's gateway (on the shared broker) would otherwise declare these services'
+    queues on its broker and relay their unpublished tasks there, where nobody takes them."""
+    with scratch_database(database_url) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def platform(database_url: str) -> Platform:
+    return Platform(database_url)
 
 
 @pytest.fixture(scope="module")

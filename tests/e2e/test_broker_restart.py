@@ -1,7 +1,10 @@
 """A RabbitMQ restart, clean or a crash, in the middle of 200 tasks loses none of them.
 
 On a private node (the machine's shared broker is never touched): the gateway and
-the dispatchers of this test talk to it only.
+the dispatchers of this test talk to it only, on a database of their own. Gateways that
+share a database must share a broker: the session's gateway (on the shared broker) would
+otherwise declare this test's queues on its own broker and relay this test's unpublished
+tasks there, where no dispatcher takes them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.e2e.conftest import Stack
+from tests.support.amqp import scratch_database
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
 from tests.support.servers import RabbitNode
@@ -34,6 +38,20 @@ FAULTS: dict[str, Callable[[RabbitNode], None]] = {
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_rabbitmq_restart_during_200_tasks_loses_none(
+    fault: str,
+    procs: Processes,
+    database_url: str,
+    sleeper_url: str,
+    private_rabbit: RabbitNode,
+) -> None:
+    with scratch_database(database_url) as url:
+        try:
+            _restart_during_200_tasks(fault, procs, Platform(url), url, sleeper_url, private_rabbit)
+        finally:
+            procs.stop_all()  # before the database goes
+
+
+def _restart_during_200_tasks(
     fault: str,
     procs: Processes,
     platform: Platform,

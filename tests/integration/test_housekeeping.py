@@ -91,12 +91,11 @@ def _seed(platform: Platform) -> None:
                 "ended": None if ended is None else ended * DAY,
             },
         )
-    # One attempt per task and an outbox entry per unpublished task: both must go with it.
+    # One attempt per started task: it must go with its task.
     platform.sql(
         "INSERT INTO task_attempts (task_id, attempt_id, worker_host, start_date)"
         " SELECT task_id, 'a1', 'host', submission_date FROM tasks WHERE status <> 'PENDING'"
     )
-    platform.sql("INSERT INTO outbox (task_id) SELECT task_id FROM tasks WHERE status = 'PENDING'")
     platform.sql(
         "INSERT INTO poison_messages (queue, reason, body_size, received_at)"
         " SELECT 'q-out', 'test', 0, now() - make_interval(days => d)"
@@ -163,16 +162,12 @@ def _assert_dependents_gone(platform: Platform) -> None:
     remaining = platform.sql(
         "SELECT (SELECT count(*) FROM task_attempts a WHERE NOT EXISTS"
         "          (SELECT 1 FROM tasks t WHERE t.task_id = a.task_id)),"
-        "       (SELECT count(*) FROM outbox o WHERE NOT EXISTS"
-        "          (SELECT 1 FROM tasks t WHERE t.task_id = o.task_id)),"
         "       (SELECT count(*) FROM task_attempts),"
-        "       (SELECT count(*) FROM outbox),"
         "       (SELECT count(*) FROM poison_messages)"
     )
     kept = [r for r in ROWS if r.fate == "kept"]
     kept_attempts = sum(r.count for r in kept if r.status != "PENDING")
-    kept_outbox = sum(r.count for r in kept if r.status == "PENDING")
-    assert remaining == [(0, 0, kept_attempts, kept_outbox, 2)]
+    assert remaining == [(0, kept_attempts, 2)]
 
 
 # -- the reaper --------------------------------------------------------------------
@@ -224,7 +219,9 @@ def test_pending_tasks_of_a_deleted_service_expire_too(
 ) -> None:
     svc = platform.service()
     stale = _submit(gateway, svc)
-    platform.sql("DELETE FROM outbox WHERE task_id = %(t)s", {"t": stale})  # published already
+    platform.sql(  # published already
+        "UPDATE tasks SET publish_at = NULL WHERE task_id = %(t)s", {"t": stale}
+    )
     platform.sql(
         "UPDATE tasks SET submission_date = now() - interval '2 days' WHERE task_id = %(t)s",
         {"t": stale},

@@ -21,7 +21,6 @@ TABLES = {
     "operators",
     "authorizations",
     "tasks",
-    "outbox",
     "task_attempts",
     "poison_messages",
 }
@@ -34,7 +33,7 @@ INDEXES = {
     "ix_tasks_submission_date",
     "ix_tasks_service_id",
     "ix_tasks_running",
-    "ix_outbox_task_id",
+    "ix_tasks_unpublished",
 }
 
 
@@ -89,3 +88,50 @@ def test_migrations_match_the_models(database_url: str) -> None:
         finally:
             engine.dispose()
     assert diff == []
+
+
+@pytest.mark.timeout(60)
+def test_outbox_rows_move_onto_their_tasks_and_back(database_url: str) -> None:
+    """0007: what was waiting in `outbox` is still to be published on its task row, due at
+    once or at its notBefore; downgrade puts it back in `outbox`."""
+    with scratch_database(database_url, migrate=False) as url:
+        upgrade(url, "0006")
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO services (name, queue_name) VALUES ('s', 's') ON CONFLICT DO NOTHING"
+            )
+            conn.execute("INSERT INTO clients (client_id, secret_hash) VALUES ('c', 'x')")
+            conn.execute(
+                """
+                INSERT INTO tasks (task_id, client_id, service, request, status, not_before)
+                VALUES ('00000000-0000-0000-0000-000000000001', 'c', 's', '{}', 'PENDING', NULL),
+                       ('00000000-0000-0000-0000-000000000002', 'c', 's', '{}', 'PENDING',
+                        now() + interval '1 day'),
+                       ('00000000-0000-0000-0000-000000000003', 'c', 's', '{}', 'SUCCESS', NULL)
+                """
+            )
+            conn.execute(
+                """
+                INSERT INTO outbox (task_id, not_before, attempts, last_error)
+                VALUES ('00000000-0000-0000-0000-000000000001', NULL, 2, 'broker down'),
+                       ('00000000-0000-0000-0000-000000000002', now() + interval '1 day', 0, NULL)
+                """
+            )
+        upgrade(url)
+        with psycopg.connect(libpq(url)) as conn:
+            rows = conn.execute(
+                "SELECT right(task_id::text, 1), publish_at <= now(), publish_at > now(),"
+                " publish_attempts, publish_error FROM tasks ORDER BY task_id"
+            ).fetchall()
+        assert rows == [
+            ("1", True, False, 2, "broker down"),
+            ("2", False, True, 0, None),
+            ("3", None, None, 0, None),
+        ]
+        downgrade(url, "0006")
+        with psycopg.connect(libpq(url)) as conn:
+            back = conn.execute(
+                "SELECT right(task_id::text, 1), not_before IS NOT NULL, attempts, last_error"
+                " FROM outbox ORDER BY task_id"
+            ).fetchall()
+        assert back == [("1", False, 2, "broker down"), ("2", True, 0, None)]

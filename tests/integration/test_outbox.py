@@ -1,6 +1,7 @@
-"""The transactional outbox: no accepted task is lost, none is published twice by the relays.
+"""The transactional outbox (the task row's `publish_at`): no accepted task is lost, none is
+published twice by the relays.
 
-* a broker outage: tasks are still accepted (201), wait in `outbox`, and reach
+* a broker outage: tasks are still accepted (201), wait unpublished, and reach
   `<queue>-in` once the broker is back;
 * a crash between commit and publish: the relay of another gateway publishes
   what a dead gateway left in the outbox;
@@ -8,7 +9,9 @@
 * rows of a deleted service are resolved, never left to block the relay;
 * a fast-path publish still waiting for its confirm is not published again by the relay;
 * during an outage the relay backs off instead of cycling through the backlog, and
-  publishes each task once when the broker is back.
+  publishes each task once when the broker is back;
+* a task's first event (started, or a terminal one) ends its publishing in the same update:
+  a delivered message is never published again, whatever happened to the fast path's mark.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from conveyor import topology
-from conveyor.events import WireMessage, decode_submission
+from conveyor.events import EventKind, TaskEvent, WireMessage, decode_submission, encode_event
 from tests.support.amqp import (
     collect,
     message_count,
+    publish,
     queues_of,
     remove_service,
     scratch_database,
@@ -57,7 +61,7 @@ def _through(proxy: TcpProxy, amqp_url: str) -> str:
 
 def _outbox_tasks(platform: Platform, service: str) -> set[str]:
     rows = platform.sql(
-        "SELECT o.task_id FROM outbox o JOIN tasks t USING (task_id) WHERE t.service = %(s)s",
+        "SELECT task_id FROM tasks WHERE service = %(s)s AND publish_at IS NOT NULL",
         {"s": service},
     )
     return {str(r[0]) for r in rows}
@@ -65,8 +69,8 @@ def _outbox_tasks(platform: Platform, service: str) -> set[str]:
 
 def _failed_relay_attempts(platform: Platform, service: str) -> int:
     rows = platform.sql(
-        "SELECT count(*) FROM outbox o JOIN tasks t USING (task_id)"
-        " WHERE t.service = %(s)s AND o.attempts > 0 AND o.last_error IS NOT NULL",
+        "SELECT count(*) FROM tasks WHERE service = %(s)s AND publish_attempts > 0"
+        " AND publish_error IS NOT NULL",
         {"s": service},
     )
     return rows[0][0]
@@ -89,17 +93,11 @@ def _seed_stranded_tasks(platform: Platform, svc: Service, count: int) -> set[st
     """Rows as a gateway that died between its commit and its publish leaves them."""
     rows = platform.sql(
         """
-        WITH t AS (
-            INSERT INTO tasks (task_id, client_id, service, request, submission_date)
-            SELECT gen_random_uuid(), %(c)s, %(s)s, jsonb_build_object('n', n),
-                   now() - interval '1 minute'
-              FROM generate_series(1, %(count)s) n
-            RETURNING task_id
-        ), o AS (
-            INSERT INTO outbox (task_id, created_at)
-            SELECT task_id, now() - interval '1 minute' FROM t
-        )
-        SELECT task_id FROM t
+        INSERT INTO tasks (task_id, client_id, service, request, submission_date, publish_at)
+        SELECT gen_random_uuid(), %(c)s, %(s)s, jsonb_build_object('n', n),
+               now() - interval '1 minute', now() - interval '1 minute'
+          FROM generate_series(1, %(count)s) n
+        RETURNING task_id
         """,
         {"c": svc.clients[0].client_id, "s": svc.name, "count": count},
     )
@@ -176,7 +174,7 @@ def test_relay_publishes_what_a_dead_gateway_left(
     assert submission.task_id == task_id
     assert submission.body == {"n": 1}
     assert json.loads(messages[0].body) == {"n": 1}  # binary mode: the body is the data
-    wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox row deleted")
+    wait_until(lambda: not _outbox_tasks(platform, svc.name), what="task marked published")
 
 
 @pytest.mark.timeout(90)
@@ -215,6 +213,33 @@ def test_concurrent_relays_publish_each_row_once(
 
 
 @pytest.mark.timeout(60)
+def test_the_first_event_of_a_task_ends_its_publishing(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    wait_for_queues(amqp_url, queues_of(svc.queue_name))
+    started, finished = sorted(_seed_stranded_tasks(platform, svc, 2))
+    # As if their fast path were still waiting for its confirm: the relay leaves them be.
+    platform.sql(
+        "UPDATE tasks SET publish_at = now() + interval '1 hour' WHERE service = %(s)s",
+        {"s": svc.name},
+    )
+    events = [
+        TaskEvent(kind=EventKind.STARTED, task_id=started, host="w1", attempt="a1"),
+        TaskEvent(kind=EventKind.SUCCEEDED, task_id=finished, response={"ok": True}),
+    ]
+    publish(
+        amqp_url, topology.out_queue(svc.queue_name), [encode_event(e, svc.name) for e in events]
+    )
+
+    wait_until(lambda: not _outbox_tasks(platform, svc.name), what="publishing ended")
+    statuses = platform.sql(
+        "SELECT task_id::text, status FROM tasks WHERE service = %(s)s", {"s": svc.name}
+    )
+    assert sorted(statuses) == sorted([(started, "IN_PROGRESS"), (finished, "SUCCESS")])
+    assert message_count(amqp_url, topology.in_queue(svc.queue_name)) == 0
+
+
+@pytest.mark.timeout(60)
 def test_rows_of_a_deleted_service_do_not_starve_the_relay(
     gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
 ) -> None:
@@ -238,8 +263,7 @@ def test_rows_of_a_deleted_service_do_not_starve_the_relay(
 
 def _outbox_attempts(platform: Platform, service: str) -> int:
     rows = platform.sql(
-        "SELECT coalesce(sum(o.attempts), 0) FROM outbox o JOIN tasks t USING (task_id)"
-        " WHERE t.service = %(s)s",
+        "SELECT coalesce(sum(publish_attempts), 0) FROM tasks WHERE service = %(s)s",
         {"s": service},
     )
     return int(rows[0][0])
@@ -281,7 +305,9 @@ def _slow_confirm_is_published_once(
     proxy.resume()
     submit.join(timeout=30)
     assert len(answers) == 1
-    wait_until(lambda: not _outbox_tasks(platform, svc.name), what="confirmed row deleted")
+    wait_until(
+        lambda: not _outbox_tasks(platform, svc.name), what="confirmed task marked published"
+    )
     messages = collect(amqp_url, in_queue, expected=1, timeout=15, settle=2)
     assert _task_ids(messages) == answers  # once: the relay did not publish a second copy
     assert (_relayed(gw, "fast"), _relayed(gw, "relay")) == (1, 0)

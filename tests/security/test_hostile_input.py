@@ -7,6 +7,7 @@ to. After each test a normal submission and /healthz must still succeed.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -28,7 +29,7 @@ from tests.support.gateway import GatewayProcess, Platform, Service
 
 TEN_MB = 10 * 1024 * 1024
 SQL_LIKE = ["' OR 1=1 --", '"; DROP TABLE tasks; --', "1; SELECT pg_sleep(5)", "%' --"]
-TABLES = ("services", "clients", "authorizations", "tasks", "outbox")
+TABLES = ("services", "clients", "authorizations", "tasks")
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,38 @@ def test_hostile_service_names_are_404001(
     polled = http.get(f"{gateway.tasks_url(service)}/{uuid.uuid4()}")
     assert error_number(created) == (404, 404001), created.text
     assert error_number(polled) == (404, 404001), polled.text
+
+
+def test_integers_beyond_64_bits_keep_every_digit(
+    gateway: GatewayProcess, svc: Service, platform: Platform, http
+) -> None:
+    """JSON integers have no size limit: a body's and a result's come back digit for digit,
+    never rounded through a float (nor refused for not fitting a machine word)."""
+    body = {"big": 2**100, "negative": -(2**70), "list": [2**64, 18446744073709551615]}
+    raw = json.dumps({"body": body}).encode()
+    answer = post_raw(http, gateway.tasks_url(svc.name), raw, "application/json")
+    assert answer.status_code == 201, answer.text
+    task_id = answer.json()["data"]["taskId"]
+    [(stored,)] = platform.sql("SELECT request FROM tasks WHERE task_id = %(id)s", {"id": task_id})
+    assert stored == body
+    result = {"n": 2**100 + 1}
+    platform.sql(
+        "UPDATE tasks SET status = 'SUCCESS', response = %(r)s::jsonb, end_date = now(),"
+        " start_date = now(), progress = 100 WHERE task_id = %(id)s",
+        {"r": json.dumps(result), "id": task_id},
+    )
+    polled = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+    assert polled.status_code == 200, polled.text
+    assert json.loads(polled.content)["data"]["response"] == result
+
+
+@pytest.mark.parametrize("number", [b"1e400", b"-1e400", b"NaN", b"Infinity"])
+def test_numbers_beyond_a_double_are_400002(
+    gateway: GatewayProcess, svc: Service, http, number: bytes
+) -> None:
+    raw = b'{"body": {"x": ' + number + b"}}"
+    answer = post_raw(http, gateway.tasks_url(svc.name), raw, "application/json")
+    assert error_number(answer) == (400, 400002), answer.text
 
 
 def test_injection_looking_values_are_stored_verbatim(

@@ -16,18 +16,41 @@ from conveyor.events import EventKind, TaskEvent, encode_event
 from gateway import results
 
 
+class Channel:
+    """The broker's view of one channel: unsettled deliveries by tag, and the frames sent."""
+
+    def __init__(self) -> None:
+        self.outstanding: dict[int, Message] = {}
+        self.frames: list[tuple[str, int, bool]] = []
+        self._tags = 0
+
+    def deliver(self, task_id: str) -> Message:
+        self._tags += 1
+        message = Message(task_id, self, self._tags)
+        self.outstanding[self._tags] = message
+        return message
+
+
 class Message:
-    def __init__(self, task_id: str) -> None:
+    def __init__(self, task_id: str, channel: Channel | None = None, tag: int = 1) -> None:
         wire = encode_event(TaskEvent(kind=EventKind.SUCCEEDED, task_id=task_id), "svc")
         self.body, self.headers = wire.body, wire.headers
         self.content_type, self.message_id = wire.content_type, wire.message_id
+        self.channel = channel or Channel()
+        self.delivery_tag = tag
+        self.channel.outstanding.setdefault(tag, self)
         self.settled: list[str] = []
 
-    async def ack(self) -> None:
-        self.settled.append("ack")
+    async def ack(self, multiple: bool = False) -> None:
+        """As the broker reads it: `multiple` settles every outstanding tag up to this one."""
+        self.channel.frames.append(("ack", self.delivery_tag, multiple))
+        for tag in sorted(self.channel.outstanding):
+            if tag == self.delivery_tag or (multiple and tag < self.delivery_tag):
+                self.channel.outstanding.pop(tag).settled.append("ack")
 
     async def nack(self, requeue: bool = True) -> None:
-        self.settled.append("nack")
+        self.channel.frames.append(("nack", self.delivery_tag, False))
+        self.channel.outstanding.pop(self.delivery_tag).settled.append("nack")
 
 
 class Cursor:
@@ -75,7 +98,8 @@ async def test_a_database_outage_in_the_one_by_one_path_is_waited_for(outage: in
     database = Database(outage)
     consumer = results.ResultConsumer(database, broker=None, delivery_limit=5)  # type: ignore[arg-type]
     ids = [str(uuid.uuid4()) for _ in range(3)]
-    batch = [results.Delivery("svc-out", False, Message(i)) for i in ids]  # type: ignore[arg-type]
+    channel = Channel()
+    batch = [results.Delivery("svc-out", False, channel.deliver(i)) for i in ids]  # type: ignore[arg-type]
 
     await consumer.process(batch)  # returns: it neither raises nor leaves the batch unsettled
 
@@ -94,3 +118,30 @@ async def test_an_unexpected_error_hands_the_batch_back() -> None:
     await consumer.process(batch)
 
     assert batch[0].message.settled == ["nack"]  # type: ignore[attr-defined]
+
+
+async def test_a_batch_is_acked_with_one_frame_per_channel_and_nothing_beyond_it() -> None:
+    """One `multiple` ack at each channel's highest tag settles the batch; a delivery that
+    arrived after the batch was taken stays unacked until its own batch is applied."""
+    database = Database(0)
+    consumer = results.ResultConsumer(database, broker=None, delivery_limit=5)  # type: ignore[arg-type]
+    first, second = Channel(), Channel()  # e.g. a channel restored after a reconnection
+    batch_messages = [
+        first.deliver(str(uuid.uuid4())),
+        second.deliver(str(uuid.uuid4())),
+        first.deliver(str(uuid.uuid4())),
+        second.deliver(str(uuid.uuid4())),
+        first.deliver(str(uuid.uuid4())),
+    ]
+    later = first.deliver(str(uuid.uuid4()))  # still in the inbox
+    batch = [results.Delivery("svc-out", False, m) for m in batch_messages]  # type: ignore[arg-type]
+
+    await consumer.process(batch)
+
+    assert [m.settled for m in batch_messages] == [["ack"]] * 5
+    assert (first.frames, second.frames) == ([("ack", 3, True)], [("ack", 2, True)])
+    assert later.settled == [] and list(first.outstanding) == [4]
+
+    await consumer.process([results.Delivery("svc-out", False, later)])  # type: ignore[arg-type]
+
+    assert later.settled == ["ack"] and first.outstanding == {}

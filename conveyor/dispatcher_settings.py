@@ -1,0 +1,182 @@
+"""The dispatcher's configuration (SPEC §7), read from its environment without pydantic.
+
+The sidecar runs next to every function, where memory is part of the product (50 MB idle):
+pydantic and pydantic-settings would be a fifth of that (~10 MiB of imports) to read twenty-odd
+scalars. So this one class is a frozen dataclass read here, by pydantic-settings' own rules
+(tests/unit/test_dispatcher_settings.py holds them to it): each setting `name` is read from
+`CONVEYOR_NAME`, else the bare `NAME` that manifests conventionally spell (`FUNCTION_URL`),
+names in any case; numbers strip surrounding blanks; every problem is reported at once. The
+gateway's settings stay pydantic-settings (conveyor/settings.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import operator
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from conveyor.logs import LogFormat
+
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+# Short enough that a frozen broker node is left within a minute, long enough that a
+# busy 2-core machine never misses one.
+DEFAULT_AMQP_HEARTBEAT = 15
+PREFIX = "CONVEYOR_"
+
+
+class ShutdownMode(enum.StrEnum):
+    REQUEUE = "requeue"
+    DRAIN = "drain"
+
+
+class SettingsError(ValueError):
+    """The environment sets something the dispatcher cannot run with."""
+
+
+def _bounded(
+    default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None
+) -> Any:
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le)) if v is not None}
+    return dataclasses.field(default=default, metadata=bounds)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DispatcherSettings:
+    amqp_url: str = DEFAULT_AMQP_URL
+    amqp_heartbeat: int = _bounded(DEFAULT_AMQP_HEARTBEAT, ge=0)
+    queue: str = "sleeper"
+    function_url: str = "http://127.0.0.1:8080/"
+    function_ready_url: str | None = None
+    concurrency: int = _bounded(4, ge=1, le=1000)
+    # Messages held beyond CONCURRENCY (prefetch = CONCURRENCY + this), so that the next one is
+    # already here when a call ends: a slot is free again as soon as the function has answered,
+    # while its terminal event is confirmed and its message acked in the background.
+    prefetch_buffer: int = _bounded(0, ge=0, le=1000)
+    shutdown_mode: ShutdownMode = ShutdownMode.REQUEUE
+    drain_timeout: float = _bounded(30.0, ge=0)
+    dispatcher_port: int = 8081
+    metrics_port: int | None = None
+    # Knative mode (SPEC §11.5): progress reports from the function's pods reach the dispatcher
+    # on POD_IP:PROGRESS_PORT, with each attempt's token in the URL.
+    progress_port: int | None = None
+    pod_ip: str | None = None
+    one_shot: bool = False
+    idle_exit_seconds: float = 60.0
+    hostname: str = "localhost"
+    # Used when a message does not carry its service's values (legacy format).
+    max_attempts: int = _bounded(3, ge=1)
+    task_timeout: float = _bounded(300.0, gt=0)
+    retry_backoff: float = _bounded(0.5, ge=0)
+    retry_backoff_max: float = _bounded(30.0, ge=0)
+    progress_interval: float = _bounded(0.5, ge=0)
+    # `started` goes out only once a call has run this long (0: always at once); a shorter
+    # call sends its terminal event alone, carrying the host and start time. One confirmed
+    # publish and one row write fewer per short task (legacy services always get `started`).
+    started_delay_ms: int = _bounded(100, ge=0)
+    # The longest answer read from the function: a longer one fails its task (RabbitMQ's own
+    # limit on a message, 128 MiB by default, must never be reached: it closes the channel).
+    max_response_bytes: int = _bounded(8 * 1024 * 1024, ge=1024)
+    function_wait_timeout: float = _bounded(300.0, ge=0)
+    # How long a cancelled task's id is remembered (SPEC §11.1): its message may still be
+    # queued, or requeued by another dispatcher, meanwhile.
+    cancel_memory_seconds: float = _bounded(24 * 3600.0, gt=0)
+    log_level: str = "INFO"
+    log_format: LogFormat = LogFormat.AUTO
+
+    def __post_init__(self) -> None:
+        problems = [p for f in dataclasses.fields(self) if (p := _out_of_bounds(self, f))]
+        if problems:
+            raise SettingsError("; ".join(problems))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> DispatcherSettings:
+        """The settings the environment (default: this process's) gives, or SettingsError."""
+        found = {k.lower(): v for k, v in (os.environ if environ is None else environ).items()}
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        problems: list[str] = []
+        for f in dataclasses.fields(cls):
+            for variable in (
+                dispatcher_variable(f.name, prefixed=True),
+                dispatcher_variable(f.name),
+            ):
+                text = found.get(variable.lower())
+                if text is None:
+                    continue
+                try:
+                    values[f.name] = _parse(hints[f.name], text)
+                except ValueError as exc:
+                    problems.append(f"{variable}={text!r}: {exc}")
+                break
+        if problems:
+            raise SettingsError("; ".join(problems))
+        return cls(**values)
+
+
+def dispatcher_variable(field: str, prefixed: bool = False) -> str:
+    """The environment variable that sets a dispatcher setting, as a manifest spells it:
+    bare (`FUNCTION_URL`), or with `prefixed` the `CONVEYOR_` form for names too generic to
+    stand alone in a pod's environment (`CONVEYOR_QUEUE`)."""
+    if field not in {f.name for f in dataclasses.fields(DispatcherSettings)}:
+        raise KeyError(field)
+    return (PREFIX if prefixed else "") + field.upper()
+
+
+_INTEGER = re.compile(r"([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?")
+_BOUNDS = {
+    "ge": ("at least", operator.ge),
+    "gt": ("greater than", operator.gt),
+    "le": ("at most", operator.le),
+}
+_TRUE = {"1", "on", "t", "true", "y", "yes"}
+_FALSE = {"0", "off", "f", "false", "n", "no"}
+
+
+def _parse(kind: Any, text: str) -> Any:
+    """One value from its text, as pydantic's lax mode reads an environment variable."""
+    if isinstance(kind, types.UnionType):  # `X | None`: the variable, when set, is an X
+        (kind,) = (arg for arg in typing.get_args(kind) if arg is not type(None))
+    if kind is str:
+        return text
+    if kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError("not a boolean (true/false, 1/0, yes/no, on/off)")
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"one of {', '.join(m.value for m in kind)}") from None
+    number = text.strip()
+    if kind is int:
+        if not (found := _INTEGER.fullmatch(number)):  # "4.0" is an integer, "4.5" is not
+            raise ValueError("not an integer")
+        return int(found[1])
+    if kind is float:
+        if not number.isascii():  # float() would take other scripts' digits
+            raise ValueError("not a number")
+        try:
+            return float(number)
+        except ValueError:
+            raise ValueError("not a number") from None
+    raise TypeError(f"no parser for {kind!r}")
+
+
+def _out_of_bounds(settings: DispatcherSettings, f: dataclasses.Field[Any]) -> str | None:
+    value = getattr(settings, f.name)
+    if value is None:
+        return None
+    failed = [
+        f"{word} {f.metadata[bound]}"
+        for bound, (word, holds) in _BOUNDS.items()
+        if bound in f.metadata and not holds(value, f.metadata[bound])
+    ]
+    return f"{dispatcher_variable(f.name)} must be {' and '.join(failed)}" if failed else None

@@ -1,0 +1,150 @@
+"""The dispatcher's settings (conveyor/dispatcher_settings.py) read the environment as
+pydantic-settings did before them: the same variables, precedence, parsing and bounds.
+
+The reference is a pydantic-settings model declared from the dataclass's own fields, exactly
+as DispatcherSettings was declared when it was one; every value of a corpus of awkward
+spellings must come out the same, or be refused by both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import typing
+from typing import Any
+
+import pytest
+from pydantic import AliasChoices, Field, ValidationError, create_model
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from conveyor.dispatcher_settings import (
+    DispatcherSettings,
+    SettingsError,
+    ShutdownMode,
+    dispatcher_variable,
+)
+from conveyor.logs import LogFormat
+
+HINTS = typing.get_type_hints(DispatcherSettings)
+INTS = [
+    *("4", " 4 ", "\t7\n", "+4", "-0", "0", "00012", "1000", "1001", "9" * 30, "1_000"),
+    *("4.0", "4.", "4.000", "-4.0", "1_000.0", "4.5", "4.0_0", "4 .0", ".0", "4.0.0"),
+    *("", " ", "0x10", "1e3", "3_", "_3", "1__0", "\u0664", "\u0661\u0662", "true", "None", "4 4"),
+]
+FLOATS = [
+    *(" 1.5 ", "1_000.5", "1_0", ".5", "5.", "-0", "-1", "0.0", "1e3", "1E3", "1e-400", "1e400"),
+    *("inf", "-inf", "+inf", "INF", "Infinity", "infinity", "iNfInItY", "nan", "NaN", "-nan"),
+    *("", "0x1p3", "1e", "\u0661.\u0665", "1 000", "nan(1)", "1__0", "_1", "1_", "4.0_0", "0.0001"),
+]
+BOOLS = [
+    *("true", "True", "TRUE", "1", "0", "yes", "YES", "on", "On", "off", "t", "f", "y", "n"),
+    *(" true ", "", "2", "1.0", "0.0", "None", "ja", "tru\u0435"),  # Cyrillic e
+]
+TEXTS = ["x", " x ", "", "ünï", "http://fn:8080/path?q=1"]
+
+
+def corpus(kind: Any) -> list[str]:
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return [*(m.value for m in kind), *(m.name for m in kind), " " + next(iter(kind)).value, ""]
+    inner = [a for a in typing.get_args(kind) if a is not type(None)]
+    kind = inner[0] if inner else kind
+    return {int: INTS, float: FLOATS, bool: BOOLS, str: TEXTS}[kind]
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
+
+
+def reference() -> type[BaseSettings]:
+    """DispatcherSettings as the pydantic-settings class it used to be."""
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(DispatcherSettings):
+        alias = AliasChoices(
+            dispatcher_variable(f.name, prefixed=True), dispatcher_variable(f.name)
+        )
+        fields[f.name] = (HINTS[f.name], Field(f.default, validation_alias=alias, **f.metadata))
+    return create_model("Reference", __base__=_Base, **fields)
+
+
+def outcomes(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    with monkeypatch.context() as m:
+        for name in list(os.environ):
+            m.delenv(name)
+        for name, value in environ.items():
+            m.setenv(name, value)
+        try:
+            ours: Any = dataclasses.asdict(DispatcherSettings.from_env())
+        except SettingsError:
+            ours = "refused"
+        try:
+            theirs: Any = reference()().model_dump()
+        except ValidationError:
+            theirs = "refused"
+    return repr(ours), repr(theirs)  # repr: NaN equals NaN
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(DispatcherSettings)])
+def test_every_value_reads_as_pydantic_settings_read_it(
+    field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spellings = [
+        dispatcher_variable(field),
+        dispatcher_variable(field, prefixed=True),
+        dispatcher_variable(field).lower(),
+    ]
+    differences = []
+    for number, text in enumerate(corpus(HINTS[field])):
+        environ = {spellings[number % len(spellings)]: text}
+        ours, theirs = outcomes(environ, monkeypatch)
+        if ours != theirs:
+            differences.append(f"{environ}: ours {ours[:200]}, pydantic-settings {theirs[:200]}")
+    assert not differences, "\n".join(differences)
+
+
+def test_nothing_set_gives_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    ours, theirs = outcomes({}, monkeypatch)
+    assert ours == theirs == repr(dataclasses.asdict(DispatcherSettings()))
+
+
+def test_the_prefixed_name_wins_and_names_are_read_in_any_case(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    environ = {"CONVEYOR_CONCURRENCY": "7", "CONCURRENCY": "8", "Function_Url": "http://f/"}
+    ours, theirs = outcomes(environ, monkeypatch)
+    assert ours == theirs
+    settings = DispatcherSettings.from_env(environ)
+    assert (settings.concurrency, settings.function_url) == (7, "http://f/")
+    # The prefixed name is read even when it is wrong and the bare one right, as before.
+    refused = repr("refused")
+    assert outcomes({"CONVEYOR_CONCURRENCY": "x", "CONCURRENCY": "8"}, monkeypatch) == (
+        refused,
+        refused,
+    )
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(SettingsError) as refused:
+        DispatcherSettings.from_env({"CONCURRENCY": "many", "SHUTDOWN_MODE": "later"})
+    assert "CONCURRENCY='many'" in str(refused.value)
+    assert "SHUTDOWN_MODE='later': one of requeue, drain" in str(refused.value)
+    with pytest.raises(SettingsError, match="CONCURRENCY must be at least 1; TASK_TIMEOUT"):
+        DispatcherSettings.from_env({"CONCURRENCY": "0", "TASK_TIMEOUT": "0"})
+
+
+def test_bounds_hold_however_the_settings_are_made() -> None:
+    with pytest.raises(SettingsError, match="PREFETCH_BUFFER must be at most 1000"):
+        DispatcherSettings(prefetch_buffer=1001)
+    assert DispatcherSettings(concurrency=1000, one_shot=True).concurrency == 1000
+
+
+def test_types_and_names() -> None:
+    settings = DispatcherSettings.from_env(
+        {"SHUTDOWN_MODE": "drain", "LOG_FORMAT": "json", "METRICS_PORT": "9090", "ONE_SHOT": "1"}
+    )
+    assert settings.shutdown_mode is ShutdownMode.DRAIN
+    assert settings.log_format is LogFormat.JSON
+    assert (settings.metrics_port, settings.progress_port, settings.one_shot) == (9090, None, True)
+    assert dispatcher_variable("queue", prefixed=True) == "CONVEYOR_QUEUE"
+    with pytest.raises(KeyError):
+        dispatcher_variable("no_such_setting")

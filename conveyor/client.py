@@ -166,6 +166,25 @@ def _stream_refused(response: httpx.Response) -> bool:
     return True
 
 
+class _StreamDeadline:
+    """Shuts a stream's socket at the deadline, from a timer thread. `passed` is set before
+    the socket is shut, so the reader it wakes always knows why its read ended."""
+
+    def __init__(self, response: httpx.Response, timeout: float) -> None:
+        self.passed = threading.Event()
+        self._response = response
+        self._timer = threading.Timer(timeout, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        self.passed.set()
+        _shut_down(self._response)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
 def _shut_down(response: httpx.Response) -> None:
     """Ends a stream from another thread (httpcore's `network_stream` extension)."""
     stream = response.extensions.get("network_stream")
@@ -379,13 +398,7 @@ class ConveyorClient(_FromEnv):
             if not _stream_refused(source.response):
                 # A quiet stream still sends comments, so no read timeout ends it: at the
                 # deadline its socket is shut down, which ends the blocked read at once.
-                timer = (
-                    None
-                    if timeout is None
-                    else threading.Timer(timeout, _shut_down, (source.response,))
-                )
-                if timer is not None:
-                    timer.start()
+                deadline = None if timeout is None else _StreamDeadline(source.response, timeout)
                 try:
                     for sse in source.iter_sse():
                         task = _stream_task(sse)
@@ -395,13 +408,13 @@ class ConveyorClient(_FromEnv):
                             if task.done:
                                 return
                 except (httpx.StreamError, httpx.TransportError) as exc:
-                    if timer is not None and not timer.is_alive() and last is not None:
+                    if deadline is not None and deadline.passed.is_set() and last is not None:
                         raise TaskWaitTimeout(last) from exc
                     raise
                 finally:
-                    if timer is not None:
-                        timer.cancel()
-                if last is not None and timer is not None and not timer.is_alive():
+                    if deadline is not None:
+                        deadline.cancel()
+                if last is not None and deadline is not None and deadline.passed.is_set():
                     raise TaskWaitTimeout(last)
         yield from self._poll(service, task_id, timeout, interval)
 

@@ -126,6 +126,25 @@ def _seen_by_function(trace_log: Path, task_id: str) -> list[str]:
     return [parent for task, parent in lines if task == task_id]
 
 
+def _consumed_publish(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+    """The spans without a second copy's publish and consume: the relay publishes a task
+    again only when its fast-path publish was not confirmed in time (at least once; CI saw
+    it on a freshly declared quorum queue). The copy that was called stays."""
+    publishes = [s for s in spans if s.name == "publish"]
+    if len(publishes) > 1:
+        assert any(p.error for p in publishes), f"published twice without a failure: {spans}"
+    calls = [s for s in spans if s.name == "call"]
+    assert len(calls) == 1, f"called {len(calls)} times: {spans}"
+    consume = {s.span_id: s for s in spans}.get(calls[0].parent_id)
+    assert consume is not None, spans
+    return [
+        s
+        for s in spans
+        if (s.name != "publish" or s.span_id == consume.parent_id)
+        and (s.name != "consume" or s is consume)
+    ]
+
+
 def _by_name(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
     found: dict[str, ReceivedSpan] = {}
     for span in spans:
@@ -159,7 +178,7 @@ def test_one_trace_follows_a_task_through_every_process(
     assert traced.finish(task_id)["status"] == "SUCCESS"
     receiver.wait_for(GATEWAY_SPANS | DISPATCHER_SPANS | {"callback"}, trace_id)
 
-    spans = _by_name([s for s in receiver.received() if s.trace_id == trace_id])
+    spans = _by_name(_consumed_publish([s for s in receiver.received() if s.trace_id == trace_id]))
     assert set(spans) == GATEWAY_SPANS | DISPATCHER_SPANS | {"callback"}, sorted(spans)
     for name in GATEWAY_SPANS | {"callback"}:
         assert spans[name].service == "conveyor-gateway", spans[name]

@@ -27,6 +27,7 @@ class ReceivedSpan:
     span_id: str
     parent_id: str  # "" for a root span
     attributes: dict[str, Any]
+    error: str | None = None  # the status message of a span that ended in error
 
 
 class OtlpReceiver:
@@ -86,6 +87,9 @@ class OtlpReceiver:
                             span_id=span.span_id.hex(),
                             parent_id=span.parent_span_id.hex(),
                             attributes=_attributes(span.attributes),
+                            error=span.status.message or "error"
+                            if span.status.code == span.status.STATUS_CODE_ERROR
+                            else None,
                         )
                     )
         with self._lock:

@@ -14,27 +14,8 @@ Module map, one concept each:
 * `retry`      backoff, Retry-After, the attempt loop within the task timeout
 * `publisher`  confirmed publishes: events to `-out`, graceful requeues to `-in`
 * `progress`   per-task coalescing and rate limiting of progress reports
-* `api`        the local HTTP API (progress, health, metrics), via uvicorn
+* `api`        the local HTTP API (progress, health, metrics), via aiohttp
 * `metrics`    Prometheus counters
 * `readiness`  waiting for the function before consuming anything
 * `shutdown`   signals, abort tokens, and the `requeue` / `drain` modes
 """
-
-import sys
-import types
-
-
-def _skip_httpx_cli() -> None:
-    """httpx imports its command-line client, and with it click, rich and pygments
-    (about 4 MB of RSS and 100 ms of start-up), whenever those are installed,
-    which they are: the `conveyor` CLI needs them. The sidecar never runs
-    `httpx` on the command line, so it gives httpx a stand-in for that module.
-    """
-    if "httpx" in sys.modules:
-        return
-    stand_in = types.ModuleType("httpx._main")
-    stand_in.main = lambda: None  # type: ignore[attr-defined]
-    sys.modules.setdefault("httpx._main", stand_in)
-
-
-_skip_httpx_cli()

@@ -1,4 +1,4 @@
-"""The dispatcher's local HTTP API, served by uvicorn inside the dispatcher's loop.
+"""The dispatcher's local HTTP API, served by aiohttp inside the dispatcher's loop.
 
 On `127.0.0.1:DISPATCHER_PORT` only (the function is in the same pod; nothing
 else has any business posting progress):
@@ -18,24 +18,21 @@ endpoint alone is also served on `0.0.0.0:PROGRESS_PORT` as
 `POST /tasks/{taskId}/progress/{token}`, where the token is the attempt's (SPEC §11.5):
 `X-Conveyor-Progress-Url` is then that absolute URL on `POD_IP`.
 
-uvicorn's own signal handling is disabled: the dispatcher owns SIGTERM.
+aiohttp serves it because the sidecar loads aiohttp for its calls anyway
+(invoker.py): a second HTTP stack (Starlette, uvicorn, anyio) would only cost
+memory. Its signal handling is off: the dispatcher owns SIGTERM.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from aiohttp import web
 
 from conveyor import envelope, strict_json
 from dispatcher.metrics import Metrics
@@ -47,13 +44,19 @@ MAX_PROGRESS_BODY = 64 * 1024
 ReadinessCheck = Callable[[], Awaitable[dict[str, bool]]]
 
 
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=strict_json.dumps(payload), status=status, content_type="application/json"
+    )
+
+
 def _error(
     status: int, number: int, description: str, errors: list[dict[str, str]] | None = None
-) -> JSONResponse:
-    return JSONResponse(envelope.error(number, description, errors), status_code=status)
+) -> web.Response:
+    return _json(envelope.error(number, description, errors), status)
 
 
-def _invalid(message: str) -> JSONResponse:
+def _invalid(message: str) -> web.Response:
     return _error(
         400, 400002, "Invalid request.", errors=[{"path": "progress", "message": message}]
     )
@@ -82,29 +85,29 @@ class Endpoints:
         self.metrics = metrics
         self.readiness = readiness
 
-    async def progress(self, request: Request) -> Response:
+    async def progress(self, request: web.Request) -> web.Response:
         try:
-            task_id = str(uuid.UUID(request.path_params["task_id"]))
+            task_id = str(uuid.UUID(request.match_info["task_id"]))
         except ValueError:
             task_id = ""
         if task_id not in self.board:
             return _error(404, 404002, "Task not found.")
         return await self._report(request, task_id)
 
-    async def remote_progress(self, request: Request) -> Response:
+    async def remote_progress(self, request: web.Request) -> web.Response:
         """The same report from another pod (knative mode): only with the attempt's token,
         and one identical 403 for every refusal, so that nothing about other tasks leaks."""
         try:
-            task_id = str(uuid.UUID(request.path_params["task_id"]))
+            task_id = str(uuid.UUID(request.match_info["task_id"]))
         except ValueError:
             return _error(403, 403001, "Forbidden.")
-        if not self.board.allows(task_id, request.path_params["token"]):
+        if not self.board.allows(task_id, request.match_info["token"]):
             return _error(403, 403001, "Forbidden.")
         return await self._report(request, task_id)
 
-    async def _report(self, request: Request, task_id: str) -> Response:
+    async def _report(self, request: web.Request, task_id: str) -> web.Response:
         raw = b""
-        async for chunk in request.stream():
+        async for chunk in request.content.iter_any():
             raw += chunk
             if len(raw) > MAX_PROGRESS_BODY:
                 return _error(413, 413001, "Request too large.")
@@ -113,79 +116,65 @@ class Endpoints:
             return _invalid(value)
         if not self.board.report(task_id, value):
             return _error(404, 404002, "Task not found.")
-        return Response(status_code=204)
+        return web.Response(status=204)
 
-    async def healthz(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
 
-    async def readyz(self, request: Request) -> Response:
+    async def readyz(self, request: web.Request) -> web.Response:
         checks = await self.readiness()
         ready = all(checks.values())
-        return JSONResponse(
+        return _json(
             {"status": "ready" if ready else "not ready", "checks": checks},
-            status_code=200 if ready else 503,
+            200 if ready else 503,
         )
 
-    async def metrics_text(self, request: Request) -> Response:
+    async def metrics_text(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.render()
-        return Response(body, media_type=content_type)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
-    def probe_routes(self) -> list[Route]:
+    def probe_routes(self) -> list[web.RouteDef]:
         return [
-            Route("/healthz", self.healthz, methods=["GET"]),
-            Route("/readyz", self.readyz, methods=["GET"]),
-            Route("/metrics", self.metrics_text, methods=["GET"]),
+            web.get("/healthz", self.healthz, allow_head=False),
+            web.get("/readyz", self.readyz, allow_head=False),
+            web.get("/metrics", self.metrics_text, allow_head=False),
         ]
 
-    def local_app(self) -> Starlette:
-        progress = Route("/tasks/{task_id}/progress", self.progress, methods=["POST"])
-        return Starlette(routes=[progress, *self.probe_routes()])
+    def local_app(self) -> web.Application:
+        return _app([web.post("/tasks/{task_id}/progress", self.progress), *self.probe_routes()])
 
-    def probe_app(self) -> Starlette:
-        return Starlette(routes=self.probe_routes())
+    def probe_app(self) -> web.Application:
+        return _app(self.probe_routes())
 
-    def remote_progress_app(self) -> Starlette:
+    def remote_progress_app(self) -> web.Application:
         """Knative mode's progress endpoint on the pod's IP: that route alone."""
-        route = Route("/tasks/{task_id}/progress/{token}", self.remote_progress, methods=["POST"])
-        return Starlette(routes=[route])
+        return _app([web.post("/tasks/{task_id}/progress/{token}", self.remote_progress)])
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # signals belong to the dispatcher (shutdown.py)
+def _app(routes: list[web.RouteDef]) -> web.Application:
+    app = web.Application()
+    app.add_routes(routes)
+    return app
 
 
 class ApiServer:
-    """One uvicorn server on a socket bound up front, so a busy port fails clearly."""
+    """One aiohttp server on a socket bound up front, so a busy port fails clearly."""
 
-    def __init__(self, app: Starlette, host: str, port: int) -> None:
+    def __init__(self, app: web.Application, host: str, port: int) -> None:
         self.host = host
         self.port = port
         self._socket = socket.create_server((host, port), backlog=128)
-        config = uvicorn.Config(
-            app,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            loop="none",
-            ws="none",  # no websockets module to import
-            timeout_graceful_shutdown=1,
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, shutdown_timeout=1.0
         )
-        self._server = _Server(config)
-        self._task: asyncio.Task[None] | None = None
+        self._started = False
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+    async def start(self) -> None:
+        await self._runner.setup()
+        await web.SockSite(self._runner, self._socket, shutdown_timeout=1.0).start()
+        self._started = True
 
     async def stop(self) -> None:
-        if self._task is None:
-            self._socket.close()
-            return
-        self._server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout=2)
-        except TimeoutError:
-            self._server.force_exit = True
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._started:
+            await self._runner.cleanup()
         self._socket.close()

@@ -84,7 +84,7 @@ class Dispatcher:
         self.shutdown.install()
         try:
             try:
-                self._start_api()
+                await self._start_api()
             except OSError as exc:
                 log.error("cannot listen", extra={"error": repr(exc)})
                 return 1
@@ -186,7 +186,7 @@ class Dispatcher:
             "accepting": self.accepting and not self.shutdown.requested.is_set(),
         }
 
-    def _start_api(self) -> None:
+    async def _start_api(self) -> None:
         self.servers.append(
             ApiServer(self.endpoints.local_app(), "127.0.0.1", self.settings.dispatcher_port)
         )
@@ -201,7 +201,7 @@ class Dispatcher:
                 )
             )
         for server in self.servers:
-            server.start()
+            await server.start()
 
     def _run_in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)

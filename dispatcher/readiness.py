@@ -13,7 +13,7 @@ import asyncio
 import logging
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 from tenacity import AsyncRetrying, RetryCallState, retry_if_result, wait_exponential
 
 log = logging.getLogger(__name__)
@@ -33,19 +33,26 @@ class FunctionProbe:
         parts = urlsplit(function_url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._client: httpx.AsyncClient | None = None
-        if ready_url:
-            verify = ready_url.startswith("https:")  # CA certificates only when needed
-            self._client = httpx.AsyncClient(timeout=PROBE_TIMEOUT, trust_env=False, verify=verify)
+        self._session: aiohttp.ClientSession | None = None
 
     async def reachable(self) -> bool:
         try:
-            if self._client is not None and self.ready_url:
-                answer = await self._client.get(self.ready_url)
-                return answer.status_code < 500
+            if self.ready_url:
+                async with asyncio.timeout(PROBE_TIMEOUT):
+                    async with self._client().get(self.ready_url, allow_redirects=False) as got:
+                        return got.status < 500
             return await self._tcp_connect()
-        except (OSError, httpx.HTTPError, TimeoutError):
+        except (OSError, aiohttp.ClientError, TimeoutError):
             return False
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                trust_env=False,
+            )
+        return self._session
 
     async def _tcp_connect(self) -> bool:
         _, writer = await asyncio.wait_for(
@@ -80,5 +87,5 @@ class FunctionProbe:
         return reachable
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()

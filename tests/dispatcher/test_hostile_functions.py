@@ -87,3 +87,27 @@ async def test_a_number_beyond_a_double_is_kept_as_text_not_sent_as_infinity(
     done = await rabbit.wait_terminal(task_id)
 
     assert (done.kind, done.response) == (EventKind.SUCCEEDED, '{"x": 1e400}')
+
+
+async def test_a_header_with_a_line_break_is_refused_not_sent_nor_retried(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """A message put on `-in` by hand with a CR LF in its ce-type: the call cannot be sent
+    as is, so the task fails at once, and no header is smuggled to the function."""
+    import uuid
+
+    from conveyor.events import Submission, encode_submission
+
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = str(uuid.uuid4())
+    wire = encode_submission(Submission(task_id=task_id, service=rabbit.queue, body={}))
+    headers = {**wire.headers, "ce-type": "io.example.x\r\nX-Smuggled: 1"}
+    await rabbit.publish_raw(wire.body, headers, wire.message_id)
+
+    done = await rabbit.wait_terminal(task_id)
+
+    assert done.kind is EventKind.FAILED
+    assert "could not be sent to the function" in (done.error_message or "")
+    assert function.calls(task_id) == []
+    assert await rabbit.depth(rabbit.in_q) == 0  # acked, not handed back for another try

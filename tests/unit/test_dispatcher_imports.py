@@ -16,7 +16,12 @@ NOT_IN_THE_SIDECAR = (
     "opentelemetry",  # tracing, unless an OTLP endpoint is configured
     "typer",  # the CLI's framework: `conveyor dispatcher` goes around it
     "rich",
-    "pygments",  # with rich, what httpx's own CLI would load (dispatcher/__init__.py)
+    "pygments",
+    "httpx",  # the calls and the local API are aiohttp's (dispatcher/invoker.py)
+    "httpcore",
+    "anyio",
+    "starlette",
+    "uvicorn",
     "gateway",
     "fastapi",
     "sqlalchemy",

@@ -1,4 +1,5 @@
-"""CPU seconds and memory of processes and of the local servers, read from /proc.
+"""CPU seconds and memory of processes and of the local servers, read from /proc;
+the cyclic collector's runs of a Python server, read from its /metrics.
 
 On a busy machine, CPU time per task is a steadier figure than wall-clock
 throughput: other load slows a process down but does not make it do more.
@@ -9,6 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.record import ADMIN_DB_URL, read_text
 from bench.stack import sql
@@ -129,4 +133,20 @@ def rss_kib(pid: int) -> dict[str, int | None]:
         key, _, value = line.partition(":")
         if key in found:
             found[key] = int(value.split()[0])
+    return found
+
+
+def gc_figures(base_url: str) -> dict[str, dict[str, float]]:
+    """A Python server's cyclic collector, from its /metrics: `collections` by generation
+    (`python_gc_collections_total`, prometheus_client's default collector; absent with
+    `conveyor gateway --workers N`) and `pause_s`, the seconds it stood still while
+    collecting (`conveyor_*_gc_pause_seconds`; absent before `conveyor/heap.py`)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10.0, trust_env=False).text
+    found: dict[str, dict[str, float]] = {"collections": {}, "pause_s": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "python_gc_collections_total":
+                found["collections"][sample.labels["generation"]] = sample.value
+            elif sample.name.endswith("_gc_pause_seconds_sum"):
+                found["pause_s"][sample.labels["generation"]] = sample.value
     return found

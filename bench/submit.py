@@ -29,7 +29,7 @@ import json
 import sys
 from typing import Any
 
-from bench.meters import CpuMeter, ServerMeter
+from bench.meters import CpuMeter, ServerMeter, gc_figures
 from bench.record import PYTHON, banner, metadata, run_json, write_result
 from bench.stack import (
     BenchService,
@@ -69,6 +69,7 @@ def load(
     }
     meter = CpuMeter([gateway.proc.pid], tree=True)  # `--workers`: the workers too
     servers = ServerMeter()
+    gc_before = gc_figures(gateway.url)
     meter.start()
     servers.start()
     report = run_json([PYTHON, "-m", "bench.loadgen", json.dumps(job)], timeout=duration * 3 + 120)
@@ -77,6 +78,19 @@ def load(
     report["gateway_cpu_s"] = cpu
     served = report["requests"] + report.get("warmup_requests", 0)  # the CPU covers both
     report["gateway_cpu_ms_per_request"] = round(cpu * 1000 / served, 3) if served else None
+    after = gc_figures(gateway.url)
+    report["gateway_gc"] = {
+        figure: {g: round(v - gc_before[figure].get(g, 0.0), 4) for g, v in values.items()}
+        for figure, values in after.items()
+    }
+    full = report["gateway_gc"]["collections"].get("2")
+    report["gateway_full_gc_per_10k_requests"] = (
+        round(full * 10_000 / served, 2) if full is not None and served else None
+    )
+    paused = report["gateway_gc"]["pause_s"]
+    report["gateway_gc_pause_ms_per_request"] = (
+        round(sum(paused.values()) * 1000 / served, 4) if paused and served else None
+    )
     for name, seconds in server_cpu.items():  # the database's share of a submission, too
         report[f"{name}_cpu_ms_per_request"] = round(seconds * 1000 / served, 3) if served else None
     return report
@@ -116,7 +130,9 @@ def concurrency_levels(
                 f" p50 {report['latency_ms']['p50']} ms, p99 {report['latency_ms']['p99']} ms,"
                 f" statuses {report['statuses']}, errors {report['errors']},"
                 f" gateway CPU {report['gateway_cpu_ms_per_request']} ms/req,"
-                f" PostgreSQL {report.get('postgresql_cpu_ms_per_request')} ms/req",
+                f" PostgreSQL {report.get('postgresql_cpu_ms_per_request')} ms/req,"
+                f" full GCs per 10k {report['gateway_full_gc_per_10k_requests']},"
+                f" GC pauses {report['gateway_gc_pause_ms_per_request']} ms/req",
                 flush=True,
             )
         found.append(_level_summary(concurrency, runs))
@@ -132,6 +148,12 @@ def _level_summary(concurrency: int, runs: list[dict[str, Any]]) -> dict[str, An
         "gateway_cpu_ms_per_request": median(r["gateway_cpu_ms_per_request"] for r in runs),
         "postgresql_cpu_ms_per_request": median(
             r.get("postgresql_cpu_ms_per_request") or 0.0 for r in runs
+        ),
+        "gateway_full_gc_per_10k_requests": median(
+            r["gateway_full_gc_per_10k_requests"] for r in runs
+        ),
+        "gateway_gc_pause_ms_per_request": median(
+            r["gateway_gc_pause_ms_per_request"] for r in runs
         ),
         "non_2xx": sum(
             n for r in runs for status, n in r["statuses"].items() if not status.startswith("2")

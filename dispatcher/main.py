@@ -22,7 +22,7 @@ from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from conveyor import logs, tracing
+from conveyor import heap, logs, tracing
 from conveyor.amqp import from_amqp
 from conveyor.dispatcher_settings import DispatcherSettings
 from conveyor.events import WireError, decode_cancel
@@ -128,8 +128,18 @@ class Dispatcher:
         await self.broker.listen_for_cancels(
             self.settings.queue, self.settings.hostname, self._on_cancel
         )
+        frozen = heap.freeze_startup_objects()  # before the first message: nothing in flight
+        pauses = {g: self.metrics.gc_pauses.labels(g) for g in ("0", "1", "2")}
+        heap.watch_pauses(lambda generation, seconds: pauses[generation].observe(seconds))
         await self.broker.consume(self._on_message)
-        log.info("ready", extra={"queue": self.broker.in_queue, "one_shot": self.settings.one_shot})
+        log.info(
+            "ready",
+            extra={
+                "queue": self.broker.in_queue,
+                "one_shot": self.settings.one_shot,
+                "frozen": frozen,
+            },
+        )
         await self._wait_for_the_end()
         self.accepting = False
         await self.broker.stop_consuming()

@@ -72,5 +72,13 @@ class Metrics:
             registry=r,
         )
 
+        self.gc_pauses = Histogram(
+            f"{_PREFIX}_gc_pause_seconds",
+            "Cyclic garbage collections by generation: the event loop stood still this long.",
+            ["generation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=r,
+        )
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

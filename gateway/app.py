@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conveyor import tracing
+from conveyor import heap, tracing
 from conveyor.settings import GatewaySettings
 from gateway import admin_api, api, dashboard, errors, metrics
 from gateway.responses import Json
@@ -30,7 +30,12 @@ MAX_HEADER_BYTES = 64 * 1024
 HEADERS_TOO_LARGE = errors.ErrorKind(431, 431001, "Request header fields too large.")
 
 
-def create_app(settings: GatewaySettings | None = None, background: bool = True) -> FastAPI:
+def create_app(
+    settings: GatewaySettings | None = None, background: bool = True, server: bool = False
+) -> FastAPI:
+    """`server`: this app is its process's whole life (`conveyor gateway`), so what it loaded
+    at start is frozen out of the cyclic collector (`conveyor.heap`); an app made in a test
+    process is not."""
     settings = settings or GatewaySettings()
 
     @asynccontextmanager
@@ -39,6 +44,10 @@ def create_app(settings: GatewaySettings | None = None, background: bool = True)
         rt = Runtime(settings)
         app.state.runtime = rt
         await rt.start(background=background)
+        if server:
+            log.info("serving", extra={"frozen": heap.freeze_startup_objects()})
+            pauses = {g: metrics.GC_PAUSES.labels(g) for g in ("0", "1", "2")}  # exported at 0
+            heap.watch_pauses(lambda generation, seconds: pauses[generation].observe(seconds))
         try:
             yield
         finally:

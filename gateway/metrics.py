@@ -68,6 +68,12 @@ EVENT_STREAMS = Gauge(
     "Task event streams open (SSE)",
     multiprocess_mode="livesum",  # all workers' streams
 )
+GC_PAUSES = Histogram(
+    "conveyor_gateway_gc_pause_seconds",
+    "Cyclic garbage collections by generation: the event loop stood still this long",
+    ["generation"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+)
 AUTH_FAILURES = Counter("conveyor_gateway_auth_failures_total", "403001 answers")
 LATENCY = Histogram(
     "conveyor_gateway_request_seconds",

@@ -39,4 +39,4 @@ def worker_app() -> FastAPI:
     """The app of one worker (uvicorn's factory, called in each worker process)."""
     settings = GatewaySettings()
     logs.configure(settings.log_level, settings.log_format)
-    return create_app(settings, background=takes_the_loops(os.environ[LOCK_ENV]))
+    return create_app(settings, background=takes_the_loops(os.environ[LOCK_ENV]), server=True)

@@ -69,7 +69,7 @@ def gateway(
     from gateway.app import create_app
 
     _install_uvloop()
-    app = create_app(settings, background=not no_background)
+    app = create_app(settings, background=not no_background, server=True)
     if only_background:
         serving["host"] = "127.0.0.1"  # health endpoints stay available to probes
     uvicorn.run(app, **serving)

@@ -49,6 +49,10 @@ def test_submit_benchmark_runs(tmp_path: Path) -> None:
     )
     assert {"machine", "git", "command"} <= set(result["meta"])
     assert result["levels"]
+    # the gateway's collector, read from its /metrics: counted, and its pauses timed
+    [level] = result["levels"]
+    assert level["gateway_full_gc_per_10k_requests"] is not None
+    assert level["gateway_gc_pause_ms_per_request"] is not None
     assert str(REPO) not in json.dumps(result)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -54,3 +56,20 @@ async def test_calls_are_counted_by_outcome(
     assert after[("conveyor_dispatcher_tasks_succeeded_total", ())] == 2
     assert after[("conveyor_dispatcher_tasks_failed_total", ())] == 2
     assert after[("conveyor_dispatcher_tasks_in_flight", ())] == 0
+
+
+async def test_the_sidecar_froze_its_start_up_objects_and_exports_its_collections(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    frozen = re.search(r'frozen["=: ]+(\d+)', dispatcher.proc.logs())
+    assert frozen, "the dispatcher did not say it froze its start-up objects"
+    assert int(frozen.group(1)) > 20_000  # aio-pika, aiohttp, its own modules
+    found = await _samples(dispatcher)
+    generations = {
+        dict(labels)["generation"]
+        for (name, labels), _ in found.items()
+        if name == "conveyor_dispatcher_gc_pause_seconds_count"
+    }
+    assert generations == {"0", "1", "2"}

@@ -73,15 +73,21 @@ class Peer:
     kind: str  # conveyor | celery
     processes: int
     concurrency: int  # per process
+    buffer: int = 0  # each dispatcher's PREFETCH_BUFFER
 
     @property
     def total_concurrency(self) -> int:
         return self.processes * self.concurrency
 
 
-def peers(concurrency: int) -> list[Peer]:
+def peers(concurrency: int, buffer: int = 0) -> list[Peer]:
+    """`buffer`: also `conveyor-1xC-bufferN`, its dispatcher with PREFETCH_BUFFER=N."""
+    buffered = [
+        Peer(f"conveyor-1x{concurrency}-buffer{buffer}", "conveyor", 1, concurrency, buffer)
+    ]
     return [
         Peer(f"conveyor-1x{concurrency}", "conveyor", 1, concurrency),
+        *(buffered if buffer else []),
         Peer(f"conveyor-{concurrency}x1", "conveyor", concurrency, 1),
         Peer(f"celery-prefork-{concurrency}", "celery", 1, concurrency),
     ]
@@ -221,6 +227,7 @@ def run_conveyor(ctx: Context, peer: Peer) -> dict[str, Any]:
             ctx.function.url,
             wait=False,
             CONCURRENCY=str(peer.concurrency),
+            PREFETCH_BUFFER=str(peer.buffer),
         )
         for i in range(peer.processes)
     ]
@@ -468,7 +475,7 @@ def summarize_peers(runs: list[dict[str, Any]], names: list[str]) -> dict[str, A
 
 
 def run(options: argparse.Namespace) -> dict[str, Any]:
-    chosen = peers(options.concurrency)
+    chosen = peers(options.concurrency, options.buffer)
     if options.peers:
         wanted = options.peers.split(",")
         chosen = [p for p in chosen if p.name in wanted or p.kind in wanted]
@@ -512,6 +519,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between latency probes")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per throughput run")
     parser.add_argument("--peers", default="", help="comma-separated peer names or kinds")
+    parser.add_argument(
+        "--buffer", type=int, default=0, help="also conveyor-1xC-bufferN: PREFETCH_BUFFER=N"
+    )
     return parser.parse_args(argv)
 
 

@@ -10,13 +10,21 @@ function, consumed by:
   aio-pika with prefetch C, an httpx POST, one result published with
   confirms, then the ack;
 * `bare+pg` (optional, `--with-pg`): the bare consumer plus one PostgreSQL
-  insert per result, the SPEC's reference pipeline.
+  insert per result, the SPEC's reference pipeline;
+* `dispatcher+buffer` (optional, `--buffer N`): the dispatcher with
+  PREFETCH_BUFFER=N, so that a slot takes its next message as soon as its function
+  has answered instead of after the confirm, the ack and a delivery.
+
+For each dispatcher, how busy its slots were: the seconds its calls took (its
+`conveyor_dispatcher_function_call_seconds`) over CONCURRENCY x the run's length,
+and the idle time per task and slot that is left (everything a slot does or waits for
+besides the call: decode, events, confirm, ack, the next delivery).
 
 Throughput = N / (time the N-th result reached `-out` - first call of the
 function). Both consumers run with uvloop, in their own process. Ratio
 dispatcher / bare (target >= 0.8). Several repetitions, alternating; medians.
 
-    python -m bench.floor [--tasks 5000] [--reps 3] [--concurrency 4] [--with-pg]
+    python -m bench.floor [--tasks 5000] [--reps 3] [--concurrency 4] [--with-pg] [--buffer 4]
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import uuid
 from typing import Any
 
 import aio_pika
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.meters import CpuMeter
 from bench.record import PYTHON, banner, metadata, no_paths, write_result
@@ -240,21 +250,45 @@ async def count_results(queue: str, target: int, timeout: float, started: asynci
 
 def start_consumer(
     procs: Processes, kind: str, queue: str, function: NoopFunction, options: argparse.Namespace
-) -> Any:
-    if kind == "dispatcher":
-        return start_dispatcher(
+) -> tuple[Any, str | None]:
+    """The consumer's process, and its metrics address if it is a dispatcher."""
+    if kind.startswith("dispatcher"):
+        buffer = options.buffer if kind == "dispatcher+buffer" else 0
+        dispatcher = start_dispatcher(
             procs,
             unique("floor-dispatcher"),
             queue,
             function.url,
             wait=False,
             CONCURRENCY=str(options.concurrency),
-        ).proc
+            PREFETCH_BUFFER=str(buffer),
+        )
+        return dispatcher.proc, f"http://127.0.0.1:{dispatcher.port}/metrics"
     args = [PYTHON, "-m", "bench.floor", "bare", "--queue", queue, "--function-url", function.url]
     args += ["--concurrency", str(options.concurrency)]
     if kind == "bare+pg":
         args += ["--database-url", libpq(options.database_url)]
-    return procs.start(unique("floor-bare"), args)
+    return procs.start(unique("floor-bare"), args), None
+
+
+def call_seconds(metrics_url: str) -> float:
+    """The seconds a dispatcher's function calls took, all of them."""
+    text = httpx.get(metrics_url, timeout=10.0, trust_env=False).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "conveyor_dispatcher_function_call_seconds_sum"
+    )
+
+
+def slot_figures(calls_s: float, elapsed: float, tasks: int, concurrency: int) -> dict[str, float]:
+    capacity = concurrency * elapsed  # slot-seconds the run offered
+    return {
+        "slot_busy_fraction": round(calls_s / capacity, 3),
+        "slot_idle_ms_per_task": round((capacity - calls_s) * 1000 / tasks, 3),
+        "call_ms_per_task": round(calls_s * 1000 / tasks, 3),
+    }
 
 
 async def measure(
@@ -270,15 +304,22 @@ async def measure(
             count_results(queue, options.tasks, options.timeout, listening)
         )
         await listening.wait()
-        proc = start_consumer(procs, kind, queue, function, options)
+        proc, metrics_url = start_consumer(procs, kind, queue, function, options)
         meter = CpuMeter([proc.pid])
         meter.start()
         counter = await counting
         cpu = meter.stop()
+        calls_s = call_seconds(metrics_url) if metrics_url else None
         procs.stop(proc)
         first = function.stats()["first"]
         elapsed = None if counter.done_at is None or first is None else counter.done_at - first
+        slots = (
+            slot_figures(calls_s, elapsed, options.tasks, options.concurrency)
+            if calls_s is not None and elapsed
+            else {}
+        )
         return {
+            **slots,
             "consumer": kind,
             "tasks": options.tasks,
             "results": counter.count,
@@ -293,6 +334,7 @@ async def measure(
 
 def run(options: argparse.Namespace) -> dict[str, Any]:
     kinds = ["dispatcher", "bare"] + (["bare+pg"] if options.with_pg else [])
+    kinds += ["dispatcher+buffer"] if options.buffer else []
     result: dict[str, Any] = {"benchmark": "floor", "meta": metadata("bench.floor", vars(options))}
     runs = []
     with processes() as procs, fresh_database() as database_url:
@@ -314,6 +356,11 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
             "cpu_ms_per_task": median(
                 r.get("cpu_ms_per_task") for r in runs if r["consumer"] == kind
             ),
+            **{
+                figure: median(r.get(figure) for r in runs if r["consumer"] == kind)
+                for figure in ("slot_busy_fraction", "slot_idle_ms_per_task")
+                if kind.startswith("dispatcher")
+            },
         }
         for kind in kinds
     }
@@ -321,6 +368,10 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     result["ratio_dispatcher_to_bare"] = ratio(
         consumers["dispatcher"]["throughput_tps"], consumers["bare"]["throughput_tps"]
     )
+    if options.buffer:
+        result["ratio_buffered_dispatcher_to_bare"] = ratio(
+            consumers["dispatcher+buffer"]["throughput_tps"], consumers["bare"]["throughput_tps"]
+        )
     return result
 
 
@@ -335,6 +386,12 @@ def _measure_safely(
     print(
         f"  {kind:<10} {found.get('throughput_tps')} tasks/s,"
         f" CPU {found.get('cpu_ms_per_task')} ms/task"
+        + (
+            f", slots busy {found['slot_busy_fraction']:.0%},"
+            f" idle {found['slot_idle_ms_per_task']} ms per task and slot"
+            if "slot_busy_fraction" in found
+            else ""
+        )
         + (f"  ERROR {found['error'][:300]}" if "error" in found else ""),
         flush=True,
     )
@@ -348,6 +405,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--with-pg", action="store_true", help="also bare + one INSERT/result")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--buffer", type=int, default=0, help="also the dispatcher with PREFETCH_BUFFER=N"
+    )
     return parser.parse_args(argv)
 
 
@@ -358,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(parse(argv))
     write_result("floor", result)
     print(f"  dispatcher / bare: {result['ratio_dispatcher_to_bare']}")
+    if "ratio_buffered_dispatcher_to_bare" in result:
+        print(f"  dispatcher+buffer / bare: {result['ratio_buffered_dispatcher_to_bare']}")
     return 0
 
 

@@ -204,6 +204,9 @@ def _plan_params(database_url: str, service: BenchService) -> dict[str, Any]:
         "requests": [Jsonb({"n": 1})],
         "callbacks": [None],
         "keys": [None],
+        "not_befores": [None],
+        "traceparents": [None],
+        "grace": 3.0,
         "id": pending[0],
         "get_task_id": pending[1],
     }

@@ -56,6 +56,35 @@ def test_submit_benchmark_runs(tmp_path: Path) -> None:
     assert str(REPO) not in json.dumps(result)
 
 
+def test_floor_benchmark_runs(tmp_path: Path) -> None:
+    result = _run("bench.floor", "--tasks", "200", "--reps", "1", "--buffer", "2", results=tmp_path)
+    consumers = result["consumers"]
+    assert set(consumers) == {"dispatcher", "bare", "dispatcher+buffer"}
+    assert all(c["throughput_tps"] for c in consumers.values())
+    for kind in ("dispatcher", "dispatcher+buffer"):  # read from the dispatcher's /metrics
+        assert 0 < consumers[kind]["slot_busy_fraction"] <= 1
+        assert consumers[kind]["slot_idle_ms_per_task"] >= 0
+    assert "slot_busy_fraction" not in consumers["bare"]
+
+
+def test_scale_benchmark_runs(tmp_path: Path) -> None:
+    # Its query plans run the gateway's own statements: a change of their parameters broke it
+    # once without a test noticing (make bench only).
+    result = _run(
+        "bench.scale", "--levels", "1000", "--requests", "30", "--reps", "1", results=tmp_path
+    )
+    [level] = result["levels"]
+    assert level["rows"] == 1000
+    assert set(level["plans"]) == {
+        "insert (with position)",
+        "poll",
+        "position",
+        "capacity, service",
+        "capacity, client",
+    }
+    assert all(plan["nodes"] for plan in level["plans"].values())
+
+
 def test_end_to_end_benchmark_runs(tmp_path: Path) -> None:
     result = _run(
         "bench.e2e",

@@ -37,10 +37,8 @@ import uuid
 from typing import Any
 
 import aio_pika
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.meters import CpuMeter
+from bench.meters import CpuMeter, metric_samples
 from bench.record import PYTHON, banner, metadata, no_paths, write_result
 from bench.stack import (
     AMQP_URL,
@@ -273,11 +271,9 @@ def start_consumer(
 
 def call_seconds(metrics_url: str) -> float:
     """The seconds a dispatcher's function calls took, all of them."""
-    text = httpx.get(metrics_url, timeout=10.0, trust_env=False).text
     return sum(
         sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in metric_samples(metrics_url)
         if sample.name == "conveyor_dispatcher_function_call_seconds_sum"
     )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from bench.record import ADMIN_DB_URL, read_text
 from bench.stack import sql
@@ -136,17 +137,21 @@ def rss_kib(pid: int) -> dict[str, int | None]:
     return found
 
 
+def metric_samples(metrics_url: str) -> list[Sample]:
+    """Every sample a process exports on its Prometheus `/metrics`."""
+    text = httpx.get(metrics_url, timeout=10.0, trust_env=False).text
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
 def gc_figures(base_url: str) -> dict[str, dict[str, float]]:
     """A Python server's cyclic collector, from its /metrics: `collections` by generation
     (`python_gc_collections_total`, prometheus_client's default collector; absent with
     `conveyor gateway --workers N`) and `pause_s`, the seconds it stood still while
     collecting (`conveyor_*_gc_pause_seconds`; absent before `conveyor/heap.py`)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10.0, trust_env=False).text
     found: dict[str, dict[str, float]] = {"collections": {}, "pause_s": {}}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "python_gc_collections_total":
-                found["collections"][sample.labels["generation"]] = sample.value
-            elif sample.name.endswith("_gc_pause_seconds_sum"):
-                found["pause_s"][sample.labels["generation"]] = sample.value
+    for sample in metric_samples(f"{base_url}/metrics"):
+        if sample.name == "python_gc_collections_total":
+            found["collections"][sample.labels["generation"]] = sample.value
+        elif sample.name.endswith("_gc_pause_seconds_sum"):
+            found["pause_s"][sample.labels["generation"]] = sample.value
     return found

@@ -9,7 +9,8 @@ collector never walks (a cycle among frozen objects is never freed, hence the co
 before), and the youngest generation's threshold goes from 700 to 7,000 allocations: a
 server's objects mostly die by reference counting, and a young collection costs about the
 same however many were allocated, so it runs ten times less often for the same work.
-`watch_pauses` reports every collection's duration, so a stall shows in the metrics.
+`watch_pauses` reports every collection's duration, so a stall shows in the metrics; `serve`
+does both for a server, into its `*_gc_pause_seconds` histogram.
 """
 
 from __future__ import annotations
@@ -17,8 +18,22 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client import Histogram
 
 YOUNG_THRESHOLD = 7_000
+PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+def serve(pauses: Histogram) -> int:
+    """A server is ready: freeze its start-up objects, then time every collection into
+    `pauses` (labelled by `generation`, each exported from 0); answer how many were frozen."""
+    frozen = freeze_startup_objects()
+    children = {str(g): pauses.labels(str(g)) for g in range(3)}
+    watch_pauses(lambda generation, seconds: children[generation].observe(seconds))
+    return frozen
 
 
 def freeze_startup_objects() -> int:

@@ -128,9 +128,7 @@ class Dispatcher:
         await self.broker.listen_for_cancels(
             self.settings.queue, self.settings.hostname, self._on_cancel
         )
-        frozen = heap.freeze_startup_objects()  # before the first message: nothing in flight
-        pauses = {g: self.metrics.gc_pauses.labels(g) for g in ("0", "1", "2")}
-        heap.watch_pauses(lambda generation, seconds: pauses[generation].observe(seconds))
+        frozen = heap.serve(self.metrics.gc_pauses)  # before the first message: none in flight
         await self.broker.consume(self._on_message)
         log.info(
             "ready",

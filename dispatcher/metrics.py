@@ -16,6 +16,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from conveyor import heap
+
 _PREFIX = "conveyor_dispatcher"
 CALL_OUTCOMES = ("success", "failure", "retryable", "timeout", "aborted", "error")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
@@ -76,7 +78,7 @@ class Metrics:
             f"{_PREFIX}_gc_pause_seconds",
             "Cyclic garbage collections by generation: the event loop stood still this long.",
             ["generation"],
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            buckets=heap.PAUSE_BUCKETS,
             registry=r,
         )
 

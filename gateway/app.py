@@ -45,9 +45,7 @@ def create_app(
         app.state.runtime = rt
         await rt.start(background=background)
         if server:
-            log.info("serving", extra={"frozen": heap.freeze_startup_objects()})
-            pauses = {g: metrics.GC_PAUSES.labels(g) for g in ("0", "1", "2")}  # exported at 0
-            heap.watch_pauses(lambda generation, seconds: pauses[generation].observe(seconds))
+            log.info("serving", extra={"frozen": heap.serve(metrics.GC_PAUSES)})
         try:
             yield
         finally:

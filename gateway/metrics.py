@@ -14,6 +14,8 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from conveyor import heap
+
 MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 
 
@@ -72,7 +74,7 @@ GC_PAUSES = Histogram(
     "conveyor_gateway_gc_pause_seconds",
     "Cyclic garbage collections by generation: the event loop stood still this long",
     ["generation"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+    buckets=heap.PAUSE_BUCKETS,
 )
 AUTH_FAILURES = Counter("conveyor_gateway_auth_failures_total", "403001 answers")
 LATENCY = Histogram(

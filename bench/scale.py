@@ -200,7 +200,6 @@ def _plan_params(database_url: str, service: BenchService) -> dict[str, Any]:
         # the batched insert of gateway/store.py (here a batch of one)
         "task_ids": [uuid.uuid4()],
         "client_ids": [service.client_id],
-        "services": [service.name],
         "requests": [Jsonb({"n": 1})],
         "callbacks": [None],
         "keys": [None],

@@ -4,7 +4,8 @@ Under load, most of a submission's cost is per statement (a pool checkout, a
 round trip, a commit and its WAL flush), not per row. Requests that can be
 stored by the plain insert (no capacity, no Idempotency-Key: see
 `store.create_task`) therefore queue here; while up to `concurrency` batches
-are being written, newcomers wait, and the next batch takes all of them. There
+are being written, newcomers wait, and the next batch takes all of them of the
+oldest waiter's service (one statement inserts the tasks of one service). There
 is no timer: an idle gateway writes a lone request at once, and batches grow
 only as fast as requests pile up behind a busy database.
 
@@ -46,12 +47,24 @@ class Intake:
 
     def _start_writers(self) -> None:
         while self._waiting and self._writing < self.concurrency:
-            batch = self._waiting[: self.max_batch]
-            del self._waiting[: self.max_batch]
+            batch = self._next_batch()
             self._writing += 1
             writer = asyncio.create_task(self._write(batch))
             self._writers.add(writer)
             writer.add_done_callback(self._writer_done)
+
+    def _next_batch(self) -> list[_Waiting]:
+        """Up to `max_batch` waiters of the oldest one's service, in their order."""
+        service = self._waiting[0][0].access.service.name
+        batch: list[_Waiting] = []
+        rest: list[_Waiting] = []
+        for waiting in self._waiting:
+            if len(batch) < self.max_batch and waiting[0].access.service.name == service:
+                batch.append(waiting)
+            else:
+                rest.append(waiting)
+        self._waiting = rest
+        return batch
 
     def _writer_done(self, writer: asyncio.Task[None]) -> None:
         self._writers.discard(writer)

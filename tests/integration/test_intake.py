@@ -1,0 +1,60 @@
+"""The group commit of submissions (gateway/intake.py), on a real gateway and PostgreSQL.
+
+Concurrent submissions to several services pile up behind the database and are
+written in batches, one statement per service: every task must land in its own
+service, and each service's positions must count only its own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from tests.support.gateway import GatewayProcess, Platform
+
+PER_SERVICE = 40
+
+
+async def _submit_all(gateway: GatewayProcess, services: list) -> list[tuple[str, str, int]]:
+    """All submissions at once, the services interleaved: (service, taskId, position)."""
+
+    async def one(client: httpx.AsyncClient, service: str) -> tuple[str, str, int]:
+        answer = await client.post(gateway.tasks_url(service), json={"body": {"n": 1}})
+        assert answer.status_code == 201, answer.text
+        data = answer.json()["data"]
+        return service, data["taskId"], data["taskPosition"]
+
+    clients = {
+        svc.name: httpx.AsyncClient(base_url=gateway.url, auth=svc.clients[0].auth, timeout=30)
+        for svc in services
+    }
+    try:
+        jobs = [one(clients[svc.name], svc.name) for _ in range(PER_SERVICE) for svc in services]
+        return await asyncio.gather(*jobs)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+
+
+def test_concurrent_submissions_to_several_services_keep_their_own_queue(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    services = [platform.service() for _ in range(3)]
+    created = asyncio.run(_submit_all(gateway, services))
+
+    for svc in services:
+        positions = sorted(p for name, _, p in created if name == svc.name)
+        # nothing runs these services' tasks: each queue numbers its own tasks 1..n
+        assert positions == list(range(1, PER_SERVICE + 1)), (svc.name, positions)
+    for svc in services:
+        mine = [task_id for name, task_id, _ in created if name == svc.name]
+        with gateway.http(svc.clients[0]) as http:
+            for task_id in mine[:: PER_SERVICE // 8]:
+                answer = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["data"]["status"] == "PENDING"
+        other = next(s for s in services if s is not svc)
+        with gateway.http(other.clients[0]) as http:  # stored under its own service only
+            answer = http.get(f"{gateway.tasks_url(other.name)}/{mine[0]}")
+            assert answer.status_code == 404, answer.text

@@ -336,8 +336,14 @@ class ResultConsumer:
 
     async def _apply_together(self, batch: list[Delivery]) -> bool:
         """The batch in one transaction and one round trip (psycopg's pipeline mode):
-        the statements are sent back to back and their answers read after the commit."""
+        the statements are sent back to back and their answers read after the commit. The
+        terminal events of tasks the batch mentions once share one statement
+        (`lifecycle.Finishes`); the others keep their own, in the batch's order."""
         planned = [self._plan(d) for d in batch]
+        changes = [plan for plan in planned if not isinstance(plan, str)]
+        kinds = {id(change): kind for change, kind in changes}
+        finishes = lifecycle.Finishes(lifecycle.together([change for change, _ in changes]))
+        shared = {id(change) for change in finishes.changes}
         sent: list[tuple[lifecycle.Transition, psycopg.AsyncCursor[Any], str]] = []
         async with self.pool.connection() as conn, conn.pipeline(), conn.transaction():
             for delivery, plan in zip(batch, planned, strict=True):
@@ -345,12 +351,19 @@ class ResultConsumer:
                     await _set_aside(conn, delivery, plan)
                     continue
                 change, kind = plan
-                sent.append((change, await conn.execute(change.sql, change.params), kind))
+                if id(change) not in shared:
+                    sent.append((change, await conn.execute(change.sql, change.params), kind))
+            many = await conn.execute(finishes.sql, finishes.params) if shared else None
         callbacks = False
         for change, cursor, kind in sent:
             outcome = change.outcome(await cursor.fetchone())
             self._note(change, outcome)
             callbacks |= _counted(kind, outcome)
+        if many is not None:
+            outcomes = finishes.outcomes(await many.fetchall())
+            for change, outcome in zip(finishes.changes, outcomes, strict=True):
+                self._note(change, outcome)
+                callbacks |= _counted(kinds[id(change)], outcome)
         return callbacks
 
     async def _apply_alone(self, batch: list[Delivery]) -> bool:

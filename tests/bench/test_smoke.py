@@ -67,6 +67,16 @@ def test_floor_benchmark_runs(tmp_path: Path) -> None:
     assert "slot_busy_fraction" not in consumers["bare"]
 
 
+def test_apply_benchmark_runs(tmp_path: Path) -> None:
+    result = _run(
+        "bench.apply", "--events", "200", "--reps", "1", "--rate", "0,400", results=tmp_path
+    )
+    assert set(result["rates"]) == {"0.0", "400.0"}
+    for run in result["runs"]:  # every event was applied: the run waits for 200 SUCCESS rows
+        assert run["events"] == 200 and run["events_per_s"] > 0
+        assert set(run["cpu_ms_per_event"]) == {"gateway", "postgresql", "rabbitmq"}
+
+
 def test_scale_benchmark_runs(tmp_path: Path) -> None:
     # Its query plans run the gateway's own statements: a change of their parameters broke it
     # once without a test noticing (make bench only).

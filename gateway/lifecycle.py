@@ -343,10 +343,10 @@ def together(changes: Sequence[Transition]) -> list[Transition]:
 
 @dataclass(frozen=True, slots=True)
 class Finishes:
-    """Terminal transitions of distinct tasks as one set-based statement: one plan, one
-    executor start and one round trip for the batch instead of one per event (about half
-    the time per task for eight; bench/README.md). Each task's outcome is the one its own
-    statement would have had."""
+    """Terminal transitions of distinct tasks as one set-based statement: one executor
+    start and one round trip for the batch instead of one per event (PostgreSQL's CPU per
+    event about halved: `bench.apply`, bench/README.md). Each task's outcome is the one its
+    own statement would have had."""
 
     changes: Sequence[Transition]
 

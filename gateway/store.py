@@ -57,7 +57,7 @@ class Accepted:
 # statement, which holds none of the new rows: those are numbered within the batch instead.
 # The service is a scalar, not grouped out of the rows: with it, PostgreSQL's generic plan
 # costs no more than a custom one, so the prepared statement stops being planned again at
-# every execution (planning was ~0.6 ms, twice the execution; bench/README.md).
+# every execution (its planning took ~0.4 ms, more than its execution; bench/README.md).
 _INSERT = """
     WITH input AS (
         SELECT * FROM unnest(CAST(%(task_ids)s AS uuid[]), CAST(%(client_ids)s AS text[]),

@@ -100,13 +100,20 @@ class Shutdown:
     def uninstall(self) -> None:
         """At the very end: a late signal must not turn the exit code 0 into 143.
 
-        Removing the loop's handler restores the default action (die by the
-        signal); the process is exiting anyway, so further signals are ignored.
+        The process is exiting anyway, so further signals are ignored. Removing the
+        loop's handler restores the default action (die by the signal) for the instant
+        before SIG_IGN replaces it: the signals are blocked meanwhile, so that one sent in
+        that instant waits, and SIG_IGN discards it (seen in CI: a dispatcher signalled
+        every millisecond died by one).
         """
         loop = asyncio.get_running_loop()
-        for sig in self.SIGNALS:
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        try:
+            for sig in self.SIGNALS:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def request(self, reason: str) -> None:
         if self.requested.is_set():

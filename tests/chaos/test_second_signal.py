@@ -10,11 +10,13 @@ shutdown is harmless." Here the signals keep coming until the process is gone.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.support.processes import Processes, free_port, wait_http
+from tests.support.processes import REPO, Processes, free_port, wait_http
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,3 +40,35 @@ def test_signals_until_the_very_end_still_exit_0(procs: Processes, amqp_url: str
         dispatcher.signal(signal.SIGTERM)
         time.sleep(0.001)
     assert dispatcher.wait(timeout=5) == 0, dispatcher.logs()[-2000:]
+
+
+# The instant between removing the loop's handler (the default action is back) and SIG_IGN,
+# made certain: the signal is sent from inside that instant.
+_RACE = """
+import asyncio, os, signal
+from dispatcher.shutdown import Shutdown
+
+async def main():
+    shutdown = Shutdown()
+    shutdown.install()
+    loop = asyncio.get_running_loop()
+    remove = loop.remove_signal_handler
+
+    def remove_then_signal(sig):
+        removed = remove(sig)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return removed
+
+    loop.remove_signal_handler = remove_then_signal
+    shutdown.uninstall()
+    print("survived", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_signal_in_the_instant_the_handler_is_removed_is_ignored() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _RACE], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "survived"), done.stderr[-2000:]

@@ -167,9 +167,13 @@ def test_service_figures_count_statuses_queue_depth_and_run_times(
         return figures
 
     assert _eventually(published)["tasks"]["PENDING"] == 4
+    # Ended a second ago, but never before the current 5-minute bucket began (a run just
+    # after a bucket's boundary would put them in the previous one), after running 2 s.
     platform.sql(
-        "UPDATE tasks SET status = 'SUCCESS', start_date = now() - interval '3 seconds',"
-        " end_date = now() - interval '1 second' WHERE task_id = ANY(%(ids)s)",
+        "UPDATE tasks SET status = 'SUCCESS', end_date = e.at, start_date = e.at - interval '2 s'"
+        "  FROM (SELECT greatest(now() - interval '1 second',"
+        "        to_timestamp(floor(extract(epoch FROM now()) / 300) * 300)) AS at) e"
+        " WHERE task_id = ANY(%(ids)s)",
         {"ids": made[:2]},
     )
     platform.sql(

@@ -66,26 +66,19 @@ async def _make(conn: Any, service: str, case: Case) -> uuid.UUID:
         " publish_at) VALUES (%s, 'client', %s, '{}', %s, %s, now() + interval '5 s')",
         (task_id, service, callback, T0),
     )
-    if case.before in ("IN_PROGRESS", "SUCCESS"):
-        started = TaskEvent(
-            kind=EventKind.STARTED,
+    history = [(EventKind.STARTED, {"host": "host-a"})]
+    history += [(EventKind.SUCCEEDED, {"response": {"first": True}})]
+    steps = {"PENDING": 0, "IN_PROGRESS": 1, "SUCCESS": 2}[case.before]
+    for second, (kind, fields) in enumerate(history[:steps], start=1):
+        event = TaskEvent(
+            kind=kind,
             task_id=str(task_id),
-            event_id="e-start",
-            time=T0 + timedelta(seconds=1),
-            host="host-a",
+            event_id=f"e-{second}",
+            time=T0 + timedelta(seconds=second),
             attempt="attempt-1",
+            **fields,
         )
-        await lifecycle.apply(conn, lifecycle.transition(started))
-    if case.before == "SUCCESS":
-        done = TaskEvent(
-            kind=EventKind.SUCCEEDED,
-            task_id=str(task_id),
-            event_id="e-done",
-            time=T0 + timedelta(seconds=2),
-            attempt="attempt-1",
-            response={"first": True},
-        )
-        await lifecycle.apply(conn, lifecycle.transition(done))
+        await lifecycle.apply(conn, lifecycle.transition(event))
     return task_id
 
 

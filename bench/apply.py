@@ -136,7 +136,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     rates = [float(r) for r in options.rate.split(",")]
     result: dict[str, Any] = {"benchmark": "apply", "meta": metadata("bench.apply", vars(options))}
     runs = []
-    with processes() as procs, fresh_database() as database_url:
+    with fresh_database() as database_url, processes() as procs:
         gateway = start_gateway(procs, database_url)
         for rep in range(options.reps):
             banner(f"applying task events, repetition {rep + 1}/{options.reps}")

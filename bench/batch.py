@@ -58,7 +58,7 @@ def load(gateway: Gateway, service: BenchService, size: int, options: Any) -> di
 def run(options: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": "batch", "meta": metadata("bench.batch", vars(options))}
     runs: list[dict[str, Any]] = []
-    with processes() as procs, fresh_database() as database_url:
+    with fresh_database() as database_url, processes() as procs:
         service = create_service(database_url, bcrypt_rounds=4)
         gateway = start_bench_gateway(procs, database_url)
         for rep in range(options.reps):

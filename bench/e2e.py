@@ -481,7 +481,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         chosen = [p for p in chosen if p.name in wanted or p.kind in wanted]
     result: dict[str, Any] = {"benchmark": "e2e", "meta": metadata("bench.e2e", vars(options))}
     runs: list[dict[str, Any]] = []
-    with processes() as procs, fresh_database() as database_url:
+    with fresh_database() as database_url, processes() as procs:
         function = start_noop_function(procs)
         gateway = start_gateway(procs, database_url)
         ctx = Context(procs, database_url, gateway.url, gateway.proc.pid, function, options)

@@ -333,7 +333,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     kinds += ["dispatcher+buffer"] if options.buffer else []
     result: dict[str, Any] = {"benchmark": "floor", "meta": metadata("bench.floor", vars(options))}
     runs = []
-    with processes() as procs, fresh_database() as database_url:
+    with fresh_database() as database_url, processes() as procs:
         options.database_url = database_url
         function = start_noop_function(procs)
         for rep in range(options.reps):

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=3000)
     parser.add_argument("--idle", action="store_true")
     options = parser.parse_args(argv)
-    with processes() as procs, fresh_database() as database_url:
+    with fresh_database() as database_url, processes() as procs:
         if options.target == "gateway":
             return profile_gateway(procs, database_url, options)
         if options.target == "gateway-e2e":

@@ -258,7 +258,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     levels = sorted(int(x) for x in options.levels.split(","))
     result: dict[str, Any] = {"benchmark": "scale", "meta": metadata("bench.scale", vars(options))}
     found = []
-    with processes() as procs, fresh_database() as database_url:
+    with fresh_database() as database_url, processes() as procs:
         service = create_service(
             database_url, capacity=1_000_000_000, client_capacity=1_000_000_000
         )

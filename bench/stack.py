@@ -81,7 +81,9 @@ def wait_for_broker(timeout: float = 60.0) -> bool:
 
 @contextlib.contextmanager
 def fresh_database(prefix: str = "conveyor_bench") -> Iterator[str]:
-    """A database created for this run and migrated to head; dropped at the end."""
+    """A database created for this run and migrated to head; dropped at the end, with the
+    queues of its services. Open it before `processes()`: a gateway still running when its
+    queues go may declare them again (its robust channel restores what it declared)."""
     from gateway.migrate import drop_database, ensure_database, upgrade
 
     url = with_database(ADMIN_DB_URL, f"{prefix}_{uuid.uuid4().hex[:10]}")

@@ -112,7 +112,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         "meta": metadata("bench.streams", vars(options)),
     }
     runs: list[dict[str, Any]] = []
-    with processes() as procs, fresh_database() as database_url:
+    with fresh_database() as database_url, processes() as procs:
         service = create_service(database_url, bcrypt_rounds=4)
         gateway = start_bench_gateway(procs, database_url)
         followed = submit(gateway, service, options.streams)

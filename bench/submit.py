@@ -212,7 +212,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "submit",
         "meta": metadata("bench.submit", vars(options)),
     }
-    with processes() as procs, fresh_database() as database_url:
+    with fresh_database() as database_url, processes() as procs:
         service = create_service(database_url, schema=SCHEMA)
         rounds: list[dict[str, Any]] = []
         for workers in [int(w) for w in options.workers.split(",")]:

@@ -57,7 +57,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         "body": BODY,
     }
     runs: list[dict[str, Any]] = []
-    with processes() as procs, fresh_database() as database_url, otlp_receiver(False) as sink:
+    with fresh_database() as database_url, processes() as procs, otlp_receiver(False) as sink:
         service = create_service(database_url, bcrypt_rounds=4)
         gateways: dict[str, Gateway] = {
             mode: start_gateway(procs, database_url, name=f"gateway-{mode}", **_env(mode, sink))

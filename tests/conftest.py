@@ -28,14 +28,42 @@ AMQP_URL = os.environ.get("CONVEYOR_AMQP_URL", DEFAULT_AMQP_URL)
 
 @pytest.fixture(scope="session")
 def amqp_url() -> str:
+    _require_a_broker_that_answers(AMQP_URL)
     return AMQP_URL
 
 
+def _require_a_broker_that_answers(url: str) -> None:
+    """Ends the run at once when the broker accepts TCP but never completes a handshake.
+
+    A RabbitMQ 3.10 node whose file handle budget is spent by leftover queues does exactly
+    that: every connection then waits forever, so each test would only end at its timeout
+    and a run would take hours instead of failing with the reason.
+    """
+    import asyncio
+
+    import aio_pika
+
+    async def handshake() -> None:
+        connection = await aio_pika.connect(url, timeout=20)
+        await connection.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(handshake(), 30))
+    except Exception as exc:
+        pytest.exit(
+            f"RabbitMQ ({url.rpartition('@')[2]}) does not complete a connection handshake: "
+            f"{exc!r}. A node full of leftover queues (docs/operations.md) or a stopped one;"
+            " set CONVEYOR_AMQP_URL to another broker.",
+            returncode=3,
+        )
+
+
 @pytest.fixture(scope="session")
-def database_url() -> Iterator[str]:
+def database_url(amqp_url: str) -> Iterator[str]:
     """A database created for this run, migrated to head, dropped at the end.
 
-    On the server(s) CONVEYOR_DATABASE_URL names, its host list and options kept.
+    On the server(s) CONVEYOR_DATABASE_URL names, its host list and options kept. Made after
+    the broker answered (`amqp_url`): a run that cannot reach it leaves no database behind.
     """
     from gateway.database_url import with_database
     from gateway.migrate import drop_database, ensure_database, upgrade
@@ -59,17 +87,18 @@ def _delete_service_queues(url: str) -> None:
     from conveyor import topology
     from gateway.database_url import libpq
 
+    names = set(Platform.queue_names)  # removed services too: see Platform.queue_names
     try:
         with psycopg.connect(libpq(url)) as conn:
-            names = [row[0] for row in conn.execute("SELECT queue_name FROM services")]
+            names.update(row[0] for row in conn.execute("SELECT queue_name FROM services"))
     except psycopg.Error:
-        return
+        pass
 
     async def delete() -> None:
         connection = await aio_pika.connect(AMQP_URL, timeout=10)
         async with connection:
             channel = await connection.channel()
-            for name in names:
+            for name in sorted(names):
                 for queue in (
                     topology.in_queue(name),
                     topology.out_queue(name),
@@ -79,7 +108,7 @@ def _delete_service_queues(url: str) -> None:
                 await channel.exchange_delete(topology.control_exchange(name))
 
     try:
-        asyncio.run(asyncio.wait_for(delete(), 60))
+        asyncio.run(asyncio.wait_for(delete(), 120))
     except Exception as exc:  # cleanup only: never fail the run for it
         print(f"could not delete the run's queues: {exc!r}")
 

@@ -258,6 +258,7 @@ def remove_service(platform: Platform, url: str, service: Service) -> None:
     new connection waits forever in the broker's handshake."""
     import psycopg
 
+    Platform.queue_names.add(service.queue_name)  # swept again at the run's end
     try:
         platform.sql("DELETE FROM services WHERE name = %(n)s", {"n": service.name})
     except psycopg.Error:

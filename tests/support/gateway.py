@@ -97,6 +97,10 @@ class Platform:
     # Every service any Platform made, in order: a test's own are removed when it ends
     # (tests/conftest.py), so that the broker never holds hundreds of leftover queues.
     created: list[tuple[Platform, Service]] = []
+    # The queue names of the whole run, kept: a gateway still running when a test removed its
+    # service may declare the queues again (a robust channel restores what it declared), so
+    # the run's end deletes them all once every gateway has stopped.
+    queue_names: set[str] = set()
 
     def __init__(self, database_url: str) -> None:
         self.database_url = database_url
@@ -132,6 +136,7 @@ class Platform:
         )
         made_service = Service(name, service["queueName"], made)
         Platform.created.append((self, made_service))
+        Platform.queue_names.add(made_service.queue_name)
         return made_service
 
     def operator(self) -> Client:

@@ -9,6 +9,11 @@ oldest waiter's service (one statement inserts the tasks of one service). There
 is no timer: an idle gateway writes a lone request at once, and batches grow
 only as fast as requests pile up behind a busy database.
 
+A service has one batch in writing at a time: the statement counts the task's
+position among the PENDING rows it can see, and two batches of one service in
+flight together cannot see each other's rows (both answered position 1, found
+by tests/integration/test_intake.py in CI).
+
 Each request still gets its own answer and its own outcome: a batch that the
 database refuses for a reason of its own (not a lost connection) is retried one
 row at a time, so one unstorable body fails alone.
@@ -17,6 +22,7 @@ row at a time, so one unstorable body fails alone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from gateway.pgpool import CONNECTION_ERRORS, Pool
@@ -36,7 +42,7 @@ class Intake:
         self.max_batch = max_batch
         self.concurrency = concurrency
         self._waiting: list[_Waiting] = []
-        self._writing = 0
+        self._writing: set[str] = set()  # the services of the batches being written
         self._writers: set[asyncio.Task[None]] = set()
 
     async def insert(self, new: NewTask) -> Accepted:
@@ -46,29 +52,38 @@ class Intake:
         return await future
 
     def _start_writers(self) -> None:
-        while self._waiting and self._writing < self.concurrency:
-            batch = self._next_batch()
-            self._writing += 1
-            writer = asyncio.create_task(self._write(batch))
+        while len(self._writing) < self.concurrency:
+            service = next(
+                (
+                    name
+                    for name in (_service(w) for w in self._waiting)
+                    if name not in self._writing
+                ),
+                None,
+            )
+            if service is None:
+                return
+            self._writing.add(service)
+            writer = asyncio.create_task(self._write(self._next_batch(service)))
             self._writers.add(writer)
-            writer.add_done_callback(self._writer_done)
+            writer.add_done_callback(functools.partial(self._writer_done, service))
 
-    def _next_batch(self) -> list[_Waiting]:
-        """Up to `max_batch` waiters of the oldest one's service, in their order."""
-        service = self._waiting[0][0].access.service.name
+    def _next_batch(self, service: str) -> list[_Waiting]:
+        """Up to `max_batch` waiters of `service` (the oldest one not being written), in
+        their order; the others keep theirs."""
         batch: list[_Waiting] = []
         rest: list[_Waiting] = []
         for waiting in self._waiting:
-            if len(batch) < self.max_batch and waiting[0].access.service.name == service:
+            if len(batch) < self.max_batch and _service(waiting) == service:
                 batch.append(waiting)
             else:
                 rest.append(waiting)
         self._waiting = rest
         return batch
 
-    def _writer_done(self, writer: asyncio.Task[None]) -> None:
+    def _writer_done(self, service: str, writer: asyncio.Task[None]) -> None:
         self._writers.discard(writer)
-        self._writing -= 1
+        self._writing.discard(service)
         self._start_writers()
 
     async def _write(self, batch: list[_Waiting]) -> None:
@@ -93,6 +108,10 @@ class Intake:
         """Lets the batches being written finish (their requests are waiting for them)."""
         if self._writers:
             await asyncio.gather(*self._writers, return_exceptions=True)
+
+
+def _service(waiting: _Waiting) -> str:
+    return waiting[0].access.service.name
 
 
 def _settle(

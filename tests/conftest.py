@@ -44,11 +44,11 @@ def _require_a_broker_that_answers(url: str) -> None:
     import aio_pika
 
     async def handshake() -> None:
-        connection = await aio_pika.connect(url, timeout=20)
+        connection = await aio_pika.connect(url, timeout=10)
         await connection.close()
 
     try:
-        asyncio.run(asyncio.wait_for(handshake(), 30))
+        asyncio.run(asyncio.wait_for(handshake(), 15))
     except Exception as exc:
         pytest.exit(
             f"RabbitMQ ({url.rpartition('@')[2]}) does not complete a connection handshake: "

@@ -49,7 +49,7 @@ def test_a_silent_broker_ends_the_run_with_its_reason(silent_port: int) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=150,  # the guard answers within ~30 s; without it this waits for test timeouts
+        timeout=150,  # the guard answers within ~15 s; without it this waits for test timeouts
     )
     output = done.stdout + done.stderr
     assert done.returncode == 3, output[-3000:]

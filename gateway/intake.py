@@ -53,14 +53,8 @@ class Intake:
 
     def _start_writers(self) -> None:
         while len(self._writing) < self.concurrency:
-            service = next(
-                (
-                    name
-                    for name in (_service(w) for w in self._waiting)
-                    if name not in self._writing
-                ),
-                None,
-            )
+            waiting = (_service(w) for w in self._waiting)
+            service = next((name for name in waiting if name not in self._writing), None)
             if service is None:
                 return
             self._writing.add(service)

@@ -144,7 +144,8 @@ def private_rabbit() -> Iterator[RabbitNode]:
 @pytest.fixture(autouse=True)
 def _remove_the_tests_services() -> Iterator[None]:
     """The services a test made go when it ends (module- and session-wide ones are made before
-    it starts, and stay): their rows, queues and control exchange."""
+    it starts, and stay): their rows now, their queues and control exchange a few seconds
+    later (`remove_service`)."""
     from tests.support.amqp import remove_service
 
     before = len(Platform.created)

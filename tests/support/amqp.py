@@ -251,11 +251,20 @@ def unacked(queue: str) -> int | None:
     return None
 
 
+# A service's queues outlive its row by this long. A gateway that read the catalog just before
+# the row went may still be declaring them: RabbitMQ 3.10 answers a quorum queue deleted during
+# its declaration by crashing the declaring channel, which closes the gateway's whole connection
+# with INTERNAL_ERROR (541) until it reconnects, 5 s later.
+REMOVAL_GRACE = 5.0
+_removed: list[tuple[float, str, str]] = []  # (when its row went, broker URL, queue name)
+
+
 def remove_service(platform: Platform, url: str, service: Service) -> None:
-    """A test's cleanup: the service row (gateways stop consuming it), then its queues and
-    its control exchange. RabbitMQ 3.10 gives each queue file handles out of a fixed budget
-    (about 900 with the usual 1,024 descriptors): once a run's leftover queues spend it, every
-    new connection waits forever in the broker's handshake."""
+    """A test's cleanup: the service row now (gateways stop consuming it), its queues and
+    control exchange once `REMOVAL_GRACE` has passed, by a later removal or the run's end.
+    RabbitMQ 3.10 gives each queue file handles out of a fixed budget (about 900 with the
+    usual 1,024 descriptors): once a run's leftover queues spend it, every new connection
+    waits forever in the broker's handshake."""
     import psycopg
 
     Platform.queue_names.add(service.queue_name)  # swept again at the run's end
@@ -263,7 +272,21 @@ def remove_service(platform: Platform, url: str, service: Service) -> None:
         platform.sql("DELETE FROM services WHERE name = %(n)s", {"n": service.name})
     except psycopg.Error:
         pass  # its database is gone already (a scratch database)
-    run_sync(_delete_topology(url, service.queue_name))
+    _removed.append((time.monotonic(), url, service.queue_name))
+    remove_due_topologies()
+
+
+def remove_due_topologies() -> None:
+    """Deletes the queues of the services removed at least `REMOVAL_GRACE` ago."""
+    now = time.monotonic()
+    due = [entry for entry in _removed if now - entry[0] >= REMOVAL_GRACE]
+    for entry in due:
+        _removed.remove(entry)
+        _, url, queue_name = entry
+        try:
+            run_sync(_delete_topology(url, queue_name))
+        except Exception as exc:  # cleanup only: the run's end sweeps what is left
+            print(f"could not delete the queues of {queue_name}: {exc!r}")
 
 
 async def _delete_topology(url: str, queue_name: str) -> None:

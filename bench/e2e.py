@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.meters import CpuMeter, ServerMeter
+from bench.meters import CpuMeter, ServerMeter, phase_means_ms, submit_phases
 from bench.record import PYTHON, banner, metadata, no_paths, run_json, write_result
 from bench.stack import (
     AMQP_URL,
@@ -293,9 +293,12 @@ def conveyor_latency(ctx: Context, submit_job: dict[str, Any]) -> dict[str, Any]
         "count": ctx.options.latency_samples,
         "gap": ctx.options.gap,
     }
+    phases = submit_phases(ctx.gateway_url)
     samples = _loadgen(job, 120 + ctx.options.latency_samples * (ctx.options.gap + 1))["samples"]
+    # Where the idle submission's answer waited: the commit, then the broker's confirm.
+    answer_waits = phase_means_ms(phases, submit_phases(ctx.gateway_url))
     time.sleep(0.5)
-    return latencies(samples, ctx.function.arrivals())
+    return {**latencies(samples, ctx.function.arrivals()), "gateway_phases_mean_ms": answer_waits}
 
 
 def _breakdown(tasks: int, **cpu_seconds: float) -> dict[str, float]:

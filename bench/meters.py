@@ -155,3 +155,29 @@ def gc_figures(base_url: str) -> dict[str, dict[str, float]]:
         elif sample.name.endswith("_gc_pause_seconds_sum"):
             found["pause_s"][sample.labels["generation"]] = sample.value
     return found
+
+
+def submit_phases(base_url: str) -> dict[str, tuple[float, float]]:
+    """The gateway's `conveyor_gateway_submit_phase_seconds`: (sum, count) by phase."""
+    found: dict[str, tuple[float, float]] = {}
+    for sample in metric_samples(f"{base_url}/metrics"):
+        if sample.name.startswith("conveyor_gateway_submit_phase_seconds_"):
+            phase = sample.labels["phase"]
+            total, count = found.get(phase, (0.0, 0.0))
+            if sample.name.endswith("_sum"):
+                found[phase] = (sample.value, count)
+            elif sample.name.endswith("_count"):
+                found[phase] = (total, sample.value)
+    return found
+
+
+def phase_means_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float | None]:
+    """Mean ms of each phase between two `submit_phases` readings."""
+    means: dict[str, float | None] = {}
+    for phase, (total, count) in after.items():
+        total0, count0 = before.get(phase, (0.0, 0.0))
+        n = count - count0
+        means[phase] = round((total - total0) * 1000 / n, 3) if n > 0 else None
+    return means

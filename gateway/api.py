@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
@@ -241,7 +242,9 @@ async def create(service: str, request: Request) -> Json:
         )
         key = _idempotency_key(request)
         new = await _new_task(rt, client_id, access, payload, key, trace)
+        stored = time.perf_counter()
         accepted = await create_task(rt.pool, new, rt.intake.insert, rt.settings.outbox_grace)
+        metrics.child(metrics.SUBMIT_PHASES, "store").observe(time.perf_counter() - stored)
         await _publish(rt, [(new, accepted)])
         task_id = str(accepted.task_id)
         tracing.annotate("conveyor.task_id", task_id)
@@ -288,7 +291,9 @@ async def _create_batch(service: str, request: Request, rt: Runtime, trace: str 
         if isinstance(outcome, BaseException):
             raise outcome
     news = [c for c in checked if isinstance(c, NewTask)]
+    stored = time.perf_counter()
     accepted = await create_tasks(rt.pool, news, rt.settings.outbox_grace)
+    metrics.child(metrics.SUBMIT_PHASES, "store").observe(time.perf_counter() - stored)
     await _publish(rt, list(zip(news, accepted, strict=True)))
     created = bool(accepted) and accepted[0].created
     tasks = [{"taskId": str(a.task_id), "taskPosition": a.position} for a in accepted]
@@ -380,7 +385,10 @@ async def _publish(rt: Runtime, done: list[tuple[NewTask, Accepted]]) -> None:
                 accepted.task_id, service, new.body, rt.settings.pending_ttl, new.traceparent
             )
             publishes.append(rt.outbox.publish_now(accepted.row_id, submission, service.queue_name))
-    await asyncio.gather(*publishes)
+    if publishes:
+        started = time.perf_counter()
+        await asyncio.gather(*publishes)
+        metrics.child(metrics.SUBMIT_PHASES, "publish").observe(time.perf_counter() - started)
 
 
 @router.get(

@@ -62,6 +62,14 @@ BATCHES_HANDED_BACK = Counter(
     "conveyor_gateway_result_batches_handed_back_total",
     "Result batches nacked back to the broker after an unexpected error",
 )
+# Where a submission's answer waits (bench.e2e reads it for its idle probes): "store" is the
+# commit of its row(s), "publish" the broker's confirm of what it published before answering.
+SUBMIT_PHASES = Histogram(
+    "conveyor_gateway_submit_phase_seconds",
+    "Phases of a submission before its answer: store (commit), publish (confirm)",
+    ["phase"],
+    buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.5, 2, 5),
+)
 LOOP_RESTARTS = Counter(
     "conveyor_gateway_loop_restarts_total", "Background loops restarted after a crash", ["loop"]
 )

@@ -110,6 +110,9 @@ def test_end_to_end_benchmark_runs(tmp_path: Path) -> None:
     )
     assert result["peers"], result
     assert str(REPO) not in json.dumps(result)
+    for run in result["runs"]:  # the idle probes' answers, split into commit and confirm
+        phases = run["latency"]["gateway_phases_mean_ms"]
+        assert phases["store"] > 0 and phases["publish"] > 0, phases
 
 
 def test_streams_benchmark_runs(tmp_path: Path) -> None:

@@ -67,6 +67,27 @@ def test_requests_are_labelled_by_route_template(
     assert latency[("conveyor_gateway_request_seconds_count", (("route", TASKS),))] >= 1
 
 
+def test_a_submission_answer_is_timed_by_phase(gateway: GatewayProcess, platform: Platform) -> None:
+    """`store` is the commit of each accepted request, `publish` the confirm it waited for: a
+    task to run later is stored and answered without one."""
+    svc = platform.service()
+    before = samples(_scrape(gateway))
+    with gateway.http(svc.clients[0]) as http:
+        for body in ({"body": {}}, {"body": {}}, {"body": {}, "delaySeconds": 600}):
+            answer = http.post(gateway.tasks_url(svc.name), json=body)
+            assert answer.status_code == 201, answer.text
+        assert http.post(gateway.tasks_url(svc.name), json=[]).status_code == 400
+    after = samples(_scrape(gateway))
+
+    def grew(name: str, phase: str) -> float:
+        key = (f"conveyor_gateway_submit_phase_seconds_{name}", (("phase", phase),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("count", "store") == 3
+    assert grew("count", "publish") == 2
+    assert 0 < grew("sum", "store") < 30 and 0 < grew("sum", "publish") < 30
+
+
 def test_a_route_without_a_template_is_unmatched() -> None:
     """FastAPI's included-router node has no path of its own; a label is a template or
     `unmatched`, never None nor a raw path."""

@@ -193,3 +193,15 @@ def test_codec_benchmark_runs(tmp_path: Path) -> None:
     result = _run("bench.codec", "--reps", "1", "--number", "20", results=tmp_path)
     assert set(result["codec"]) == set(result["json"]) == {"small", "large"}
     assert result["codec"]["small"]["decode_event_us"] > 0
+
+
+def test_wakeup_benchmark_runs(tmp_path: Path) -> None:
+    result = _run("bench.wakeup", "--samples", "3", "--gaps", "0,0.01", results=tmp_path)
+    figures = result["round_trip_ms"]
+    assert set(figures) == {
+        "select_1",
+        "insert_commit",
+        "confirmed_publish_quorum",
+        "confirmed_publish_classic",
+    }
+    assert all(by_gap[gap]["n"] == 3 for by_gap in figures.values() for gap in ("0.0", "0.01"))

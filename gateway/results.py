@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
+import aiormq.exceptions
 import psycopg
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from psycopg.types.json import Jsonb
@@ -184,7 +185,9 @@ class ResultConsumer:
             log.info("consuming results", extra={"service": service.name})
 
     async def _declare(self, service: catalog.Service) -> set[str]:
-        """The service's topology; on a refusal, which of its result queues do not exist."""
+        """The service's topology; on a refusal, which of its result queues do not exist.
+        Only the broker's refusal of the declaration (a channel error) marks the service: a
+        connection lost meanwhile fails the refresh, which runs again once reconnected."""
         channel = await self.broker.channel()
         try:
             await topology.declare_service(
@@ -192,7 +195,7 @@ class ResultConsumer:
             )
             self._broken.pop(service.name, None)
             return set()
-        except aio_pika.exceptions.AMQPError as exc:
+        except aiormq.exceptions.AMQPChannelError as exc:
             reason = str(exc)[:300] or exc.__class__.__name__
             if self._broken.get(service.name) != reason:
                 metrics.child(metrics.BROKEN_TOPOLOGY, service.name).inc()

@@ -146,7 +146,7 @@ def _remove_the_tests_services() -> Iterator[None]:
     """The services a test made go when it ends (module- and session-wide ones are made before
     it starts, and stay): their rows now, their queues and control exchange a few seconds
     later (`remove_service`)."""
-    from tests.support.amqp import remove_service
+    from tests.support.amqp import remove_due_topologies, remove_service
 
     before = len(Platform.created)
     yield
@@ -156,6 +156,7 @@ def _remove_the_tests_services() -> Iterator[None]:
             remove_service(platform, AMQP_URL, service)
         except Exception as exc:  # cleanup only: the run's end sweeps what is left
             print(f"could not remove service {service.name}: {exc!r}")
+    remove_due_topologies()  # those removed by earlier tests, now that their grace is over
 
 
 @pytest.fixture

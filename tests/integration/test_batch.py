@@ -48,7 +48,16 @@ def test_a_batch_is_accepted_in_order_and_published(
         "SELECT task_id::text, request FROM tasks WHERE service = %(s)s", {"s": svc.name}
     )
     assert {row[0]: row[1]["n"] for row in stored} == {t["taskId"]: i for i, t in enumerate(tasks)}
-    assert wait_until(lambda: message_count(amqp_url, f"{svc.queue_name}-in") == 100, 15)
+    counts: list[int | None] = []
+
+    def published() -> bool:
+        counts.append(message_count(amqp_url, f"{svc.queue_name}-in"))
+        return counts[-1] == 100
+
+    try:
+        wait_until(published, 15)
+    except AssertionError:
+        raise AssertionError(f"100 messages expected in -in; counts seen: {counts[-10:]}") from None
 
 
 def test_one_invalid_item_refuses_the_whole_batch(

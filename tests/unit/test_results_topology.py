@@ -1,0 +1,84 @@
+"""A service is reported with "other arguments" (`broken()`, /readyz, the broken-topology
+counter) only when the broker refused its declaration, never when the connection went away
+under it: in CI a connection closed with INTERNAL_ERROR while a refresh declared a service, and
+/readyz listed that service as broken until a later refresh."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+import aiormq.exceptions
+import pytest
+
+from conveyor.events import MessageFormat
+from gateway import results
+from gateway.catalog import Service
+
+
+class Channel:
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+
+    async def declare_queue(self, name: str, passive: bool = False, **_: Any) -> object:
+        if self.error is not None and not passive:
+            raise self.error
+        return object()
+
+    async def declare_exchange(self, *_: Any, **__: Any) -> object:
+        return object()
+
+    async def close(self) -> None:
+        return None
+
+
+class Broker:
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+
+    async def channel(self, prefetch: int | None = None) -> Channel:
+        return Channel(self.error)
+
+
+def _service() -> Service:
+    return Service(
+        name="svc",
+        queue_name="svc",
+        capacity=None,
+        json_schema=None,
+        message_format=MessageFormat.CLOUDEVENTS,
+        task_timeout=300,
+        max_attempts=3,
+        retention_seconds=86400,
+        updated_at=datetime.now(UTC),
+    )
+
+
+def _consumer(error: Exception | None) -> results.ResultConsumer:
+    return results.ResultConsumer(pool=None, broker=Broker(error), delivery_limit=5)  # type: ignore[arg-type]
+
+
+def test_a_refused_declaration_marks_the_service_broken() -> None:
+    refused = aiormq.exceptions.ChannelPreconditionFailed(
+        "PRECONDITION_FAILED - inequivalent arg 'x-queue-type'"
+    )
+    consumer = _consumer(refused)
+    missing = asyncio.run(consumer._declare(_service()))
+    assert missing == set()  # its result queues exist: consumed as they are
+    assert "PRECONDITION_FAILED" in consumer.broken()["svc"]
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        aiormq.exceptions.ConnectionInternalError(541, "INTERNAL_ERROR"),
+        aiormq.exceptions.ConnectionClosed(320, "CONNECTION_FORCED"),
+    ],
+    ids=["internal error", "forced"],
+)
+def test_a_lost_connection_is_not_a_broken_service(lost: Exception) -> None:
+    consumer = _consumer(lost)
+    with pytest.raises(type(lost)):  # the refresh fails and runs again after the reconnection
+        asyncio.run(consumer._declare(_service()))
+    assert consumer.broken() == {}

@@ -65,10 +65,10 @@ async def _rabbitmq(samples: int, gaps: list[float]) -> dict[str, Any]:
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         figures: dict[str, Any] = {}
+        message = aio_pika.Message(b"{}", delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
         for kind, arguments in (("quorum", {"x-queue-type": "quorum"}), ("classic", {})):
             name = f"bench-wakeup-{uuid.uuid4().hex[:10]}"
             await channel.declare_queue(name, durable=True, arguments=arguments)
-            message = aio_pika.Message(b"{}", delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
 
             async def publish(queue: str = name) -> None:
                 await channel.default_exchange.publish(message, routing_key=queue)

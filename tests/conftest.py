@@ -79,13 +79,10 @@ def database_url(amqp_url: str) -> Iterator[str]:
 
 def _delete_service_queues(url: str) -> None:
     """Removes the run's queues: hundreds of leftover quorum queues slow every broker restart."""
-    import asyncio
-
-    import aio_pika
     import psycopg
 
-    from conveyor import topology
     from gateway.database_url import libpq
+    from tests.support.amqp import delete_topologies
 
     names = set(Platform.queue_names)  # removed services too: see Platform.queue_names
     try:
@@ -93,22 +90,8 @@ def _delete_service_queues(url: str) -> None:
             names.update(row[0] for row in conn.execute("SELECT queue_name FROM services"))
     except psycopg.Error:
         pass
-
-    async def delete() -> None:
-        connection = await aio_pika.connect(AMQP_URL, timeout=10)
-        async with connection:
-            channel = await connection.channel()
-            for name in sorted(names):
-                for queue in (
-                    topology.in_queue(name),
-                    topology.out_queue(name),
-                    topology.dead_letter_queue(name),
-                ):
-                    await channel.queue_delete(queue)
-                await channel.exchange_delete(topology.control_exchange(name))
-
     try:
-        asyncio.run(asyncio.wait_for(delete(), 120))
+        delete_topologies(AMQP_URL, sorted(names), timeout=120)
     except Exception as exc:  # cleanup only: never fail the run for it
         print(f"could not delete the run's queues: {exc!r}")
 

@@ -282,27 +282,31 @@ def remove_due_topologies() -> None:
     due = [entry for entry in _removed if now - entry[0] >= REMOVAL_GRACE]
     for entry in due:
         _removed.remove(entry)
-        _, url, queue_name = entry
+    for url in {url for _, url, _ in due}:
+        names = [queue_name for _, at, queue_name in due if at == url]
         try:
-            run_sync(_delete_topology(url, queue_name))
+            delete_topologies(url, names)
         except Exception as exc:  # cleanup only: the run's end sweeps what is left
-            print(f"could not delete the queues of {queue_name}: {exc!r}")
+            print(f"could not delete the queues of {names}: {exc!r}")
 
 
-async def _delete_topology(url: str, queue_name: str) -> None:
+def delete_topologies(url: str, queue_names: Iterable[str], timeout: float = 30) -> None:
+    """Every queue and the control exchange of each service's `queue_name`, on one
+    connection; a queue the broker refuses to delete is left to the next sweep."""
+
     async def delete() -> None:
         connection = await aio_pika.connect(url, timeout=10)
         async with connection:
-            for name in queues_of(queue_name):
-                channel = await connection.channel()
-                try:
-                    await channel.queue_delete(name)
-                except aiormq.exceptions.AMQPError:
-                    pass
             channel = await connection.channel()
-            await channel.exchange_delete(topology.control_exchange(queue_name))
+            for queue_name in queue_names:
+                for name in queues_of(queue_name):
+                    try:
+                        await channel.queue_delete(name)
+                    except aiormq.exceptions.AMQPError:
+                        channel = await connection.channel()  # the refusal closed that one
+                await channel.exchange_delete(topology.control_exchange(queue_name))
 
-    await asyncio.wait_for(delete(), 30)
+    run_sync(asyncio.wait_for(delete(), timeout))
 
 
 # -- databases -----------------------------------------------------------------

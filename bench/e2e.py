@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.meters import CpuMeter, ServerMeter, phase_means_ms, submit_phases
+from bench.meters import CpuMeter, ServerMeter, WriteMeter, phase_means_ms, submit_phases
 from bench.record import PYTHON, banner, metadata, no_paths, run_json, write_result
 from bench.stack import (
     AMQP_URL,
@@ -243,7 +243,9 @@ def run_conveyor(ctx: Context, peer: Peer) -> dict[str, Any]:
         gateway_meter = CpuMeter([ctx.gateway_pid])
         function_meter = CpuMeter([ctx.function.proc.pid])
         servers = ServerMeter(ctx.database_url)
-        for m in (meter, gateway_meter, function_meter, servers):
+        gateway_writes = WriteMeter([ctx.gateway_pid])
+        dispatcher_writes = WriteMeter([d.proc.pid for d in dispatchers])
+        for m in (meter, gateway_meter, function_meter, servers, gateway_writes, dispatcher_writes):
             m.start()
         load = Background(
             lambda: _loadgen(
@@ -254,6 +256,7 @@ def run_conveyor(ctx: Context, peer: Peer) -> dict[str, Any]:
         done_at = wait_for_count(succeeded, WARMUP_TASKS + options.tasks, options.timeout)
         cpu = meter.stop()
         gateway_cpu = gateway_meter.stop()
+        writes = {"gateway": gateway_writes.stop(), "dispatchers": dispatcher_writes.stop()}
         breakdown = _breakdown(
             options.tasks,
             gateway=gateway_cpu,
@@ -275,6 +278,7 @@ def run_conveyor(ctx: Context, peer: Peer) -> dict[str, Any]:
             "platform_cpu_ms_per_task": round(cpu * 1000 / options.tasks, 3),
             "gateway_cpu_ms_per_task": round(gateway_cpu * 1000 / options.tasks, 3),
             "cpu_ms_per_task_by_process": breakdown,
+            "writes_per_task_by_process": _per_task(writes, options.tasks),
         }
         if done_at is None:
             raise RuntimeError(f"{succeeded() - WARMUP_TASKS} of {options.tasks} tasks finished")
@@ -306,6 +310,11 @@ def _breakdown(tasks: int, **cpu_seconds: float) -> dict[str, float]:
     per_task = {name: round(seconds * 1000 / tasks, 3) for name, seconds in cpu_seconds.items()}
     per_task["total"] = round(sum(per_task.values()), 3)
     return per_task
+
+
+def _per_task(counts: dict[str, float], tasks: int) -> dict[str, float]:
+    """Writing system calls per task of each process group (`meters.WriteMeter`)."""
+    return {name: round(count / tasks, 2) for name, count in counts.items()}
 
 
 def _throughput(tasks: int, first_sent: float | None, done_at: float | None) -> float | None:
@@ -370,7 +379,8 @@ def run_celery(ctx: Context, peer: Peer) -> dict[str, Any]:
         meter = CpuMeter([worker.pid], tree=True)
         function_meter = CpuMeter([ctx.function.proc.pid])
         servers = ServerMeter(ctx.database_url)
-        for m in (meter, function_meter, servers):
+        worker_writes = WriteMeter([worker.pid], tree=True)
+        for m in (meter, function_meter, servers, worker_writes):
             m.start()
         load = Background(
             lambda: _celery_client(
@@ -379,6 +389,7 @@ def run_celery(ctx: Context, peer: Peer) -> dict[str, Any]:
         )
         done_at = wait_for_count(succeeded, before + options.tasks + 1, options.timeout)
         cpu = meter.stop()
+        writes = {"workers": worker_writes.stop()}
         breakdown = _breakdown(
             options.tasks, workers=cpu, function=function_meter.stop(), **servers.stop()
         )
@@ -392,6 +403,7 @@ def run_celery(ctx: Context, peer: Peer) -> dict[str, Any]:
             "platform_cpu_s": cpu,
             "platform_cpu_ms_per_task": round(cpu * 1000 / options.tasks, 3),
             "cpu_ms_per_task_by_process": breakdown,
+            "writes_per_task_by_process": _per_task(writes, options.tasks),
         }
         if done_at is None:
             raise RuntimeError(f"{succeeded() - before} of {options.tasks + 1} tasks finished")

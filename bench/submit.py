@@ -29,7 +29,7 @@ import json
 import sys
 from typing import Any
 
-from bench.meters import CpuMeter, ServerMeter, gc_figures
+from bench.meters import CpuMeter, ServerMeter, WriteMeter, gc_figures
 from bench.record import PYTHON, banner, metadata, run_json, write_result
 from bench.stack import (
     BenchService,
@@ -68,16 +68,21 @@ def load(
         "auth": list(service.auth),
     }
     meter = CpuMeter([gateway.proc.pid], tree=True)  # `--workers`: the workers too
+    writes = WriteMeter([gateway.proc.pid], tree=True)
     servers = ServerMeter()
     gc_before = gc_figures(gateway.url)
     meter.start()
+    writes.start()
     servers.start()
     report = run_json([PYTHON, "-m", "bench.loadgen", json.dumps(job)], timeout=duration * 3 + 120)
     cpu = meter.stop()
+    written = writes.stop()
     server_cpu = servers.stop()
     report["gateway_cpu_s"] = cpu
     served = report["requests"] + report.get("warmup_requests", 0)  # the CPU covers both
     report["gateway_cpu_ms_per_request"] = round(cpu * 1000 / served, 3) if served else None
+    # its answers, its statements and its publishes: one system call each unless batched
+    report["gateway_writes_per_request"] = round(written / served, 2) if served else None
     after = gc_figures(gateway.url)
     report["gateway_gc"] = {
         figure: {g: round(v - gc_before[figure].get(g, 0.0), 4) for g, v in values.items()}
@@ -146,6 +151,7 @@ def _level_summary(concurrency: int, runs: list[dict[str, Any]]) -> dict[str, An
         "p50_ms": median(r["latency_ms"]["p50"] for r in runs),
         "p99_ms": median(r["latency_ms"]["p99"] for r in runs),
         "gateway_cpu_ms_per_request": median(r["gateway_cpu_ms_per_request"] for r in runs),
+        "gateway_writes_per_request": median(r["gateway_writes_per_request"] for r in runs),
         "postgresql_cpu_ms_per_request": median(
             r.get("postgresql_cpu_ms_per_request") or 0.0 for r in runs
         ),

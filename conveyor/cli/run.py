@@ -53,6 +53,8 @@ def gateway(
         "access_log": False,
         "timeout_graceful_shutdown": 5,
         "h11_max_incomplete_event_size": 64 * 1024,
+        # httptools, each answer in one send (gateway/http_protocol.py)
+        "http": "gateway.http_protocol:CoalescingHttpToolsProtocol",
     }
     if workers > 1:
         import tempfile

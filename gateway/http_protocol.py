@@ -1,0 +1,88 @@
+"""The gateway's HTTP connections: uvicorn's httptools protocol, each answer in one send.
+
+uvicorn writes an answer's head when the app starts it and its body when the app sends
+it: two system calls, two TCP segments and two wake-ups of the client for every answer.
+`conveyor gateway` serves with `CoalescingHttpToolsProtocol` (uvicorn's `http` setting
+takes a protocol class), whose transport joins what one turn of the event loop wrote
+(`conveyor.coalescing`). Streams (the event stream's SSE) still leave turn by turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from conveyor.coalescing import TurnBuffer
+
+
+class TurnTransport(asyncio.Transport):
+    """A connection's transport whose writes of one turn leave together at its end."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__()
+        self._transport = transport
+        self._buffer = TurnBuffer(self._send)
+
+    def _send(self, data: bytes) -> None:
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._buffer.write(bytes(data))
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self._buffer.size + self._transport.get_write_buffer_size()
+
+    def close(self) -> None:
+        self._buffer.flush()  # what was answered goes out before the connection closes
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def write_eof(self) -> None:
+        self._buffer.flush()
+        self._transport.write_eof()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+
+class CoalescingHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol on a `TurnTransport`."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(TurnTransport(transport))

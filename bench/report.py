@@ -150,6 +150,14 @@ def scale_rows(scale: dict[str, Any] | None) -> list[Row]:
     for kind in ("submit", "poll_finished", "poll_pending"):
         value = _get(scale, "p99_ratio_largest_to_smallest", kind)
         rows.append(Row(f"scale: {kind} p99 ratio", value, 1.5, False, "x", span))
+    deep = _get(scale, "deep_backlog", "pending")
+    if deep:
+        for kind in ("submit", "poll_pending"):
+            value = _get(scale, "p99_ratio_deep_backlog", kind)
+            label = f"({deep:,} PENDING vs 100, {levels[-1]['rows']:,} rows)" if levels else ""
+            rows.append(
+                Row(f"scale: {kind} p99, deep backlog ratio", value, 1.5, False, "x", label)
+            )
     seq = [
         f"{lvl['rows']:,}: {name}"
         for lvl in levels

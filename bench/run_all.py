@@ -24,7 +24,10 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "e2e": ([], ["--tasks", "300", "--reps", "1", "--latency-samples", "30"]),
     "floor": (["--with-pg", "--tasks", "3000"], ["--tasks", "500", "--reps", "1"]),
     "footprint": ([], ["--starts", "2", "--load-tasks", "300"]),
-    "scale": ([], ["--levels", "1000,100000", "--requests", "300", "--reps", "1"]),
+    "scale": (
+        [],
+        ["--levels", "1000,100000", "--requests", "300", "--reps", "1", "--deep-backlog", "5000"],
+    ),
     "batch": ([], ["--duration", "1", "--reps", "1"]),
     "streams": ([], ["--duration", "1", "--reps", "1", "--streams", "200"]),
     "tracing": ([], ["--duration", "1", "--reps", "1"]),

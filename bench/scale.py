@@ -21,7 +21,14 @@ result with a check that none of them reads `tasks` with a Seq Scan.
 
 Target: p99 at 1 M <= 1.5 x p99 at 1 k.
 
+Then a deep backlog: the measured service's PENDING tasks grow from 100 to
+`--deep-backlog` (50,000 by default; 0 skips it) on top of the largest level,
+`VACUUM ANALYZE` again, and submit and poll of a PENDING task are measured once
+more, with the plans. A burst of that size is what KEDA scales on; the figure is
+p99 with the deep backlog / p99 with 100 PENDING at the same number of rows.
+
     python -m bench.scale [--levels 1000,100000,1000000] [--requests 1000] [--reps 3]
+                          [--deep-backlog 50000]
 """
 
 from __future__ import annotations
@@ -135,16 +142,28 @@ def poll_requests(database_url: str, service: BenchService, status: str) -> list
     return [{"method": "GET", "path": f"{service.tasks_path}/{row[0]}"} for row in rows]
 
 
+KINDS = ("submit", "poll_finished", "poll_pending")
+
+
 def measure_level(
-    gateway: Gateway, service: BenchService, database_url: str, options: argparse.Namespace
+    gateway: Gateway,
+    service: BenchService,
+    database_url: str,
+    options: argparse.Namespace,
+    kinds_measured: tuple[str, ...] = KINDS,
 ) -> dict[str, Any]:
-    finished = poll_requests(database_url, service, "SUCCESS")
-    pending = poll_requests(database_url, service, "PENDING")
-    kinds: dict[str, list[dict[str, Any]]] = {"submit": [], "poll_finished": [], "poll_pending": []}
+    requests = {
+        "poll_finished": poll_requests(database_url, service, "SUCCESS"),
+        "poll_pending": poll_requests(database_url, service, "PENDING"),
+    }
+    kinds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds_measured}
     for _ in range(options.reps):
-        kinds["submit"].append(measure_submit(gateway, service, database_url, options.requests))
-        kinds["poll_finished"].append(closed_loop(gateway, service, finished, options.requests))
-        kinds["poll_pending"].append(closed_loop(gateway, service, pending, options.requests))
+        for kind in kinds_measured:
+            if kind == "submit":
+                report = measure_submit(gateway, service, database_url, options.requests)
+            else:
+                report = closed_loop(gateway, service, requests[kind], options.requests)
+            kinds[kind].append(report)
     return {
         kind: {
             "p50_ms": median(r["latency_ms"]["p50"] for r in runs),
@@ -278,7 +297,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
             measured = measure_level(gateway, service, database_url, options)
             plans = explain(database_url, service)
             found.append({"rows": rows, "load_s": seconds, **measured, "plans": plans})
-            for kind in ("submit", "poll_finished", "poll_pending"):
+            for kind in KINDS:
                 print(
                     f"  {kind:<14} p50 {measured[kind]['p50_ms']} ms,"
                     f" p99 {measured[kind]['p99_ms']} ms",
@@ -286,12 +305,48 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
                 )
             seq = [name for name, plan in plans.items() if plan["seq_scan_on_tasks"]]
             print(f"  plans: {'Seq Scan on tasks in ' + ', '.join(seq) if seq else 'indexes only'}")
+        if options.deep_backlog > BACKLOG:
+            result["deep_backlog"] = measure_deep_backlog(gateway, service, database_url, options)
     result["levels"] = found
     result["p99_ratio_largest_to_smallest"] = {
-        kind: ratio(found[-1][kind]["p99_ms"], found[0][kind]["p99_ms"])
-        for kind in ("submit", "poll_finished", "poll_pending")
+        kind: ratio(found[-1][kind]["p99_ms"], found[0][kind]["p99_ms"]) for kind in KINDS
     }
+    if "deep_backlog" in result:
+        result["p99_ratio_deep_backlog"] = {
+            kind: ratio(result["deep_backlog"][kind]["p99_ms"], found[-1][kind]["p99_ms"])
+            for kind in DEEP_KINDS
+        }
     return result
+
+
+DEEP_KINDS = ("submit", "poll_pending")
+
+
+def measure_deep_backlog(
+    gateway: Gateway, service: BenchService, database_url: str, options: argparse.Namespace
+) -> dict[str, Any]:
+    """Submit and poll of a PENDING task once the service's backlog is `--deep-backlog` deep:
+    both answer a `taskPosition`, which counts the PENDING tasks ahead."""
+    banner(f"a backlog of {options.deep_backlog:,} PENDING tasks")
+    added = options.deep_backlog - BACKLOG
+    sql(
+        database_url,
+        _BACKLOG,
+        {"client": service.client_id, "service": service.name, "count": added},
+    )
+    sql(database_url, "VACUUM ANALYZE tasks")
+    measured = measure_level(gateway, service, database_url, options, DEEP_KINDS)
+    plans = explain(database_url, service)
+    for kind in DEEP_KINDS:
+        print(
+            f"  {kind:<14} p50 {measured[kind]['p50_ms']} ms, p99 {measured[kind]['p99_ms']} ms",
+            flush=True,
+        )
+    positions = {
+        name: plans[name]["execution_ms"] for name in ("insert (with position)", "position")
+    }
+    print(f"  execution ms: {positions}", flush=True)
+    return {"pending": options.deep_backlog, **measured, "plans": plans}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -299,6 +354,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--levels", default="1000,100000,1000000")
     parser.add_argument("--requests", type=int, default=1000, help="per measurement")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--deep-backlog", type=int, default=50_000, help="PENDING tasks at the end (0: skip)"
+    )
     return parser.parse_args(argv)
 
 
@@ -306,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(parse(argv))
     write_result("scale", result)
     print(f"  p99 at the largest level / the smallest: {result['p99_ratio_largest_to_smallest']}")
+    if "p99_ratio_deep_backlog" in result:
+        print(f"  p99 with the deep backlog / with {BACKLOG}: {result['p99_ratio_deep_backlog']}")
     return 0
 
 

@@ -81,7 +81,16 @@ def test_scale_benchmark_runs(tmp_path: Path) -> None:
     # Its query plans run the gateway's own statements: a change of their parameters broke it
     # once without a test noticing (make bench only).
     result = _run(
-        "bench.scale", "--levels", "1000", "--requests", "30", "--reps", "1", results=tmp_path
+        "bench.scale",
+        "--levels",
+        "1000",
+        "--requests",
+        "30",
+        "--reps",
+        "1",
+        "--deep-backlog",
+        "2000",
+        results=tmp_path,
     )
     [level] = result["levels"]
     assert level["rows"] == 1000
@@ -93,6 +102,10 @@ def test_scale_benchmark_runs(tmp_path: Path) -> None:
         "capacity, client",
     }
     assert all(plan["nodes"] for plan in level["plans"].values())
+    deep = result["deep_backlog"]  # the backlog grew to 2,000 PENDING: submit and poll again
+    assert deep["pending"] == 2000
+    assert deep["submit"]["non_2xx"] == 0 and deep["poll_pending"]["non_2xx"] == 0
+    assert set(result["p99_ratio_deep_backlog"]) == {"submit", "poll_pending"}
 
 
 def test_end_to_end_benchmark_runs(tmp_path: Path) -> None:

@@ -1,5 +1,9 @@
 """Housekeeping: the reaper (PENDING past its TTL → FAILURE) and the purge.
 
+The reaper also compacts the backlog counts (migration 0008): otherwise every connection
+that ever wrote and every block of row ids a service ever used would keep its rows, and a
+position or a capacity check would sum more of them as time goes by.
+
 The purge deletes in batches, each its own short transaction, so it never holds
 locks on millions of rows nor bloats one giant transaction; it runs daily as
 `conveyor purge` (a CronJob) and is safe to run concurrently with traffic.
@@ -38,6 +42,48 @@ _PURGE_ANCIENT = """
 _PURGE_POISON = (
     "DELETE FROM poison_messages WHERE received_at < now() - make_interval(secs => %(max_age)s)"
 )
+
+
+# The reaper's pass over the backlog counts (migration 0008): each backend's rows are merged
+# into shard -1, and counts of zero are deleted. Rows a transaction holds are skipped (the next
+# pass takes them), so the pass never waits for a lock, and no transaction ever waits for one
+# of shard -1's: nothing can deadlock. One pass at a time across replicas (shard -1 is theirs).
+_COMPACT_LOCK = "SELECT pg_try_advisory_xact_lock(hashtext('conveyor.backlog'))"
+_BACKLOG_KEYS = {
+    "task_backlog": "service, client_id",
+    "task_backlog_blocks": "service, block",
+}
+
+
+def _compaction(table: str, keys: str) -> list[str]:
+    return [
+        f"""
+        WITH taken AS (
+            SELECT {keys}, shard FROM {table} WHERE shard <> -1 FOR UPDATE SKIP LOCKED
+        ), moved AS (
+            DELETE FROM {table} t USING taken
+             WHERE ({", ".join(f"t.{k}" for k in keys.split(", "))}, t.shard)
+                   = ({", ".join(f"taken.{k}" for k in keys.split(", "))}, taken.shard)
+            RETURNING {", ".join(f"t.{k}" for k in keys.split(", "))}, t.pending
+        )
+        INSERT INTO {table} AS b ({keys}, shard, pending)
+        SELECT {keys}, -1, sum(pending) FROM moved GROUP BY {keys}
+        ON CONFLICT ({keys}, shard) DO UPDATE SET pending = b.pending + EXCLUDED.pending
+        """,
+        f"DELETE FROM {table} WHERE shard = -1 AND pending = 0",
+    ]
+
+
+async def compact_backlog(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Merges the backlog counts, if no other replica is at it; whether this one was."""
+    async with conn.transaction():
+        locked = await (await conn.execute(_COMPACT_LOCK)).fetchone()
+        if locked is None or not locked[0]:
+            return False
+        for table, keys in _BACKLOG_KEYS.items():
+            for statement in _compaction(table, keys):
+                await conn.execute(statement)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +133,7 @@ async def reaper_loop(
             async with pool.connection() as conn:  # autocommit: one statement each
                 expired = await lifecycle.expire_pending(conn, ttl)
                 abandoned = await lifecycle.abandon_silent(conn, silence_margin)
+                await compact_backlog(conn)
             for failed in (expired, abandoned):  # no durations: the platform ended them
                 for service, count in failed.items():
                     metrics.task_finished(service, "FAILURE", None, None, count)

@@ -163,6 +163,40 @@ tasks = Table(
     Index(
         "ix_tasks_unpublished", "publish_at", "id", postgresql_where=text("publish_at IS NOT NULL")
     ),
+    # the PENDING tasks that wait for their time: counted live in a position, once due
+    Index(
+        "ix_tasks_pending_later",
+        "service",
+        "not_before",
+        postgresql_where=text("status = 'PENDING' AND not_before IS NOT NULL"),
+        postgresql_include=["id"],
+    ),
+)
+
+# How many PENDING tasks each service and client has, kept by triggers on `tasks` (migration
+# 0008) so that a position or a capacity check sums a few rows instead of counting the
+# backlog. `shard`: the writing backend's pid, so that no two transactions share a row (-1:
+# the reaper's merged counts); only sums mean anything.
+task_backlog = Table(
+    "task_backlog",
+    metadata,
+    Column("service", Text, nullable=False),
+    Column("client_id", Text, nullable=False),
+    Column("shard", Integer, nullable=False),
+    Column("pending", BigInteger, nullable=False),
+    PrimaryKeyConstraint("service", "client_id", "shard"),
+)
+
+# The PENDING tasks without a notBefore, per block of 1,024 row ids (`store.BLOCK_BITS`): a
+# submission's position sums the service's blocks, a PENDING task's the blocks before its own.
+task_backlog_blocks = Table(
+    "task_backlog_blocks",
+    metadata,
+    Column("service", Text, nullable=False),
+    Column("block", BigInteger, nullable=False),
+    Column("shard", Integer, nullable=False),
+    Column("pending", BigInteger, nullable=False),
+    PrimaryKeyConstraint("service", "block", "shard"),
 )
 
 task_attempts = Table(

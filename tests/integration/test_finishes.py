@@ -21,7 +21,9 @@ from gateway import lifecycle
 from gateway.pgpool import connect
 from tests.support.gateway import Platform
 
-T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+# Recent: the session gateway's reaper ends PENDING tasks submitted over 24 hours ago, and a
+# fixed date here would have let it end the PENDING twins mid-test from that day on.
+T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)
 
 _TASK_COLUMNS = (
     "status, start_date, end_date, worker_host, attempt_id, attempts, response, error_message,"

@@ -22,6 +22,8 @@ TABLES = {
     "authorizations",
     "tasks",
     "task_attempts",
+    "task_backlog",
+    "task_backlog_blocks",
     "poison_messages",
 }
 INDEXES = {
@@ -34,6 +36,7 @@ INDEXES = {
     "ix_tasks_service_id",
     "ix_tasks_running",
     "ix_tasks_unpublished",
+    "ix_tasks_pending_later",
 }
 
 
@@ -135,3 +138,46 @@ def test_outbox_rows_move_onto_their_tasks_and_back(database_url: str) -> None:
                 " FROM outbox ORDER BY task_id"
             ).fetchall()
         assert back == [("1", False, 2, "broker down"), ("2", True, 0, None)]
+
+
+@pytest.mark.timeout(60)
+def test_the_backlog_is_counted_from_the_rows_already_there(database_url: str) -> None:
+    """0008: an installation upgraded with tasks PENDING starts with their counts, and the
+    triggers carry them on from there."""
+    with scratch_database(database_url, migrate=False) as url:
+        upgrade(url, "0007")
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+            conn.execute(
+                """
+                INSERT INTO tasks (task_id, client_id, service, request, status, not_before)
+                SELECT gen_random_uuid(), 'c' || (g % 2), 's', '{}',
+                       CASE WHEN g % 5 = 0 THEN 'SUCCESS' ELSE 'PENDING' END,
+                       CASE WHEN g % 3 = 0 THEN now() + interval '1 day' END
+                  FROM generate_series(1, 30) AS g
+                """
+            )
+        upgrade(url)
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+            assert _backlog(conn) == _live_backlog(conn)
+            assert sum(_backlog(conn).values()) == 24
+            blocks = conn.execute("SELECT sum(pending) FROM task_backlog_blocks").fetchone()
+            assert blocks is not None and blocks[0] == 16  # without a notBefore
+            conn.execute("UPDATE tasks SET status = 'FAILURE' WHERE client_id = 'c1'")
+            assert _backlog(conn) == _live_backlog(conn)
+        downgrade(url, "0007")
+        assert "task_backlog" not in _tables(url)
+
+
+def _backlog(conn: psycopg.Connection) -> dict[tuple[str, str], int]:
+    rows = conn.execute(
+        "SELECT service, client_id, sum(pending) FROM task_backlog"
+        " GROUP BY 1, 2 HAVING sum(pending) <> 0"
+    )
+    return {(r[0], r[1]): int(r[2]) for r in rows}
+
+
+def _live_backlog(conn: psycopg.Connection) -> dict[tuple[str, str], int]:
+    rows = conn.execute(
+        "SELECT service, client_id, count(*) FROM tasks WHERE status = 'PENDING' GROUP BY 1, 2"
+    )
+    return {(r[0], r[1]): int(r[2]) for r in rows}

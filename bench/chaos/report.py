@@ -81,6 +81,7 @@ def summary(report: dict[str, Any]) -> str:
         ("statuses", report.get("statuses")),
         ("-in empty", report.get("in_queue_empty")),
         ("idempotency holds", report.get("idempotency_holds")),
+        ("backlog counts exact", report.get("backlog_counts_exact")),
         ("abandoned submissions", report.get("submissions", {}).get("abandoned")),
         ("keyless (accepted/no answer)", _pair(report.get("keyless"), "accepted", "no_answer")),
         ("hostile function outcomes", report.get("hostile_outcomes")),

@@ -323,6 +323,8 @@ def _verdict_numbers(v: verify.Verdict) -> dict[str, Any]:
         "duplicates": v.duplicates,
         "callbacks": v.callbacks,
         "attempts_per_task": v.attempts,
+        "backlog_counts": v.backlog,
+        "backlog_counts_exact": v.backlog_exact,
         "samples": {
             "lost": v.lost[: verify.SAMPLE],
             "stuck": v.stuck[: verify.SAMPLE],

@@ -10,6 +10,8 @@ the function's call log — never from the gateway's API:
 * idempotency: one row per Idempotency-Key, the row the client was told about;
 * `<q>-in` empty and without consumers once the dispatchers are stopped;
 * every callback task has a notification_status of SUCCESS or FAILURE;
+* the backlog counts the triggers keep (migration 0008) equal the PENDING rows, crashes of
+  PostgreSQL included;
 * duplicates: calls per ce-id in CALL_LOG beyond the first (allowed around
   kills: delivery is at least once; reported, not asserted).
 """
@@ -164,6 +166,12 @@ class Verdict:
     in_queue: dict[str, Any] = field(default_factory=dict)
     dead_lettered: int = 0
     attempts: dict[str, int] = field(default_factory=dict)
+    backlog: dict[str, int] = field(default_factory=dict)  # counted vs PENDING rows
+
+    @property
+    def backlog_exact(self) -> bool:
+        b = self.backlog
+        return b.get("counted") == b.get("pending") and b.get("in_blocks") == b.get("immediate")
 
     @property
     def in_queue_empty(self) -> bool:
@@ -192,6 +200,7 @@ class Verdict:
             and self.idempotent
             and self.notifications_set
             and not self.callbacks.get("well_behaved_not_delivered")
+            and self.backlog_exact
         )
 
 
@@ -246,7 +255,23 @@ def verify(
     )
     verdict.dead_lettered = dlq.messages if dlq is not None else -1
     verdict.attempts = {str(k): v for k, v in sorted(Counter(r[6] for r in rows).items())}
+    verdict.backlog = _backlog(database_url, service)
     return verdict
+
+
+def _backlog(database_url: str, service: str) -> dict[str, int]:
+    [row] = query(
+        database_url,
+        """
+        SELECT (SELECT COALESCE(sum(pending), 0) FROM task_backlog WHERE service = %(s)s),
+               (SELECT count(*) FROM tasks WHERE service = %(s)s AND status = 'PENDING'),
+               (SELECT COALESCE(sum(pending), 0) FROM task_backlog_blocks WHERE service = %(s)s),
+               (SELECT count(*) FROM tasks
+                 WHERE service = %(s)s AND status = 'PENDING' AND not_before IS NULL)
+        """,
+        {"s": service},
+    )
+    return dict(zip(("counted", "pending", "in_blocks", "immediate"), map(int, row), strict=True))
 
 
 def _check_outcomes(verdict: Verdict, rows: list[tuple], fail_rate: float) -> None:

@@ -254,3 +254,11 @@ def test_the_cluster_faults_stay_out_of_the_single_node_plan() -> None:
     assert not set(CLUSTER_KINDS) & set(SPARSE_KINDS)
     kinds = {f.kind for f in FaultPlan.for_window(400.0).schedule(random.Random(1))}
     assert not kinds & set(CLUSTER_KINDS)
+
+
+def test_backlog_counts_that_differ_from_the_rows_fail_the_run() -> None:
+    verdict = verify.Verdict(in_queue={"messages": 0, "consumers": 0})
+    verdict.backlog = {"counted": 0, "pending": 0, "in_blocks": 0, "immediate": 0}
+    assert verdict.ok
+    verdict.backlog = {"counted": 1, "pending": 0, "in_blocks": 0, "immediate": 0}
+    assert not verdict.backlog_exact and not verdict.ok

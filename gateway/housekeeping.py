@@ -50,25 +50,27 @@ _PURGE_POISON = (
 # of shard -1's: nothing can deadlock. One pass at a time across replicas (shard -1 is theirs).
 _COMPACT_LOCK = "SELECT pg_try_advisory_xact_lock(hashtext('conveyor.backlog'))"
 _BACKLOG_KEYS = {
-    "task_backlog": "service, client_id",
-    "task_backlog_blocks": "service, block",
+    "task_backlog": ("service", "client_id"),
+    "task_backlog_blocks": ("service", "block"),
 }
 
 
-def _compaction(table: str, keys: str) -> list[str]:
+def _compaction(table: str, keys: tuple[str, ...]) -> list[str]:
+    columns = ", ".join(keys)
+    of_row = ", ".join(f"t.{k}" for k in keys)
+    of_taken = ", ".join(f"taken.{k}" for k in keys)
     return [
         f"""
         WITH taken AS (
-            SELECT {keys}, shard FROM {table} WHERE shard <> -1 FOR UPDATE SKIP LOCKED
+            SELECT {columns}, shard FROM {table} WHERE shard <> -1 FOR UPDATE SKIP LOCKED
         ), moved AS (
             DELETE FROM {table} t USING taken
-             WHERE ({", ".join(f"t.{k}" for k in keys.split(", "))}, t.shard)
-                   = ({", ".join(f"taken.{k}" for k in keys.split(", "))}, taken.shard)
-            RETURNING {", ".join(f"t.{k}" for k in keys.split(", "))}, t.pending
+             WHERE ({of_row}, t.shard) = ({of_taken}, taken.shard)
+            RETURNING {of_row}, t.pending
         )
-        INSERT INTO {table} AS b ({keys}, shard, pending)
-        SELECT {keys}, -1, sum(pending) FROM moved GROUP BY {keys}
-        ON CONFLICT ({keys}, shard) DO UPDATE SET pending = b.pending + EXCLUDED.pending
+        INSERT INTO {table} AS b ({columns}, shard, pending)
+        SELECT {columns}, -1, sum(pending) FROM moved GROUP BY {columns}
+        ON CONFLICT ({columns}, shard) DO UPDATE SET pending = b.pending + EXCLUDED.pending
         """,
         f"DELETE FROM {table} WHERE shard = -1 AND pending = 0",
     ]

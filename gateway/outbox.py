@@ -264,7 +264,7 @@ class Outbox:
         """Tasks whose service was deleted: nothing can run them, so they fail (which ends
         their publishing too)."""
         changes = [lifecycle.failure(row.task_id, SERVICE_DELETED) for row in rows]
-        async with self.pool.connection() as conn, conn.pipeline(), conn.transaction():
+        async with self.pool.batch() as conn:
             for change in changes:
                 await conn.execute(change.sql, change.params)
             await conn.execute(_MARK_PUBLISHED, {"ids": [row.id for row in rows]})

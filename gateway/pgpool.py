@@ -1,7 +1,8 @@
 """The gateway's one way to PostgreSQL: raw psycopg connections in autocommit mode.
 
 One `psycopg_pool.AsyncConnectionPool` per process serves the API and every loop (a single
-statement is its own transaction; multi-statement work uses `conn.transaction()`); commands
+statement is its own transaction; statements that commit together on the hot path go through
+`Pool.batch()`, one round trip, and elsewhere through `conn.transaction()`); commands
 open one connection with `connect()`. Only two things are ours: a liveness check that pings
 only a connection that looks dead (readable while idle, or idle for long), instead of a
 round trip per checkout; and a connection given back mid-transaction is closed, not reused.
@@ -96,6 +97,23 @@ class Pool:
             await self._pool.putconn(conn)  # a closed connection is replaced by the pool
             if lost:
                 await self._drain()  # its siblings are likely dead as well
+
+    @asynccontextmanager
+    async def batch(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A connection whose statements commit together, sent in one round trip.
+
+        BEGIN, the block's statements and COMMIT are queued in one pipeline segment and go
+        with its single Sync; their results are read when the block ends. psycopg's
+        `conn.transaction()` inside a pipeline syncs after BEGIN and around COMMIT: three
+        more round trips, each a wake-up of both sides (bench/README.md, "One round trip per
+        results batch"). An error in the block means COMMIT is never queued: the server skips
+        the rest of the segment, or the segment ends with the transaction open, and
+        `connection()` closes a connection given back mid-transaction, which rolls it back.
+        """
+        async with self.connection() as conn, conn.pipeline():
+            await conn.execute("BEGIN")
+            yield conn
+            await conn.execute("COMMIT")
 
     async def close(self) -> None:
         await self._pool.close()  # a no-op if never opened

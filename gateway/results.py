@@ -338,8 +338,8 @@ class ResultConsumer:
             return await self._apply_alone(batch)
 
     async def _apply_together(self, batch: list[Delivery]) -> bool:
-        """The batch in one transaction and one round trip (psycopg's pipeline mode):
-        the statements are sent back to back and their answers read after the commit. The
+        """The batch in one transaction and one round trip (`Pool.batch()`): the
+        statements are sent back to back and their answers read after the commit. The
         terminal events of tasks the batch mentions once share one statement
         (`lifecycle.Finishes`); the others keep their own, in the batch's order."""
         planned = [self._plan(d) for d in batch]
@@ -348,7 +348,7 @@ class ResultConsumer:
         finishes = lifecycle.Finishes(lifecycle.together([change for change, _ in changes]))
         shared = {id(change) for change in finishes.changes}
         sent: list[tuple[lifecycle.Transition, psycopg.AsyncCursor[Any], str]] = []
-        async with self.pool.connection() as conn, conn.pipeline(), conn.transaction():
+        async with self.pool.batch() as conn:
             for delivery, plan in zip(batch, planned, strict=True):
                 if isinstance(plan, str):
                     await _set_aside(conn, delivery, plan)

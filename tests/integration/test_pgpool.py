@@ -7,12 +7,14 @@ the server itself.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from gateway.database_url import libpq
@@ -124,6 +126,75 @@ async def test_a_connection_left_by_an_error_inside_a_transaction_is_not_reused(
             await conn.execute("BEGIN")
             raise RuntimeError("boom")
     assert await _pid(pool) != pid
+
+
+async def _table(pool: Pool) -> str:
+    table = f"pgpool_{uuid.uuid4().hex[:8]}"
+    async with pool.connection() as conn:
+        await conn.execute(f"CREATE TABLE {table} (x int PRIMARY KEY)")
+    return table
+
+
+async def _rows(pool: Pool, table: str) -> list[int]:
+    async with pool.connection() as conn:
+        rows = await (await conn.execute(f"SELECT x FROM {table} ORDER BY x")).fetchall()
+    return [row.x for row in rows]
+
+
+async def test_a_batch_commits_together_in_one_round_trip(pool: Pool) -> None:
+    """libpq's trace of the batch's protocol messages: one Sync, so one ReadyForQuery.
+    psycopg's `conn.transaction()` inside a pipeline made it four."""
+    table = await _table(pool)
+    with tempfile.TemporaryFile() as trace:
+        async with pool.batch() as conn:
+            conn.pgconn.trace(trace.fileno())
+            conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+            inserted = await conn.execute(f"INSERT INTO {table} VALUES (1), (2) RETURNING x")
+            counted = await conn.execute(f"SELECT count(*) AS n FROM {table}")
+        conn.pgconn.untrace()
+        trace.seek(0)
+        messages = trace.read().decode()
+    assert [row.x for row in await inserted.fetchall()] == [1, 2]
+    assert (await counted.fetchone()).n == 2  # the statements saw each other's work
+    assert messages.count("ReadyForQuery") == 1, messages
+    assert await _rows(pool, table) == [1, 2]
+    assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+    assert await _pid(pool) == conn.info.backend_pid  # the connection was kept
+
+
+async def test_a_statement_refused_in_a_batch_commits_none_of_it(pool: Pool) -> None:
+    table = await _table(pool)
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        async with pool.batch() as conn:
+            await conn.execute(f"INSERT INTO {table} VALUES (1)")
+            await conn.execute(f"INSERT INTO {table} VALUES (1)")
+            await conn.execute(f"INSERT INTO {table} VALUES (2)")
+    assert await _rows(pool, table) == []
+    async with pool.batch() as conn:  # the pool serves a clean connection after it
+        await conn.execute(f"INSERT INTO {table} VALUES (3)")
+    assert await _rows(pool, table) == [3]
+
+
+async def test_an_exception_inside_a_batch_commits_none_of_it(pool: Pool) -> None:
+    """Even statements the server has already run: COMMIT is never sent."""
+    table = await _table(pool)
+    with pytest.raises(RuntimeError):
+        async with pool.batch() as conn:
+            await conn.execute(f"INSERT INTO {table} VALUES (1)")
+            raise RuntimeError("boom")
+    assert await _rows(pool, table) == []
+
+    async def cancelled() -> None:
+        async with pool.batch() as conn:
+            await conn.execute(f"INSERT INTO {table} VALUES (2)")
+            await asyncio.sleep(30)
+
+    task = asyncio.create_task(cancelled())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await _rows(pool, table) == []
 
 
 async def test_cancelled_mid_statement(pool: Pool) -> None:

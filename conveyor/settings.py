@@ -81,6 +81,9 @@ class GatewaySettings(CommonSettings):
     # A comment line on each task event stream (SSE) after this many quiet seconds.
     stream_heartbeat: float = Field(15.0, gt=0)
     reaper_interval: float = 30.0
+    # How often the gateway checks whether autovacuum, when off, left its tables' planner
+    # statistics stale (gateway/planner_statistics.py).
+    analyze_interval: float = Field(5.0, gt=0)
     # An IN_PROGRESS task whose worker says nothing for its service's taskTimeout times maxAttempts
     # plus this margin fails: its worker is gone, or its result was lost.
     silence_margin: float = 300.0

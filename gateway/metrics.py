@@ -58,6 +58,11 @@ BROKEN_TOPOLOGY = Counter(
     "Services whose queues exist with other arguments than the gateway declares",
     ["service"],
 )
+TABLES_ANALYZED = Counter(
+    "conveyor_gateway_tables_analyzed_total",
+    "ANALYZEs run by the gateway on tables autovacuum leaves alone",
+    ["table"],
+)
 BATCHES_HANDED_BACK = Counter(
     "conveyor_gateway_result_batches_handed_back_total",
     "Result batches nacked back to the broker after an unexpected error",

@@ -1,7 +1,7 @@
 """The gateway's moving parts, built once per process, and its background loops.
 
-The API and the loops (outbox relay, result consumer, notifier, reaper) share
-one engine and one broker connection. `conveyor gateway --no-background` and
+The API and the loops (outbox relay, result consumer, notifier, reaper, planner statistics)
+share one engine and one broker connection. `conveyor gateway --no-background` and
 `--only-background` split them across processes when an operator wants to.
 """
 
@@ -25,6 +25,7 @@ from gateway.listener import Listener
 from gateway.notifier import Notifier
 from gateway.outbox import Outbox
 from gateway.pgpool import Pool
+from gateway.planner_statistics import analyze_loop
 from gateway.results import ResultConsumer
 from gateway.service_stats import ServiceStats, register_gauges
 from gateway.supervisor import Supervisor
@@ -129,6 +130,7 @@ class Runtime:
                     self.notifier.wake,
                     s.silence_margin,
                 ),
+                "planner-statistics": lambda: analyze_loop(self.pool, s.analyze_interval),
             }
         for name, loop in loops.items():
             self.loops.spawn(name, loop)

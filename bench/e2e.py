@@ -83,14 +83,15 @@ class Peer:
 
 
 def peers(concurrency: int, buffer: int = 0) -> list[Peer]:
-    """`buffer`: also `conveyor-1xC-bufferN`, its dispatcher with PREFETCH_BUFFER=N."""
-    buffered = [
-        Peer(f"conveyor-1x{concurrency}-buffer{buffer}", "conveyor", 1, concurrency, buffer)
-    ]
+    """`buffer`: also `conveyor-1xC-bufferN` and `conveyor-Cx1-bufferN`, their dispatchers
+    with PREFETCH_BUFFER=N."""
+    one = Peer(f"conveyor-1x{concurrency}-buffer{buffer}", "conveyor", 1, concurrency, buffer)
+    many = Peer(f"conveyor-{concurrency}x1-buffer{buffer}", "conveyor", concurrency, 1, buffer)
     return [
         Peer(f"conveyor-1x{concurrency}", "conveyor", 1, concurrency),
-        *(buffered if buffer else []),
+        *([one] if buffer else []),
         Peer(f"conveyor-{concurrency}x1", "conveyor", concurrency, 1),
+        *([many] if buffer else []),
         Peer(f"celery-prefork-{concurrency}", "celery", 1, concurrency),
     ]
 
@@ -565,7 +566,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per throughput run")
     parser.add_argument("--peers", default="", help="comma-separated peer names or kinds")
     parser.add_argument(
-        "--buffer", type=int, default=0, help="also conveyor-1xC-bufferN: PREFETCH_BUFFER=N"
+        "--buffer",
+        type=int,
+        default=0,
+        help="also conveyor-1xC-bufferN and conveyor-Cx1-bufferN: PREFETCH_BUFFER=N",
     )
     return parser.parse_args(argv)
 

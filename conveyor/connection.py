@@ -8,8 +8,9 @@ moves that URL (a public attribute aio-pika itself reassigns) to the next node o
 drop, and again at each reconnect interval while no node answers. One URL, such as a
 Kubernetes Service in front of the cluster, is a list of one.
 
-The heartbeat bounds how long a frozen node (no socket closed) goes unnoticed: aiormq
-closes a connection that stays silent for a few heartbeats, and the failover follows.
+The heartbeat bounds how long a frozen node (no socket closed) goes unnoticed: a
+connection silent for two of the broker's heartbeat frames (one heartbeat, plus a second)
+is closed, and the failover follows.
 
 Every robust connection sends the frames written in one turn of the event loop together
 (`CoalescingWriter`, `conveyor.coalescing`): aiormq writes each publish and each ack on
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
+import time
 from typing import Any
 
 import aio_pika
@@ -35,6 +38,8 @@ from aiormq.connection import TCPTransportFactory, TLSTransportFactory, Transpor
 from yarl import URL
 
 from conveyor.coalescing import TurnBuffer
+
+log = logging.getLogger(__name__)
 
 # What a connection attempt to a node that is down, frozen or refusing raises.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -87,6 +92,11 @@ _COALESCE_LIMIT = 64 * 1024
 # per send again (91 sends for 100 publishes, tests/e2e/test_coalesced_sends.py). Every
 # publisher awaits its confirm, so what waits in the queue is bounded by the publishers.
 aiormq.connection.Connection.FRAME_BUFFER_SIZE = 256
+# aiormq leaves a connection once nothing came from the broker for (heartbeat + 1) s times
+# this multiplier, 3 by default: with CONVEYOR_AMQP_HEARTBEAT=10 a frozen node went unnoticed
+# for 33-38 s. The broker sends a frame every heartbeat / 2 at least, so one multiple is
+# RabbitMQ's own rule (two heartbeats missed), and the heartbeat is the bound it documents.
+aiormq.connection.Connection.HEARTBEAT_GRACE_MULTIPLIER = 1
 
 
 class CoalescingWriter:
@@ -273,23 +283,46 @@ async def publish_confirmed(
         raise ConnectionError("the connection closed before the broker confirmed") from None
 
 
+# A channel on which a publish has waited this long without the broker answering any
+# publish (neither confirm nor nack) is taken for dead and replaced (`ConfirmingChannel`).
+SILENT_CHANNEL = 5.0
+
+
 class ConfirmingChannel:
-    """The channel a process publishes on with confirms, replaced when the broker nacks.
+    """The channel a process publishes on with confirms, replaced when the broker nacks or
+    stops answering.
 
     RabbitMQ 3.10 was seen to nack every publish to a quorum queue, for as long as we
     watched (40 s), on a channel that had published while the queue's leader moved, though
-    the new leader was elected within a second; a fresh channel publishes at once. So a
-    nack replaces the channel, and the caller retries as after any unconfirmed publish.
+    the new leader was elected within a second; a fresh channel publishes at once. A channel
+    opened on a surviving node while the cluster had not yet replaced a frozen leader was
+    seen to leave every publish to that queue unanswered until the frozen node came back
+    (80 s), where a channel opened after the election publishes at once. So a nack replaces
+    the channel, and so does a publish starting once the channel has left one unanswered for
+    `SILENT_CHANNEL` seconds; the callers retry as after any unconfirmed publish.
     """
 
     def __init__(self, connection: AbstractConnection) -> None:
         self.connection = connection
         self.channel: AbstractChannel | None = None
         self._lock = asyncio.Lock()
+        # Since when the current channel has had a publish sent and no answer to any: a
+        # publish its caller gave up on (a timeout) still counts.
+        self._unanswered_since: float | None = None
 
     async def open(self) -> AbstractChannel:
         self.channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+        self._fresh()
         return self.channel
+
+    def _fresh(self) -> None:
+        self._unanswered_since = None
+
+    @property
+    def silent(self) -> bool:
+        """Nothing answered for `SILENT_CHANNEL` seconds since a publish was sent."""
+        since = self._unanswered_since
+        return since is not None and time.monotonic() - since >= SILENT_CHANNEL
 
     async def ready(self) -> None:
         """Once a reconnection under way has restored the channel."""
@@ -300,20 +333,49 @@ class ConfirmingChannel:
         """To a queue by name (the default exchange, `mandatory`: an unroutable message is an
         error), or to a named exchange (a broadcast: nobody listening is fine)."""
         channel = self.channel or await self.open()
+        if self.silent and self._connected():
+            if await self._replace(channel):
+                log.warning("publish channel silent; replaced", extra={"seconds": SILENT_CHANNEL})
+            channel = self.channel or await self.open()
+        if self._unanswered_since is None:
+            self._unanswered_since = time.monotonic()
         try:
             await publish_confirmed(channel, exchange, message, key, mandatory=not exchange)
         except aio_pika.exceptions.PublishError:
+            self._answer(channel)
             raise  # returned as unroutable: the channel is fine
         except aio_pika.exceptions.DeliveryError:
             await self._replace(channel)
             raise
+        self._answer(channel)
 
-    async def _replace(self, stale: AbstractChannel) -> None:
+    def _answer(self, channel: AbstractChannel) -> None:
+        if self.channel is channel:
+            self._unanswered_since = None
+
+    def _connected(self) -> bool:
+        """Whether the connection is up (a robust one that is reconnecting restores the
+        channel itself)."""
+        connected = getattr(self.connection, "connected", None)
+        return connected is None or connected.is_set()
+
+    async def _replace(self, stale: AbstractChannel) -> bool:
+        """A new channel in place of `stale`, unless another publish replaced it already; a
+        connection that drops meanwhile cancels the opening, which is a ConnectionError to
+        the caller as in `publish_confirmed`."""
         async with self._lock:
             if self.channel is not stale:
-                return  # another publish replaced it already
-            self.channel = await self.connection.channel(
-                publisher_confirms=True, on_return_raises=True
-            )
+                return False
+            try:
+                self.channel = await self.connection.channel(
+                    publisher_confirms=True, on_return_raises=True
+                )
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                raise ConnectionError("the connection closed while a channel opened") from None
+            self._fresh()
         with contextlib.suppress(Exception):
             await stale.close()
+        return True

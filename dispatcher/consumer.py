@@ -138,6 +138,24 @@ class Delivery:
         return True
 
 
+class ControlQueue(aio_pika.RobustQueue):
+    """The cancel queue, under a new name at every reconnection.
+
+    Its exclusive name stays locked as long as the cluster believes the old connection
+    alive, which for a frozen node lasts until the other nodes give up on it
+    (`net_ticktime`). Declared again under that name, it refused the whole reconnection
+    (RESOURCE_LOCKED), and the dispatcher consumed nothing until the node came back.
+    """
+
+    @staticmethod
+    def named(prefix: str) -> str:
+        return f"{prefix}.{uuid.uuid4().hex[:8]}"
+
+    async def restore(self, channel: Any = None) -> None:
+        self.name = self.named(self.name.rpartition(".")[0])
+        await super().restore(channel)
+
+
 class Broker:
     """The robust connection, its consume channel and its publish channel."""
 
@@ -248,12 +266,13 @@ class Broker:
         self, queue_name: str, hostname: str, callback: Callable[[AbstractIncomingMessage], Any]
     ) -> None:
         """Binds a queue of this process's own (exclusive, auto-delete: it goes with the
-        connection, and the robust connection declares and binds it again) to the service's
+        connection, and the robust connection declares and binds another) to the service's
         cancel exchange."""
         assert self.connection is not None
         channel = await self.connection.channel(publisher_confirms=False)
         exchange = await declare_control(channel, queue_name)
-        name = f"{control_exchange(queue_name)}.{hostname}.{uuid.uuid4().hex[:8]}"
+        channel.QUEUE_CLASS = ControlQueue
+        name = ControlQueue.named(f"{control_exchange(queue_name)}.{hostname}")
         queue = await channel.declare_queue(name, exclusive=True, auto_delete=True)
         await queue.bind(exchange)
         await queue.consume(callback, no_ack=True)

@@ -24,13 +24,16 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from conveyor import headers as h
 from conveyor.amqp import to_amqp
-from conveyor.connection import ConfirmingChannel
+from conveyor.connection import SILENT_CHANNEL, ConfirmingChannel
 from conveyor.events import MessageFormat, TaskEvent, encode_event
 from dispatcher.consumer import BROKER_ERRORS, Delivery
 
 log = logging.getLogger(__name__)
 
 _PERSISTENT = aio_pika.DeliveryMode.PERSISTENT
+# One attempt of `publish_reliably` waits this long for its confirm: the next attempt then
+# finds a channel the broker stopped answering silent, and publishes on a new one.
+ATTEMPT = SILENT_CHANNEL + 1.0
 
 
 class Publisher:
@@ -56,7 +59,7 @@ class Publisher:
         give_up = time.monotonic() + patience
         about = {"task_id": event.task_id, "kind": event.kind.value}
         try:
-            async with asyncio.timeout(patience):
+            async with asyncio.timeout(min(patience, ATTEMPT)):
                 await self._publish(message, self.out_queue)
             return True
         except (TimeoutError, *BROKER_ERRORS) as exc:
@@ -79,7 +82,7 @@ class Publisher:
         try:
             async for attempt in retrying:
                 with attempt:
-                    left = max(0.1, give_up - time.monotonic())
+                    left = max(0.1, min(give_up - time.monotonic(), ATTEMPT))
                     async with asyncio.timeout(left):
                         await self.publishing.ready()  # through a reconnection under way
                         await self._publish(message, self.out_queue)

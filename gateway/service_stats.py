@@ -1,9 +1,9 @@
 """What an operator sees of each service (SPEC §11.6): the admin API, the dashboard and the
 per-service gauges read the same figures from here.
 
-Every figure is bounded, so that it stays cheap with millions of finished rows: the live
-statuses (PENDING, IN_PROGRESS) are counted through partial indexes whose size follows the
-backlog; finished tasks only over the last hour, as index-only scans of `ix_tasks_finished`
+Every figure is bounded, so that it stays cheap with millions of finished rows: PENDING
+tasks are the counts the triggers keep (`task_backlog`, a few rows however deep the backlog),
+IN_PROGRESS ones are counted through a partial index whose size follows the running tasks; finished tasks only over the last hour, as index-only scans of `ix_tasks_finished`
 (which includes the outcome and the start date), and run-time percentiles over at most the
 newest `SAMPLE` of them. Throughput is counted in 5-minute buckets, each closed bucket once;
 a snapshot then reads only the last few minutes' rows. Counting every finished task ever kept would scan the whole history
@@ -43,8 +43,8 @@ _FIGURES = """
     SELECT s.name, s.queue_name, live.pending, live.running, due.oldest, runs.p50, runs.p95
     FROM services s
     CROSS JOIN LATERAL (
-        SELECT (SELECT count(*) FROM tasks t
-                WHERE t.service = s.name AND t.status = 'PENDING') AS pending,
+        SELECT (SELECT COALESCE(sum(b.pending), 0)::bigint FROM task_backlog b
+                WHERE b.service = s.name) AS pending,
                (SELECT count(*) FROM tasks t
                 WHERE t.service = s.name AND t.status = 'IN_PROGRESS') AS running
     ) live

@@ -12,6 +12,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -19,6 +20,7 @@ from conveyor.settings import DEFAULT_AMQP_URL, normalize_database_url
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
 from tests.support.servers import RabbitNode, rabbitmq_available
+from tests.support.tcpproxy import TcpProxy
 
 ADMIN_DB_URL = normalize_database_url(
     os.environ.get("CONVEYOR_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -140,6 +142,15 @@ def _remove_the_tests_services() -> Iterator[None]:
         except Exception as exc:  # cleanup only: the run's end sweeps what is left
             print(f"could not remove service {service.name}: {exc!r}")
     remove_due_topologies()  # those removed by earlier tests, now that their grace is over
+
+
+@pytest.fixture
+def amqp_proxy(amqp_url: str) -> Iterator[TcpProxy]:
+    """RabbitMQ behind a TCP proxy of the test's own, which it may sever, pause or orphan."""
+    upstream = urlsplit(amqp_url)
+    proxy = TcpProxy(upstream.hostname or "127.0.0.1", upstream.port or 5672)
+    yield proxy
+    proxy.close()
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -50,13 +49,6 @@ def svc(platform: Platform, amqp_url: str) -> Iterator[Service]:
     service = platform.service()
     yield service
     remove_service(platform, amqp_url, service)
-
-
-def _through(proxy: TcpProxy, amqp_url: str) -> str:
-    parts = urlsplit(amqp_url)
-    netloc = parts.netloc.rpartition("@")
-    auth = f"{netloc[0]}@" if netloc[1] else ""
-    return urlunsplit(parts._replace(netloc=f"{auth}127.0.0.1:{proxy.port}"))
 
 
 def _outbox_tasks(platform: Platform, service: str) -> set[str]:
@@ -104,15 +96,6 @@ def _seed_stranded_tasks(platform: Platform, svc: Service, count: int) -> set[st
     return {str(r[0]) for r in rows}
 
 
-@pytest.fixture
-def proxy(amqp_url: str) -> Iterator[TcpProxy]:
-    """RabbitMQ behind a TCP proxy the test can sever."""
-    upstream = urlsplit(amqp_url)
-    severable = TcpProxy(upstream.hostname or "127.0.0.1", upstream.port or 5672)
-    yield severable
-    severable.close()
-
-
 def _submit_during_outage(gw: GatewayProcess, svc: Service, count: int) -> list[str]:
     accepted = []
     with gw.http(svc.clients[0]) as http:
@@ -125,18 +108,18 @@ def _submit_during_outage(gw: GatewayProcess, svc: Service, count: int) -> list[
 
 @pytest.mark.timeout(90)
 def test_broker_outage_keeps_accepting_and_publishes_later(
-    proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
+    amqp_proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
 ) -> None:
     # A database of its own: no gateway but this one, cut off from the broker, may relay.
     with scratch_database(database_url) as url:
         platform = Platform(url)
         svc = platform.service()
         try:
-            gw = GatewayProcess(procs, gateway_env(url, _through(proxy, amqp_url)))
+            gw = GatewayProcess(procs, gateway_env(url, amqp_proxy.url(amqp_url)))
             wait_for_queues(amqp_url, queues_of(svc.queue_name))
             with gw.http() as http:
                 wait_until(lambda: http.get("/readyz").status_code == 200, what="gateway ready")
-            _outage(proxy, gw, svc, platform, amqp_url)
+            _outage(amqp_proxy, gw, svc, platform, amqp_url)
         finally:
             procs.stop_all()
             remove_service(platform, amqp_url, svc)
@@ -274,20 +257,20 @@ RELAY_BATCH = 200  # Outbox.batch: rows one relay pass claims at most
 
 @pytest.mark.timeout(150)
 def test_relay_neither_duplicates_a_slow_confirm_nor_spins_during_an_outage(
-    proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
+    amqp_proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
 ) -> None:
     with scratch_database(database_url) as url:
         platform = Platform(url)
         svc = platform.service()
         try:
             # Confirms may take up to 4 s: the relay must leave such a row to its fast path.
-            env = gateway_env(url, _through(proxy, amqp_url), CONVEYOR_PUBLISH_TIMEOUT="4")
+            env = gateway_env(url, amqp_proxy.url(amqp_url), CONVEYOR_PUBLISH_TIMEOUT="4")
             gw = GatewayProcess(procs, env)
             wait_for_queues(amqp_url, queues_of(svc.queue_name))
             with gw.http() as http:
                 wait_until(lambda: http.get("/readyz").status_code == 200, what="gateway ready")
-            _slow_confirm_is_published_once(proxy, gw, svc, platform, amqp_url)
-            _outage_backs_off_then_publishes_once(proxy, gw, svc, platform, amqp_url)
+            _slow_confirm_is_published_once(amqp_proxy, gw, svc, platform, amqp_url)
+            _outage_backs_off_then_publishes_once(amqp_proxy, gw, svc, platform, amqp_url)
         finally:
             procs.stop_all()
             remove_service(platform, amqp_url, svc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 
 class TcpProxy:
@@ -14,7 +15,9 @@ class TcpProxy:
     While severed, existing connections are reset and new ones are refused
     (accepted then closed at once), as a broker outage looks to a client.
     While paused, connections stay open but no byte goes through either way,
-    as a stalled server looks to a client.
+    as a stalled server looks to a client. `orphan()` resets the clients' side only: the
+    server keeps each connection open, as a cluster keeps a frozen node's connections
+    until it gives up on that node.
 
     With `more` upstreams it stands in for a Kubernetes Service in front of a cluster:
     each new connection goes to the next upstream that accepts one.
@@ -33,6 +36,8 @@ class TcpProxy:
         self._flowing.set()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._upstream: set[socket.socket] = set()
+        self._orphans: set[socket.socket] = set()  # upstream sides kept open by `orphan()`
         self._closed = False
         threading.Thread(target=self._accept_loop, daemon=True).start()
 
@@ -52,6 +57,7 @@ class TcpProxy:
             upstream.settimeout(None)
             with self._lock:
                 self._conns.update((client, upstream))
+                self._upstream.add(upstream)
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -78,6 +84,8 @@ class TcpProxy:
 
     def _drop(self, s: socket.socket) -> None:
         with self._lock:
+            if s in self._orphans:
+                return
             self._conns.discard(s)
         try:
             s.shutdown(socket.SHUT_RDWR)
@@ -92,6 +100,20 @@ class TcpProxy:
         for s in conns:
             self._drop(s)
 
+    def url(self, url: str) -> str:
+        """`url` (user, password, path and query kept) through this proxy."""
+        parts = urlsplit(url)
+        auth, at, _ = parts.netloc.rpartition("@")
+        return urlunsplit(parts._replace(netloc=f"{auth}{at}127.0.0.1:{self.port}"))
+
+    def orphan(self) -> None:
+        """Resets every client connection, and leaves its server side open and silent."""
+        with self._lock:
+            self._orphans.update(self._upstream)
+            clients = [s for s in self._conns if s not in self._upstream]
+        for s in clients:
+            self._drop(s)
+
     def restore(self) -> None:
         self._open.set()
 
@@ -104,5 +126,9 @@ class TcpProxy:
     def close(self) -> None:
         self._closed = True
         self.resume()
+        with self._lock:
+            orphans, self._orphans = self._orphans, set()
+        for s in orphans:
+            self._drop(s)
         self.sever()
         self._listener.close()

@@ -1,0 +1,129 @@
+"""Reconnections to a broker that did not close its side (SPEC §11.7), on the real RabbitMQ
+behind a TCP proxy:
+
+* a broker that stops answering without closing anything (a frozen node, a paused VM) is left
+  after about one heartbeat, as `CONVEYOR_AMQP_HEARTBEAT` documents, and the connection comes
+  back by itself once the broker answers again (the proxy pauses: no byte passes either way);
+* a dispatcher that reconnects while the broker still holds its old connection open (a
+  cluster that has not yet given up on a frozen node) hears cancels again: its exclusive
+  cancel queue is declared under a new name, where the old name stayed locked and refused
+  the whole reconnection (RESOURCE_LOCKED) until the node came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import aio_pika
+import pytest
+from aio_pika.abc import AbstractIncomingMessage
+from aiormq.exceptions import ChannelInvalidStateError
+
+from conveyor import topology
+from conveyor.connection import CONNECTION_ERRORS, connect, connect_robust
+from dispatcher.consumer import Broker
+from tests.support.tcpproxy import TcpProxy
+
+HEARTBEAT = 2  # seconds
+# RabbitMQ's own rule: a peer silent for two heartbeat frames (one every HEARTBEAT / 2) is
+# gone. Checked every HEARTBEAT / 2, so noticed at most HEARTBEAT + 1 + HEARTBEAT / 2 after
+# the last frame; one more second of slack for a loaded machine. aiormq's own default waited
+# three whole heartbeats plus three seconds, 9-10 s here.
+NOTICED_WITHIN = 2 * HEARTBEAT + 1.5
+# What a publish raises while the connection is down or its channel not yet restored.
+GONE: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, ChannelInvalidStateError)
+
+
+@pytest.mark.timeout(90)
+def test_a_silent_broker_is_left_after_a_heartbeat_and_rejoined_when_it_answers(
+    amqp_proxy: TcpProxy, amqp_url: str
+) -> None:
+    async def scenario() -> tuple[float, float]:
+        connection = await connect_robust(
+            amqp_proxy.url(amqp_url), name="heartbeat-test", heartbeat=HEARTBEAT
+        )
+        dropped = asyncio.Event()
+        connection.close_callbacks.add(lambda *_: dropped.set())
+        try:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+            await channel.default_exchange.publish(aio_pika.Message(b"before"), queue.name)
+
+            amqp_proxy.pause()
+            paused = time.monotonic()
+            await asyncio.wait_for(dropped.wait(), 30)
+            noticed = time.monotonic() - paused
+
+            amqp_proxy.resume()  # attempts made meanwhile hang in the proxy until their timeout
+            resumed = time.monotonic()
+            # The robust connection, its channel and its queue come back by themselves: a
+            # confirmed publish goes through again.
+            while True:
+                try:
+                    await asyncio.wait_for(
+                        channel.default_exchange.publish(aio_pika.Message(b"after"), queue.name),
+                        5,
+                    )
+                    break
+                except GONE:
+                    assert time.monotonic() - resumed < 45, "the connection never came back"
+                    await asyncio.sleep(0.2)
+            rejoined = time.monotonic() - resumed
+            message = await queue.get(timeout=5)
+            assert message.body == b"after"
+            return noticed, rejoined
+        finally:
+            amqp_proxy.resume()
+            await connection.close()
+
+    noticed, rejoined = asyncio.run(scenario())
+    print(f"silent broker noticed after {noticed:.1f} s, rejoined {rejoined:.1f} s after")
+    assert noticed <= NOTICED_WITHIN, f"a silent broker went unnoticed for {noticed:.1f} s"
+
+
+@pytest.mark.timeout(90)
+def test_a_dispatcher_hears_cancels_again_after_a_reconnection_the_broker_missed(
+    amqp_proxy: TcpProxy, amqp_url: str
+) -> None:
+    queue_name = f"reconnect-{uuid.uuid4().hex[:10]}"
+    exchange = topology.control_exchange(queue_name)
+
+    async def scenario() -> list[bytes]:
+        heard: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_cancel(message: AbstractIncomingMessage) -> None:
+            await heard.put(message.body)
+
+        # No heartbeat: the broker keeps the orphaned connection, however long the test takes.
+        broker = Broker(
+            amqp_proxy.url(amqp_url), "unused-in", "unused-out", 1, "reconnect-test", heartbeat=0
+        )
+        sender = await connect(amqp_url, name="reconnect-test sender")
+        try:
+            assert await broker.connect(asyncio.Event())
+            await broker.listen_for_cancels(queue_name, "pod", on_cancel)
+            channel = await sender.channel()
+            control = await channel.get_exchange(exchange)
+
+            async def cancel_heard(body: bytes, within: float) -> bytes:
+                deadline = time.monotonic() + within
+                while True:  # the cancel queue may not be bound yet: broadcast again
+                    await control.publish(aio_pika.Message(body), routing_key="")
+                    try:
+                        return await asyncio.wait_for(heard.get(), 1.0)
+                    except TimeoutError:
+                        assert time.monotonic() < deadline, f"{body!r} never heard"
+
+            first = await cancel_heard(b"before", 10)
+            amqp_proxy.orphan()  # the dispatcher's side drops; the broker's side stays open
+            second = await cancel_heard(b"after", 30)
+            return [first, second]
+        finally:
+            await broker.close()
+            channel = await sender.channel()
+            await channel.exchange_delete(exchange)
+            await sender.close()
+
+    assert asyncio.run(scenario()) == [b"before", b"after"]

@@ -312,11 +312,8 @@ class ConfirmingChannel:
 
     async def open(self) -> AbstractChannel:
         self.channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
-        self._fresh()
-        return self.channel
-
-    def _fresh(self) -> None:
         self._unanswered_since = None
+        return self.channel
 
     @property
     def silent(self) -> bool:
@@ -333,7 +330,8 @@ class ConfirmingChannel:
         """To a queue by name (the default exchange, `mandatory`: an unroutable message is an
         error), or to a named exchange (a broadcast: nobody listening is fine)."""
         channel = self.channel or await self.open()
-        if self.silent and self._connected():
+        # While a robust connection reconnects, it restores the channel itself.
+        if self.silent and self.connection.connected.is_set():
             if await self._replace(channel):
                 log.warning("publish channel silent; replaced", extra={"seconds": SILENT_CHANNEL})
             channel = self.channel or await self.open()
@@ -353,12 +351,6 @@ class ConfirmingChannel:
         if self.channel is channel:
             self._unanswered_since = None
 
-    def _connected(self) -> bool:
-        """Whether the connection is up (a robust one that is reconnecting restores the
-        channel itself)."""
-        connected = getattr(self.connection, "connected", None)
-        return connected is None or connected.is_set()
-
     async def _replace(self, stale: AbstractChannel) -> bool:
         """A new channel in place of `stale`, unless another publish replaced it already; a
         connection that drops meanwhile cancels the opening, which is a ConnectionError to
@@ -375,7 +367,7 @@ class ConfirmingChannel:
                 if task is not None and task.cancelling():
                     raise
                 raise ConnectionError("the connection closed while a channel opened") from None
-            self._fresh()
+            self._unanswered_since = None
         with contextlib.suppress(Exception):
             await stale.close()
         return True

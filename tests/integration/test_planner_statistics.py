@@ -162,9 +162,11 @@ def test_the_gateway_analyzes_what_autovacuum_leaves_alone(
                 ).fetchone()
             return row.last_analyze is not None
 
+        # Grown before the gateway starts: a running loop could analyze the rows before `_grow`
+        # saw them counted, and `_grow` would wait for a count the ANALYZE had already reset.
+        asyncio.run(grow())
         env = gateway_env(url, amqp_url, CONVEYOR_ANALYZE_INTERVAL="0.2")
         gateway = GatewayProcess(procs, env, "gateway-statistics")
-        asyncio.run(grow())
         deadline = time.monotonic() + 30
         while not asyncio.run(analyzed()):
             assert time.monotonic() < deadline, "the gateway never analyzed tasks"

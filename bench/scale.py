@@ -16,8 +16,9 @@ At each level, against one gateway process (concurrency 4, closed loop):
 * poll, PENDING task: `GET` of the backlog (the position count runs).
 
 And `EXPLAIN (ANALYZE, BUFFERS)` of the SQL in `gateway/store.py` (insert with
-its position subquery, poll, position, both capacity counts), stored in the
-result with a check that none of them reads `tasks` with a Seq Scan.
+its position subquery, poll, position, both capacity counts) and of the reaper's
+expiry pass, stored in the result with a check that none of them reads `tasks`
+with a Seq Scan.
 
 Target: p99 at 1 M <= 1.5 x p99 at 1 k.
 
@@ -189,7 +190,7 @@ def _psycopg_sql(statement: Any) -> str:
 
 
 def _queries() -> dict[str, Any]:
-    from gateway import store
+    from gateway import lifecycle, store
 
     return {
         "insert (with position)": store._INSERT,
@@ -197,6 +198,8 @@ def _queries() -> dict[str, Any]:
         "position": store._POSITION,
         "capacity, service": store._PENDING_SERVICE,
         "capacity, client": store._PENDING_CLIENT,
+        # not per request: every replica's reaper, every 30 s, whatever the backlog
+        "reaper pass (expiry)": lifecycle._EXPIRE,
     }
 
 
@@ -225,6 +228,7 @@ def _plan_params(database_url: str, service: BenchService) -> dict[str, Any]:
         "not_befores": [None],
         "traceparents": [None],
         "grace": 3.0,
+        "ttl": 86400.0,
         "id": pending[0],
         "get_task_id": pending[1],
     }
@@ -242,7 +246,8 @@ def explain(database_url: str, service: BenchService) -> dict[str, Any]:
 
     params = _plan_params(database_url, service)
     plans: dict[str, Any] = {}
-    with psycopg.connect(libpq(database_url)) as conn:
+    # JIT off, as on the gateway's connections (gateway.pgpool)
+    with psycopg.connect(libpq(database_url), options="-c jit=off") as conn:
         for name, statement in _queries().items():
             query = _psycopg_sql(statement)
             args = {**params, "task_id": params["get_task_id"]} if name == "poll" else params
@@ -343,7 +348,8 @@ def measure_deep_backlog(
             flush=True,
         )
     positions = {
-        name: plans[name]["execution_ms"] for name in ("insert (with position)", "position")
+        name: plans[name]["execution_ms"]
+        for name in ("insert (with position)", "position", "reaper pass (expiry)")
     }
     print(f"  execution ms: {positions}", flush=True)
     return {"pending": options.deep_backlog, **measured, "plans": plans}

@@ -41,6 +41,11 @@ from conveyor.coalescing import TurnBuffer
 
 log = logging.getLogger(__name__)
 
+# A dropped connection's next attempt, and each one after it while no node answers, comes
+# this long after the last. aio-pika's default is 5 s: publishes resumed up to 5 s after the
+# broker did (tests/integration/test_broker_reconnection.py). An attempt is cheap.
+RECONNECT_INTERVAL = 1.0
+
 # What a connection attempt to a node that is down, frozen or refusing raises.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
@@ -204,7 +209,7 @@ async def connect_robust(
     *,
     name: str,
     heartbeat: int | None = None,
-    reconnect_interval: float = 5.0,
+    reconnect_interval: float = RECONNECT_INTERVAL,
     timeout: float = 5.0,
 ) -> AbstractRobustConnection:
     """A robust connection to the first node that answers; raises the last error if none."""

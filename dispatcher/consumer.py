@@ -41,7 +41,6 @@ from conveyor.topology import control_exchange, declare_control
 
 log = logging.getLogger(__name__)
 
-RECONNECT_INTERVAL = 1.0
 # What a broker outage looks like to a caller (ChannelInvalidStateError is a RuntimeError).
 BROKER_ERRORS = (*aio_pika.exceptions.CONNECTION_EXCEPTIONS, TimeoutError)
 
@@ -242,7 +241,6 @@ class Broker:
                     self.url,
                     name=self.name,
                     heartbeat=self.heartbeat,
-                    reconnect_interval=RECONNECT_INTERVAL,
                 )
             except BROKER_ERRORS as exc:
                 log.warning("cannot connect to the broker; retrying", extra={"error": repr(exc)})

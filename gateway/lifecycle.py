@@ -385,6 +385,11 @@ _EXPIRE = """
                notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END,
                publish_at = NULL
          WHERE t.status = 'PENDING'
+           -- no task lives shorter than the shortest time to live: only rows older than that
+           -- are read (ix_tasks_pending_since), however deep the backlog
+           AND COALESCE(t.not_before, t.submission_date)
+               < now() - make_interval(secs => LEAST(%(ttl)s,
+                 (SELECT min(s.retention_seconds) FROM services s)))
            -- a task that waited for its time (run later) lives from that time on
            AND COALESCE(t.not_before, t.submission_date)
                < now() - make_interval(secs => LEAST(%(ttl)s,

@@ -135,10 +135,10 @@ tasks = Table(
         postgresql_where=text("status = 'PENDING'"),
         postgresql_include=["not_before"],
     ),
+    # what a PENDING task's age counts from: the reaper reads only those old enough (0009)
     Index(
-        "ix_tasks_pending_client",
-        "service",
-        "client_id",
+        "ix_tasks_pending_since",
+        text("COALESCE(not_before, submission_date)"),
         postgresql_where=text("status = 'PENDING'"),
     ),
     Index(

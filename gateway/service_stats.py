@@ -117,8 +117,6 @@ class ServiceStats:
         window = range(current - BUCKETS + 1, current + 1)
         since = min(b for b in window if b not in self._settled)
         async with self.pool.connection() as conn, conn.transaction():
-            # Its estimated cost wakes the JIT, whose compiling costs more than the query.
-            await conn.execute("SET LOCAL jit = off")
             rows = await (await conn.execute(_FIGURES, {"sample": SAMPLE})).fetchall()
             params = {"size": BUCKET_SECONDS, "since": since * BUCKET_SECONDS}
             bars = await (await conn.execute(_THROUGHPUT, params)).fetchall()

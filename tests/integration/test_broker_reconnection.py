@@ -1,5 +1,4 @@
-"""Reconnections to a broker that did not close its side (SPEC §11.7), on the real RabbitMQ
-behind a TCP proxy:
+"""Reconnections to the broker (SPEC §11.7), on the real RabbitMQ behind a TCP proxy:
 
 * a broker that stops answering without closing anything (a frozen node, a paused VM) is left
   after about one heartbeat, as `CONVEYOR_AMQP_HEARTBEAT` documents, and the connection comes
@@ -7,7 +6,9 @@ behind a TCP proxy:
 * a dispatcher that reconnects while the broker still holds its old connection open (a
   cluster that has not yet given up on a frozen node) hears cancels again: its exclusive
   cancel queue is declared under a new name, where the old name stayed locked and refused
-  the whole reconnection (RESOURCE_LOCKED) until the node came back.
+  the whole reconnection (RESOURCE_LOCKED) until the node came back;
+* a connection the broker refused for a while publishes again within about a second of the
+  broker's return (aio-pika's own interval between attempts is 5 s).
 """
 
 from __future__ import annotations
@@ -36,6 +37,28 @@ NOTICED_WITHIN = 2 * HEARTBEAT + 1.5
 GONE: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, ChannelInvalidStateError)
 
 
+async def _published_once_back(
+    channel: aio_pika.abc.AbstractChannel,
+    queue: aio_pika.abc.AbstractQueue,
+    body: bytes,
+    patience: float,
+) -> float:
+    """Publishes `body` until the broker confirms it, and reads it back; the seconds taken."""
+    since = time.monotonic()
+    while True:
+        try:
+            await asyncio.wait_for(
+                channel.default_exchange.publish(aio_pika.Message(body), queue.name), 5
+            )
+            break
+        except GONE:
+            assert time.monotonic() - since < patience, "the connection never came back"
+            await asyncio.sleep(0.05)
+    taken = time.monotonic() - since
+    assert (await queue.get(timeout=5)).body == body
+    return taken
+
+
 @pytest.mark.timeout(90)
 def test_a_silent_broker_is_left_after_a_heartbeat_and_rejoined_when_it_answers(
     amqp_proxy: TcpProxy, amqp_url: str
@@ -57,22 +80,9 @@ def test_a_silent_broker_is_left_after_a_heartbeat_and_rejoined_when_it_answers(
             noticed = time.monotonic() - paused
 
             amqp_proxy.resume()  # attempts made meanwhile hang in the proxy until their timeout
-            resumed = time.monotonic()
             # The robust connection, its channel and its queue come back by themselves: a
             # confirmed publish goes through again.
-            while True:
-                try:
-                    await asyncio.wait_for(
-                        channel.default_exchange.publish(aio_pika.Message(b"after"), queue.name),
-                        5,
-                    )
-                    break
-                except GONE:
-                    assert time.monotonic() - resumed < 45, "the connection never came back"
-                    await asyncio.sleep(0.2)
-            rejoined = time.monotonic() - resumed
-            message = await queue.get(timeout=5)
-            assert message.body == b"after"
+            rejoined = await _published_once_back(channel, queue, b"after", patience=45)
             return noticed, rejoined
         finally:
             amqp_proxy.resume()
@@ -127,3 +137,29 @@ def test_a_dispatcher_hears_cancels_again_after_a_reconnection_the_broker_missed
             await sender.close()
 
     assert asyncio.run(scenario()) == [b"before", b"after"]
+
+
+@pytest.mark.timeout(90)
+def test_a_connection_is_back_within_about_a_second_of_the_broker(
+    amqp_proxy: TcpProxy, amqp_url: str
+) -> None:
+    """The one connection factory, as the gateway and the dispatcher call it: once the broker
+    accepts connections again, publishes go through within a reconnect interval (1 s), not
+    aio-pika's 5 s. The broker refuses for 6 s, so that attempts failed meanwhile."""
+
+    async def scenario() -> float:
+        connection = await connect_robust(amqp_proxy.url(amqp_url), name="reconnect-interval")
+        try:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+            amqp_proxy.sever()
+            await asyncio.sleep(6)
+            amqp_proxy.restore()
+            return await _published_once_back(channel, queue, b"back", patience=30)
+        finally:
+            amqp_proxy.restore()
+            await connection.close()
+
+    back = asyncio.run(scenario())
+    print(f"publishing again {back:.2f} s after the broker came back")
+    assert back <= 2.5, f"publishes resumed {back:.1f} s after the broker"

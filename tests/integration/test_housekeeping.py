@@ -6,6 +6,7 @@ tasks, so that its exact counts are known and no other test's rows are touched.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -15,6 +16,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from gateway import lifecycle
+from gateway.pgpool import connect
 from tests.support.amqp import remove_service, scratch_database, wait_until
 from tests.support.gateway import GatewayProcess, Platform, Service
 from tests.support.processes import REPO
@@ -233,3 +236,53 @@ def test_pending_tasks_of_a_deleted_service_expire_too(
         return rows[0][0]
 
     wait_until(lambda: status() == "FAILURE", timeout=10, what="task of a deleted service reaped")
+
+
+async def _expire_reading_only_the_old(url: str) -> None:
+    """A deep young backlog, and a few PENDING tasks each past what bounds its life."""
+    async with await connect(url) as conn:
+        await conn.execute(
+            "INSERT INTO services (name, queue_name, retention_seconds)"
+            " VALUES ('short', 'short-in', 60), ('long', 'long-in', 7 * 86400)"
+        )
+        await conn.execute(
+            """INSERT INTO tasks (task_id, client_id, service, request, status, submission_date,
+                                  not_before)
+               SELECT gen_random_uuid(), 'c1', s, '{}'::jsonb, 'PENDING', now() - age, later
+                 FROM (VALUES
+                   ('long', interval '0 s', NULL::timestamptz, 5000, 'young'),
+                   ('long', interval '2 days', NULL, 3, 'past the TTL'),
+                   ('gone', interval '2 days', NULL, 2, 'a deleted service: the TTL'),
+                   ('long', interval '2 days', now() + interval '1 hour', 4, 'waits its time'),
+                   ('long', interval '3 days', now() - interval '2 days', 5, 'due long ago'),
+                   ('short', interval '2 minutes', NULL, 6, 'past its retention'),
+                   ('short', interval '10 s', NULL, 7, 'within its retention')
+                 ) AS r(s, age, later, n, what), generate_series(1, r.n)"""
+        )
+        read = (
+            "SELECT seq_tup_read AS seq, COALESCE(idx_tup_fetch, 0) AS fetched"
+            " FROM pg_stat_xact_user_tables WHERE relname = 'tasks'"
+        )
+        async with conn.transaction():
+            before = await (await conn.execute(read)).fetchone()
+            expired = await lifecycle.expire_pending(conn, DAY)
+            after = await (await conn.execute(read)).fetchone()
+        assert expired == {"long": 3 + 5, "gone": 2, "short": 6}
+        left = await (
+            await conn.execute(
+                "SELECT service, count(*) AS n FROM tasks WHERE status = 'PENDING'"
+                " GROUP BY service ORDER BY service"
+            )
+        ).fetchall()
+        assert [(r.service, r.n) for r in left] == [("long", 5000 + 4), ("short", 7)]
+        # Only the rows older than the shortest life (60 s) were read: not the young backlog.
+        assert after.seq == before.seq
+        assert after.fetched - before.fetched <= 3 + 2 + 5 + 6 + 4, (before, after)
+        # Nor does it compile the statement: at a million rows, JIT was most of a pass.
+        assert (await (await conn.execute("SHOW jit")).fetchone()).jit == "off"
+
+
+@pytest.mark.timeout(60)
+def test_the_reaper_reads_only_the_pending_tasks_old_enough_to_expire(database_url: str) -> None:
+    with scratch_database(database_url) as url:
+        asyncio.run(_expire_reading_only_the_old(url))

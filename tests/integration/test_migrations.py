@@ -28,7 +28,7 @@ TABLES = {
 }
 INDEXES = {
     "ix_tasks_pending",
-    "ix_tasks_pending_client",
+    "ix_tasks_pending_since",
     "ux_tasks_idempotency",
     "ix_tasks_notify",
     "ix_tasks_finished",

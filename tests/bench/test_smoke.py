@@ -100,6 +100,7 @@ def test_scale_benchmark_runs(tmp_path: Path) -> None:
         "position",
         "capacity, service",
         "capacity, client",
+        "reaper pass (expiry)",
     }
     assert all(plan["nodes"] for plan in level["plans"].values())
     deep = result["deep_backlog"]  # the backlog grew to 2,000 PENDING: submit and poll again

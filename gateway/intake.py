@@ -12,7 +12,8 @@ only as fast as requests pile up behind a busy database.
 A service has one batch in writing at a time: the statement counts the task's
 position among the PENDING rows it can see, and two batches of one service in
 flight together cannot see each other's rows (both answered position 1, found
-by tests/integration/test_intake.py in CI).
+by tests/integration/test_intake.py in CI). Across gateway replicas the service's
+lock does the same (`store.insert_in_turn`); within a process it never waits.
 
 Each request still gets its own answer and its own outcome: a batch that the
 database refuses for a reason of its own (not a lost connection) is retried one
@@ -26,7 +27,7 @@ import functools
 import logging
 
 from gateway.pgpool import CONNECTION_ERRORS, Pool
-from gateway.store import Accepted, NewTask, insert_many
+from gateway.store import Accepted, NewTask, insert_in_turn
 
 log = logging.getLogger("conveyor.gateway.intake")
 
@@ -95,8 +96,7 @@ class Intake:
             _settle(future, result=result)
 
     async def _insert(self, tasks: list[NewTask]) -> list[Accepted]:
-        async with self.pool.connection() as conn:  # autocommit: the statement is the commit
-            return await insert_many(conn, tasks, self.grace)
+        return await insert_in_turn(self.pool, tasks, self.grace)
 
     async def close(self) -> None:
         """Lets the batches being written finish (their requests are waiting for them)."""

@@ -2,15 +2,19 @@
 
 A task is accepted once its row is committed; the row is its own outbox entry
 (`publish_at`: when the relay may publish it, should the fast path not have), and
-publishing happens after the commit (see `outbox`). Capacity must
-hold under concurrency, so a service with a capacity serializes its own
-submissions on a transaction-scoped advisory lock: the count and the insert
-then see each other. Services without a capacity take no lock at all.
+publishing happens after the commit (see `outbox`).
+
+A service's submissions are written one transaction at a time, across every gateway
+replica, on a transaction-scoped advisory lock (`_LOCK`): the capacity counts and a new
+task's `taskPosition` then see every task committed before it. (Two replicas inserting at
+once could not see each other's rows, and both answered the same position.) Within one
+process the intake already writes one batch per service at a time, so the lock only ever
+waits for another replica.
 
 This is the API's hot path, so it runs on raw psycopg connections in
 autocommit mode (`gateway.pgpool`): the common submission (no capacity, no
-Idempotency-Key) is one statement, hence one atomic commit and one round trip;
-the others run their statements in an explicit transaction.
+Idempotency-Key) goes through the intake, whose lock, insert and commit leave in one
+round trip (`insert_in_turn`); the others run their statements in an explicit transaction.
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ def _position(row_id: str) -> str:
           AND p.not_before <= now() AND p.id <= {row_id})"""
 
 
+# One writer of a service's tasks at a time (see the module's docstring); the statement after
+# it takes its snapshot once the lock is held, so it sees the previous writer's commit.
 _LOCK = "SELECT pg_advisory_xact_lock(hashtext('conveyor.capacity'), hashtext(%(service)s))"
 # The backlog as `task_backlog` keeps it (migration 0008): a few rows, however deep it is.
 _PENDING_SERVICE = (
@@ -178,8 +184,7 @@ async def _create(
     # submission then sees it committed, and answers it rather than counting it against capacity.
     first = tasks[0]
     limited = first.access.service.capacity is not None or first.access.client_capacity is not None
-    if limited:
-        await conn.execute(_LOCK, {"service": first.access.service.name})
+    await conn.execute(_LOCK, {"service": first.access.service.name})
     if first.idempotency_key is not None:
         found = await repeat(conn, tasks)
         if found is not None:
@@ -229,11 +234,26 @@ def _single_statement(new: NewTask) -> bool:
 async def insert_many(
     conn: AsyncConnection[Any], tasks: list[NewTask], grace: float
 ) -> list[Accepted]:
-    """Inserts tasks of one service, to be published, in one statement; answers in input
-    order."""
+    """Inserts tasks of one service, to be published, in one statement, in a transaction
+    that holds the service's `_LOCK`; answers in input order."""
+    ids, params = _insert_params(tasks, grace)
+    return _accepted(ids, await (await conn.execute(_INSERT, params)).fetchall())
+
+
+async def insert_in_turn(pool: Pool, tasks: list[NewTask], grace: float) -> list[Accepted]:
+    """The intake's insert: the service's lock, the insert and the commit in one round trip
+    (`Pool.batch`); answers in input order."""
+    ids, params = _insert_params(tasks, grace)
+    async with pool.batch() as conn:
+        await conn.execute(_LOCK, params)
+        inserted = await conn.execute(_INSERT, params)
+    return _accepted(ids, await inserted.fetchall())
+
+
+def _insert_params(tasks: list[NewTask], grace: float) -> tuple[list[uuid.UUID], dict[str, Any]]:
     service = tasks[0].access.service.name
     if any(t.access.service.name != service for t in tasks):
-        raise ValueError("insert_many takes the tasks of one service")
+        raise ValueError("an insert takes the tasks of one service")
     ids = [uuid.uuid4() for _ in tasks]
     params = {
         "service": service,
@@ -246,7 +266,10 @@ async def insert_many(
         "traceparents": [t.traceparent for t in tasks],
         "grace": grace,
     }
-    rows = await (await conn.execute(_INSERT, params)).fetchall()
+    return ids, params
+
+
+def _accepted(ids: list[uuid.UUID], rows: list[Any]) -> list[Accepted]:
     by_id = {row.task_id: row for row in rows}
     return [Accepted(i, by_id[i].position, True, by_id[i].row_id, by_id[i].delayed) for i in ids]
 

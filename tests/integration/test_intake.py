@@ -2,7 +2,8 @@
 
 Concurrent submissions to several services pile up behind the database and are
 written in batches, one statement per service: every task must land in its own
-service, and each service's positions must count only its own queue.
+service, and each service's positions must count only its own queue, each task once, also
+when two gateway replicas take submissions for one service at the same moment.
 """
 
 from __future__ import annotations
@@ -11,15 +12,20 @@ import asyncio
 
 import httpx
 
-from tests.support.gateway import GatewayProcess, Platform
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.processes import Processes
 
 PER_SERVICE = 40
 
 
 async def _submit_all(
-    gateway: GatewayProcess, services: list, per_service: int = PER_SERVICE
+    gateway: GatewayProcess,
+    services: list,
+    per_service: int = PER_SERVICE,
+    replica: GatewayProcess | None = None,
 ) -> list[tuple[str, str, int]]:
-    """All submissions at once, the services interleaved: (service, taskId, position)."""
+    """All submissions at once, the services interleaved: (service, taskId, position); with a
+    `replica`, every other submission goes to it."""
 
     async def one(client: httpx.AsyncClient, service: str) -> tuple[str, str, int]:
         answer = await client.post(gateway.tasks_url(service), json={"body": {"n": 1}})
@@ -27,12 +33,18 @@ async def _submit_all(
         data = answer.json()["data"]
         return service, data["taskId"], data["taskPosition"]
 
+    gateways = [gateway] if replica is None else [gateway, replica]
     clients = {
-        svc.name: httpx.AsyncClient(base_url=gateway.url, auth=svc.clients[0].auth, timeout=30)
+        (svc.name, g.url): httpx.AsyncClient(base_url=g.url, auth=svc.clients[0].auth, timeout=30)
         for svc in services
+        for g in gateways
     }
     try:
-        jobs = [one(clients[svc.name], svc.name) for _ in range(per_service) for svc in services]
+        jobs = [
+            one(clients[svc.name, gateways[i % len(gateways)].url], svc.name)
+            for i in range(per_service)
+            for svc in services
+        ]
         return await asyncio.gather(*jobs)
     finally:
         for client in clients.values():
@@ -70,4 +82,23 @@ def test_a_burst_to_one_service_numbers_each_task_once(
     for _ in range(3):
         svc = platform.service()
         created = asyncio.run(_submit_all(gateway, [svc], per_service=120))
+        assert sorted(p for _, _, p in created) == list(range(1, 121))
+
+
+def test_two_replicas_number_one_service_s_tasks_once(
+    gateway: GatewayProcess,
+    platform: Platform,
+    database_url: str,
+    amqp_url: str,
+    procs: Processes,
+) -> None:
+    """Each replica writes one batch of a service at a time, but two replicas wrote theirs
+    together: neither saw the other's rows, and both answered the same positions. The
+    service's lock makes the second wait for the first's commit."""
+    replica = GatewayProcess(
+        procs, gateway_env(database_url, amqp_url), "gateway-replica", "--no-background"
+    )
+    for _ in range(3):
+        svc = platform.service()
+        created = asyncio.run(_submit_all(gateway, [svc], per_service=120, replica=replica))
         assert sorted(p for _, _, p in created) == list(range(1, 121))

@@ -5,11 +5,13 @@ every entry unchanged and writes nothing. A plaintext secret in the file is
 re-hashed only when it no longer matches the stored hash. A client's grants
 become exactly those listed for it; services and clients missing from the file
 are left alone (delete them explicitly), so a partial file is never
-destructive.
+destructive. Clients are never operators (SPEC §11.6): an id held by one kind
+is refused as the other, here and in `create_client`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,11 +78,41 @@ async def upsert_service(conn: AsyncConnection[Any], spec: ServiceSpec) -> Chang
     return Change("service", spec.name, action)
 
 
+async def message_formats(
+    conn: AsyncConnection[Any], names: Sequence[str]
+) -> dict[str, MessageFormat]:
+    """The stored messageFormat of those of these services that exist: what a refused
+    topology is compared with to tell a format change from other conflicts."""
+    cursor = await conn.execute(
+        "SELECT name, message_format FROM services WHERE name = ANY(%s)", (list(names),)
+    )
+    return {row.name: MessageFormat(row.message_format) for row in await cursor.fetchall()}
+
+
 # Clients and operators are kept apart: each table is the only one its API reads.
 _PRINCIPALS = {"client": ("clients", "client_id"), "operator": ("operators", "operator_id")}
+_ARTICLE = {"client": "a client", "operator": "an operator"}
+_OTHER = {"client": "operator", "operator": "client"}
+
+# Held to the end of the transaction by every command that writes clients or operators, taken
+# before anything else: two concurrent commands cannot both find an id free and make it a
+# client in one table and an operator in the other.
+_PRINCIPALS_LOCK = "SELECT pg_advisory_xact_lock(hashtext('conveyor.principals'))"
 
 
-async def _stored_hash(conn: AsyncConnection[Any], ident: str, kind: str = "client") -> str | None:
+async def _own_hash(conn: AsyncConnection[Any], ident: str, kind: str) -> str | None:
+    """`ident`'s stored hash as a `kind`; an id the other kind holds is refused (SPEC §11.6)."""
+    other = _OTHER[kind]
+    if await _stored_hash(conn, ident, other) is not None:
+        way_out = f" or `conveyor admin client delete {ident}` first" if other == "client" else ""
+        raise PlatformError(
+            f"{ident} is {_ARTICLE[other]} already and cannot be {_ARTICLE[kind]} too"
+            f" (clients are never operators): choose another id{way_out}"
+        )
+    return await _stored_hash(conn, ident, kind)
+
+
+async def _stored_hash(conn: AsyncConnection[Any], ident: str, kind: str) -> str | None:
     table, column = _PRINCIPALS[kind]
     cursor = await conn.execute(
         f"SELECT secret_hash FROM {table} WHERE {column} = %s",  # table and column: fixed names
@@ -104,7 +136,7 @@ def _hash_for(spec: OperatorSpec, stored: str | None) -> str:
 
 
 async def upsert_client(conn: AsyncConnection[Any], spec: ClientSpec) -> Change:
-    stored = await _stored_hash(conn, spec.id)
+    stored = await _own_hash(conn, spec.id, "client")
     wanted = _hash_for(spec, stored)
     action = "unchanged"
     if stored is None:
@@ -133,7 +165,7 @@ async def _set_secret_hash(
 
 
 async def upsert_operator(conn: AsyncConnection[Any], spec: OperatorSpec) -> Change:
-    stored = await _stored_hash(conn, spec.id, "operator")
+    stored = await _own_hash(conn, spec.id, "operator")
     wanted = _hash_for(spec, stored)
     if stored == wanted:
         return Change("operator", spec.id, "unchanged")
@@ -160,6 +192,7 @@ async def _set_grants(conn: AsyncConnection[Any], spec: ClientSpec) -> bool:
 async def apply(conn: AsyncConnection[Any], spec: PlatformSpec) -> list[Change]:
     """The whole file in one transaction: a refused entry leaves nothing half-applied."""
     async with conn.transaction():
+        await conn.execute(_PRINCIPALS_LOCK)
         changes = [await upsert_service(conn, s) for s in spec.services]
         cursor = await conn.execute("SELECT name FROM services")
         known = {row.name for row in await cursor.fetchall()}
@@ -179,7 +212,8 @@ async def apply(conn: AsyncConnection[Any], spec: PlatformSpec) -> list[Change]:
 
 async def create_client(conn: AsyncConnection[Any], client_id: str) -> str:
     """Creates a client with a generated secret, returned once and never stored in clear."""
-    if await _stored_hash(conn, client_id) is not None:
+    await conn.execute(_PRINCIPALS_LOCK)
+    if await _own_hash(conn, client_id, "client") is not None:
         raise PlatformError(f"client {client_id} already exists")
     secret = generate_secret()
     await _set_secret_hash(conn, client_id, hash_secret(secret))

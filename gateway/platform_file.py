@@ -117,6 +117,7 @@ class PlatformSpec(BaseModel):
 
     @model_validator(mode="after")
     def _references(self) -> PlatformSpec:
+        """Each name once; one id is a client or an operator, never both (SPEC §11.6)."""
         names = [s.name for s in self.services]
         if len(set(names)) != len(names):
             raise ValueError("a service is declared twice")
@@ -127,17 +128,25 @@ class PlatformSpec(BaseModel):
             twice = sorted({i for i in ids if ids.count(i) > 1})
             if twice:
                 raise ValueError(f"{kind} declared twice: {', '.join(twice)}")
+        both = sorted({c.id for c in self.clients} & {o.id for o in self.operators})
+        if both:
+            raise ValueError(
+                f"both a client and an operator: {', '.join(both)} (clients are never operators)"
+            )
         return self
 
 
 def _describe(error: ValidationError) -> str:
+    """One line per error, in the file's terms: our own checks' words without pydantic's
+    "Value error, " prefix, and no empty location for the checks of the whole file."""
     lines = []
     for e in error.errors():
         where = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown key '{e['loc'][-1]}' at {where}")
-        else:
-            lines.append(f"{where}: {e['msg']}")
+            continue
+        message = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
+        lines.append(f"{where}: {message}" if where else message)
     return "; ".join(lines)
 
 

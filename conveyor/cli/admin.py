@@ -5,13 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
 from conveyor.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from aio_pika.abc import AbstractConnection
+
+    from conveyor.events import MessageFormat
+    from gateway.platform_file import ServiceSpec
 
 app = typer.Typer(help="Declare services, clients and grants.", no_args_is_help=True)
 service_app = typer.Typer(help="Services.", no_args_is_help=True)
@@ -45,27 +51,109 @@ def _run(action: Callable[[Any], Awaitable[T]]) -> T:
     raise AssertionError("unreachable")
 
 
-async def _declare(specs: list[Any]) -> None:
+def _declaring(
+    action: Callable[[Any], Awaitable[T]], specs: Sequence[ServiceSpec]
+) -> Callable[[Any], Awaitable[T]]:
+    """`action`, then the topology of `specs`, in `action`'s transaction (see `_run`).
+
+    Declared before the commit, so a topology RabbitMQ refuses (or an unreachable broker)
+    rolls the whole action back: the database never says what the broker refused, and a
+    gateway never reads a service whose queues could not be declared. Should the commit
+    itself fail, the queues stay declared and empty; applying again adopts them.
+    """
+    from gateway import admin
+
+    async def run(conn: Any) -> T:
+        before = await admin.message_formats(conn, [spec.name for spec in specs])
+        result = await action(conn)
+        await _declare(specs, before)
+        return result
+
+    return run
+
+
+async def _declare(specs: Sequence[ServiceSpec], before: dict[str, MessageFormat]) -> None:
+    """Declares the services' queues; a refusal is a PlatformError naming the service.
+
+    RabbitMQ declarations are not transactional, so the services that have queues already,
+    the only ones the broker can refuse, go first: when one is refused, no new service of
+    the same file has had its queues made yet.
+    """
     from conveyor import topology
     from conveyor.connection import connect
+    from gateway.platform_file import PlatformError
 
+    if not specs:
+        return
     settings = GatewaySettings()
-    connection = await connect(
-        settings.amqp_url, name="conveyor admin", heartbeat=settings.amqp_heartbeat
-    )
-    async with connection:
-        channel = await connection.channel()
-        for spec in specs:
-            await topology.declare_service(
-                channel, spec.queue, spec.messageFormat, settings.delivery_limit
-            )
-
-
-def _declare_or_fail(specs: list[Any]) -> None:
     try:
-        asyncio.run(_declare(specs))
+        connection = await connect(
+            settings.amqp_url, name="conveyor admin", heartbeat=settings.amqp_heartbeat
+        )
     except Exception as exc:
-        _fail(f"could not declare queues on RabbitMQ: {exc}")
+        raise PlatformError(
+            f"could not reach RabbitMQ to declare the queues ({exc}); nothing was applied"
+            " (--no-declare applies without declaring)"
+        ) from None
+    async with connection:
+        present = {spec.name: await _has_queues(connection, spec.queue) for spec in specs}
+        channel = await connection.channel()
+        for spec in sorted(specs, key=lambda spec: not present[spec.name]):
+            try:
+                await topology.declare_service(
+                    channel, spec.queue, spec.messageFormat, settings.delivery_limit
+                )
+            except Exception as exc:
+                raise PlatformError(_refused(spec, before.get(spec.name), exc)) from None
+
+
+async def _has_queues(connection: AbstractConnection, queue_name: str) -> bool:
+    """Whether any queue of `queue_name` exists: passive declares, each miss closing its
+    channel (RabbitMQ answers NOT_FOUND by closing it)."""
+    import aiormq.exceptions
+
+    from conveyor import topology
+
+    for name in (
+        topology.dead_letter_queue(queue_name),
+        topology.in_queue(queue_name),
+        topology.out_queue(queue_name),
+    ):
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            continue
+        await channel.close()
+        return True
+    return False
+
+
+def _refused(spec: ServiceSpec, before: MessageFormat | None, exc: Exception) -> str:
+    """RabbitMQ's reason, and for a queue type conflict what the operator can do instead."""
+    from conveyor.events import MessageFormat
+
+    message = f"service {spec.name}: RabbitMQ refused its queues ({exc}); nothing was applied"
+    if "x-queue-type" not in str(exc):
+        return message
+    if before is not None and before is not spec.messageFormat:
+        return (
+            f"{message}. A queue's type cannot change in place (cloudevents services have"
+            f" quorum queues, legacy ones classic queues), so messageFormat cannot go from"
+            f" {before.value} to {spec.messageFormat.value} while the service's queues exist,"
+            " and no command converts them: keep the format, or drain those queues and give"
+            " the service a new queueName"
+        )
+    if before is MessageFormat.CLOUDEVENTS:
+        return (
+            f"{message}. A queue's type cannot change in place: an older installation's"
+            " classic -out and -dlq are moved over by `conveyor admin migrate-queues`"
+            " (docs/scale.md)"
+        )
+    return (
+        f"{message}. A queue's type cannot change in place, and queues of that name exist"
+        " with another type: give the service another queueName"
+    )
 
 
 @app.command("apply")
@@ -73,7 +161,11 @@ def apply_file(
     file: Path = typer.Option(..., "-f", "--file", help="platform.yaml, or - for stdin"),
     declare: bool = typer.Option(True, help="Declare the services' RabbitMQ queues"),
 ) -> None:
-    """Apply a platform file. Idempotent: applying it again changes nothing."""
+    """Apply a platform file. Idempotent: applying it again changes nothing.
+
+    All or nothing: the file is one transaction, committed only once RabbitMQ has
+    accepted every service's queues.
+    """
     from gateway import admin
     from gateway.platform_file import PlatformError, load
 
@@ -83,9 +175,8 @@ def apply_file(
     except (OSError, PlatformError) as exc:
         _fail(str(exc))
 
-    changes = _run(lambda conn: admin.apply(conn, spec))
-    if declare:
-        _declare_or_fail(spec.services)
+    services = spec.services if declare else []
+    changes = _run(_declaring(lambda conn: admin.apply(conn, spec), services))
     for change in changes:
         typer.echo(str(change))
 
@@ -119,8 +210,7 @@ def service_create(
         )
     except (ValidationError, OSError, json.JSONDecodeError) as exc:
         _fail(str(exc))
-    typer.echo(str(_run(lambda conn: admin.upsert_service(conn, spec))))
-    _declare_or_fail([spec])
+    typer.echo(str(_run(_declaring(lambda conn: admin.upsert_service(conn, spec), [spec]))))
 
 
 @service_app.command("list")

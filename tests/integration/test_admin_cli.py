@@ -33,18 +33,20 @@ from tests.support.amqp import (
     wait_for_queues,
 )
 from tests.support.gateway import GatewayProcess, Platform, Service, run_sync
-from tests.support.processes import REPO
+from tests.support.processes import REPO, free_port
 
 AUTH_CACHE_TTL = 2.0  # CONVEYOR_AUTH_CACHE_TTL in gateway_env
 
 
 @pytest.fixture
 def cli(database_url: str, amqp_url: str) -> Any:
-    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, check: bool = True, amqp: str = amqp_url
+    ) -> subprocess.CompletedProcess[str]:
         env = {
             **os.environ,
             "CONVEYOR_DATABASE_URL": database_url,
-            "CONVEYOR_AMQP_URL": amqp_url,
+            "CONVEYOR_AMQP_URL": amqp,
             "CONVEYOR_LOG_FORMAT": "json",
         }
         done = subprocess.run(
@@ -220,6 +222,144 @@ def test_an_operator_declared_twice_is_refused(cli: Any, tmp_path: Path) -> None
     done = cli("apply", "-f", str(_write(tmp_path, twice)), check=False)
     assert done.returncode != 0
     assert "operator declared twice: op-a" in done.stderr
+
+
+def _row(platform: Platform, table: str, column: str, ident: str) -> list[Any]:
+    """The row of `ident` in clients or operators (fixed names), empty when there is none."""
+    return platform.sql(f"SELECT 1 FROM {table} WHERE {column} = %(i)s", {"i": ident})
+
+
+@pytest.mark.timeout(90)
+def test_a_topology_rabbitmq_refuses_applies_nothing_of_the_file(
+    cli: Any, tmp_path: Path, platform: Platform, amqp_url: str, names: list[str]
+) -> None:
+    """cloudevents -> legacy wants a classic `-out` where a quorum one exists: RabbitMQ refuses.
+
+    The whole file is one transaction (gateway/admin.py): the refused service keeps its old
+    row, and the file's other entries, a new service listed before it included, are not
+    written, nor are that new service's queues declared.
+    """
+    service, added, client = _unique("adm-fmt"), _unique("adm-fmt-new"), _unique("adm-client")
+    names += [service, added]
+    cli("apply", "-f", str(_write(tmp_path, {"services": [{"name": service}]})))
+    switched = {
+        "services": [{"name": added}, {"name": service, "messageFormat": "legacy"}],
+        "clients": [{"id": client, "secret": "client-secret", "grants": [{"service": added}]}],
+    }
+
+    done = cli("apply", "-f", str(_write(tmp_path, switched)), check=False)
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert platform.sql(
+        "SELECT message_format FROM services WHERE name = %(n)s", {"n": service}
+    ) == [("cloudevents",)]
+    assert platform.sql("SELECT 1 FROM services WHERE name = %(n)s", {"n": added}) == []
+    assert _row(platform, "clients", "client_id", client) == []
+    assert [message_count(amqp_url, q) for q in queues_of(added)] == [None, None, None]
+    _assert_quorum_in_queue(amqp_url, service)
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert f"service {service}" in done.stderr and "x-queue-type" in done.stderr
+    assert "cannot change in place" in done.stderr and "nothing was applied" in done.stderr
+
+
+@pytest.mark.timeout(90)
+def test_service_create_refused_by_rabbitmq_keeps_the_old_row(
+    cli: Any, platform: Platform, names: list[str]
+) -> None:
+    service = _unique("adm-fmt-one")
+    names.append(service)
+    cli("service", "create", service)
+
+    done = cli("service", "create", service, "--format", "legacy", check=False)
+
+    assert done.returncode == 1
+    assert platform.sql(
+        "SELECT message_format FROM services WHERE name = %(n)s", {"n": service}
+    ) == [("cloudevents",)]
+    assert "Traceback" not in done.stderr
+    assert f"service {service}" in done.stderr and "cannot change in place" in done.stderr
+
+
+def test_apply_without_rabbitmq_applies_nothing_unless_told_not_to_declare(
+    cli: Any, tmp_path: Path, platform: Platform, names: list[str]
+) -> None:
+    service = _unique("adm-nobroker")
+    names.append(service)
+    path = _write(tmp_path, {"services": [{"name": service}]})
+    nowhere = f"amqp://guest:guest@127.0.0.1:{free_port()}/"
+
+    done = cli("apply", "-f", str(path), check=False, amqp=nowhere)
+
+    assert done.returncode == 1
+    assert platform.sql("SELECT 1 FROM services WHERE name = %(n)s", {"n": service}) == []
+    assert "Traceback" not in done.stderr
+    assert "RabbitMQ" in done.stderr and "nothing was applied" in done.stderr
+    skipped = cli("apply", "-f", str(path), "--no-declare", amqp=nowhere)
+    assert skipped.stdout.splitlines() == [f"service {service}: created"]
+
+
+# -- clients are never operators (SPEC §11.6) ----------------------------------------------
+
+
+def test_one_id_in_clients_and_operators_is_refused(
+    cli: Any, tmp_path: Path, platform: Platform, names: list[str]
+) -> None:
+    shared, service = _unique("adm-both"), _unique("adm-both-svc")
+    names.append(service)
+    both = {
+        "services": [{"name": service}],
+        "clients": [{"id": shared, "secret": "shared-secret", "grants": [{"service": service}]}],
+        "operators": [{"id": shared, "secret": "shared-secret"}],
+    }
+
+    done = cli("apply", "-f", str(_write(tmp_path, both)), check=False)
+
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"both a client and an operator: {shared}" in done.stderr
+    assert _row(platform, "clients", "client_id", shared) == []
+    assert _row(platform, "operators", "operator_id", shared) == []
+    assert platform.sql("SELECT 1 FROM services WHERE name = %(n)s", {"n": service}) == []
+
+
+def test_a_client_never_becomes_an_operator_nor_an_operator_a_client(
+    cli: Any, tmp_path: Path, platform: Platform
+) -> None:
+    client, operator = _unique("adm-is-client"), _unique("adm-is-op")
+    cli(
+        "apply",
+        "-f",
+        str(
+            _write(
+                tmp_path,
+                {
+                    "clients": [{"id": client, "secret": "client-secret"}],
+                    "operators": [{"id": operator, "secret": "operator-secret"}],
+                },
+            )
+        ),
+    )
+
+    as_operator = cli(
+        "apply",
+        "-f",
+        str(_write(tmp_path, {"operators": [{"id": client, "secret": "client-secret"}]})),
+        check=False,
+    )
+    as_client = cli(
+        "apply",
+        "-f",
+        str(_write(tmp_path, {"clients": [{"id": operator, "secret": "operator-secret"}]})),
+        check=False,
+    )
+    created = cli("client", "create", operator, check=False)
+
+    assert as_operator.returncode == 1 and f"{client} is a client" in as_operator.stderr
+    assert as_client.returncode == 1 and f"{operator} is an operator" in as_client.stderr
+    assert created.returncode == 1 and f"{operator} is an operator" in created.stderr
+    for done in (as_operator, as_client, created):
+        assert "Traceback" not in done.stderr and done.stdout == ""
+    assert _row(platform, "operators", "operator_id", client) == []
+    assert _row(platform, "clients", "client_id", operator) == []
 
 
 # -- clients and grants ------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """JSON as every component reads it from others and writes it on the wire: NaN and Infinity are
 not JSON (they could not be re-encoded or stored), nor is a number beyond a double (`1e400`,
 which would be read as infinity), and nesting deep enough to exhaust the stack is refused rather
-than crashing the reader. Integers keep every digit.
+than crashing the reader. Integers keep every digit, up to the 4,300 that Python converts
+(sys.get_int_max_str_digits()): a longer literal is refused like any other, not a bare ValueError.
 
 What is accepted, refused and meant is the stdlib's; orjson (several times faster) does the work
 wherever it is certain to agree, and the stdlib everywhere else, where the two differ:
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import orjson
@@ -58,6 +60,8 @@ def loads(raw: bytes | str) -> Any:
         raise TooDeep("nested too deep") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise NotJson(str(exc)) from None
+    except ValueError:  # what remains: int() refusing a literal past Python's limit
+        raise NotJson(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
 
 
 def dumps(value: Any, *, allow_nan: bool = False) -> bytes:

@@ -10,6 +10,7 @@ is parsed, and so that every refusal carries the seed's error envelope.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import uuid
@@ -56,7 +57,14 @@ MAX_IDEMPOTENCY_KEY = 200
 MAX_DEPTH = 128
 _JSON_TYPES = ("application/json", "application/cloudevents+json")
 # Bytes that may hold what jsonb refuses: an escaped NUL, a surrogate escaped or encoded.
+# Searched in the bytes as sent, so only bytes the reader takes as UTF-8 are let through.
 _SUSPECT = re.compile(rb"\\u0000|\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_UTF8 = ("utf-8", "utf-8-sig")  # json.detect_encoding's names; a UTF-8 byte order mark is read
+# RFC 3339 §5.6 date-time, T and Z in either case; the values are checked by datetime.
+_RFC3339 = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?"
+    r"([Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
 
 
 def runtime(request: Request) -> Runtime:
@@ -102,6 +110,8 @@ def _parse(raw: bytes, content_type: str | None) -> dict[str, Any]:
     media = (content_type or "application/json").split(";")[0].strip().lower()
     if media not in _JSON_TYPES and not media.endswith("+json"):
         raise errors.invalid("Content-Type", "must be application/json")
+    if json.detect_encoding(raw) not in _UTF8:  # the stdlib would read UTF-16 or UTF-32
+        raise errors.invalid("", "malformed JSON: not UTF-8 (RFC 8259 §8.1)")
     try:
         payload = strict_json.loads(raw)  # refuses NaN/Infinity, invalid UTF-8, deep nesting
     except strict_json.NotJson as exc:
@@ -264,9 +274,8 @@ async def create_batch(service: str, request: Request) -> Json:
 
 async def _create_batch(service: str, request: Request, rt: Runtime, trace: str | None) -> Json:
     client_id, access = await _granted(request, rt, service)
-    payload = _parse(
-        await _read_body(request, rt.settings.max_batch_bytes), request.headers.get("content-type")
-    )
+    raw = await _read_body(request, rt.settings.max_batch_bytes)
+    payload = _parse(raw, request.headers.get("content-type"))
     unknown = sorted(set(payload) - {"tasks"})
     if unknown:
         raise errors.invalid(unknown[0][:100], "unknown field")
@@ -274,6 +283,8 @@ async def _create_batch(service: str, request: Request, rt: Runtime, trace: str 
     limit = rt.settings.max_batch_items
     if not isinstance(items, list) or not 1 <= len(items) <= limit:
         raise errors.invalid("tasks", f"required: a list of 1 to {limit} tasks")
+    if len(raw) > rt.settings.max_body_bytes:  # else no item can be over it
+        _check_item_sizes(items, rt.settings.max_body_bytes)
     key = _idempotency_key(request)
     checked = await asyncio.gather(
         *(
@@ -298,6 +309,15 @@ async def _create_batch(service: str, request: Request, rt: Runtime, trace: str 
     created = bool(accepted) and accepted[0].created
     tasks = [{"taskId": str(a.task_id), "taskPosition": a.position} for a in accepted]
     return _ok({"tasks": tasks}, 201 if created else 200)
+
+
+def _check_item_sizes(items: list[Any], limit: int) -> None:
+    """Each item obeys the single request's limit (413001), or a batch of one would get
+    around it; measured as the item would be sent alone, in compact JSON."""
+    for i, item in enumerate(items):
+        if len(strict_json.dumps(item)) > limit:
+            message = f"larger than {limit} bytes, the limit of one task"
+            raise errors.ApiError(errors.TOO_LARGE, [{"path": f"tasks/{i}", "message": message}])
 
 
 async def _granted(request: Request, rt: Runtime, service: str) -> tuple[str, catalog.Access]:
@@ -327,7 +347,7 @@ async def _new_task(
         try:
             callback = await check_callback(item["callback"], rt.policy)
         except CallbackRefused as exc:
-            raise errors.invalid(where + "callback.url", str(exc)) from None
+            raise errors.invalid(where + exc.path, str(exc)) from None
     not_before = _not_before(item, where, rt.settings.max_delay)
     schema_errors = rt.schemas.errors(access.service, item["body"])
     if schema_errors:
@@ -354,13 +374,13 @@ def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime 
         return now + timedelta(seconds=delay)
     field = where + "notBefore"
     try:
-        if not isinstance(at, str) or len(at) > 64:
+        if not isinstance(at, str) or len(at) > 64 or not _RFC3339.fullmatch(at):
             raise ValueError
-        when = datetime.fromisoformat(at)
+        when = datetime.fromisoformat(at.upper())  # which reads `Z`, not `z`
     except ValueError:
-        raise errors.invalid(field, "must be an RFC 3339 date and time") from None
-    if when.tzinfo is None:
-        raise errors.invalid(field, "must carry its offset (Z or +hh:mm)")
+        raise errors.invalid(
+            field, "must be an RFC 3339 date and time with its offset (Z or +hh:mm)"
+        ) from None
     if when > now + timedelta(seconds=max_delay):
         raise errors.invalid(field, f"at most {max_delay:g} seconds ahead")
     return when

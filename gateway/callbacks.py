@@ -32,7 +32,17 @@ SIGNATURE_HEADER = h.SIGNATURE
 
 
 class CallbackRefused(ValueError):
-    """The callback may not be called; the message says why, without secrets."""
+    """The callback may not be called; the message says why, without secrets, and `field`
+    which part of the callback object is wrong (`url`, `type`, an unknown key, or "" for
+    the callback itself), so that the 400002 names it."""
+
+    def __init__(self, message: str, field: str = "url") -> None:
+        super().__init__(message)
+        self.field = field
+
+    @property
+    def path(self) -> str:
+        return f"callback.{self.field}" if self.field else "callback"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,14 +55,15 @@ class CallbackPolicy:
 def check_shape(callback: object, policy: CallbackPolicy) -> tuple[str, str]:
     """Validates `{"type": "https", "url": ...}`; returns (url, host)."""
     if not isinstance(callback, dict):
-        raise CallbackRefused("callback must be an object")
+        raise CallbackRefused("callback must be an object", field="")
     unknown = set(callback) - {"type", "url"}
     if unknown:
-        raise CallbackRefused(f"unknown callback field: {sorted(unknown)[0]}")
+        first = str(sorted(map(str, unknown))[0])
+        raise CallbackRefused(f"unknown callback field: {first}", field=first)
     kind = callback.get("type")
     allowed_types = {"https", "http"} if policy.allow_http else {"https"}
     if kind not in allowed_types:
-        raise CallbackRefused(f"callback type must be one of {sorted(allowed_types)}")
+        raise CallbackRefused(f"callback type must be one of {sorted(allowed_types)}", "type")
     url = callback.get("url")
     if not isinstance(url, str) or len(url) > 2048:
         raise CallbackRefused("callback url must be a string of at most 2048 characters")

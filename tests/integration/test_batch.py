@@ -168,6 +168,40 @@ def test_its_own_size_limit(
     assert single.status_code == 201  # the single-task limit is another setting
 
 
+def test_each_item_obeys_the_single_task_limit(
+    platform: Platform, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """An item is measured as it would be sent alone (compact JSON) against
+    CONVEYOR_MAX_BODY_BYTES: a batch is no way around the single-task limit."""
+    svc = platform.service()
+    env = gateway_env(database_url, amqp_url, CONVEYOR_MAX_BODY_BYTES="1000")
+    gateway = GatewayProcess(procs, env, "gateway-small-bodies", "--no-background")
+
+    def item(size: int) -> bytes:  # compact JSON of exactly `size` bytes
+        return b'{"body":{"x":"' + b"y" * (size - len(b'{"body":{"x":""}}')) + b'"}}'
+
+    json_type = {"Content-Type": "application/json"}
+    with gateway.http(svc.clients[0]) as http:
+        alone = [
+            http.post(gateway.tasks_url(svc.name), content=item(n), headers=json_type)
+            for n in (1000, 1001)
+        ]
+        batches = [
+            http.post(
+                _batch_url(gateway, svc.name),
+                content=b'{"tasks":[' + b",".join(items) + b"]}",
+                headers=json_type,
+            )
+            for items in ([item(1001)], [item(20), item(1001)], [item(1000), item(1000)])
+        ]
+    assert [a.status_code for a in alone] == [201, 413]
+    assert [b.status_code for b in batches] == [413, 413, 201], batches[0].text
+    for answer, path in zip(batches[:2], ["tasks/0", "tasks/1"], strict=True):
+        assert answer.json()["error"]["number"] == 413001
+        assert answer.json()["error"]["errors"][0]["path"] == path
+    assert _count(platform, svc.name) == 3
+
+
 def test_openapi_documents_the_batch(gateway: GatewayProcess) -> None:
     document = httpx.get(f"{gateway.url}/openapi.json").json()
     batch = document["paths"]["/v1/services/{service}/tasks/batch"]["post"]

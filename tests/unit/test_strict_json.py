@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import orjson
@@ -114,6 +115,9 @@ READING = {
     "u64-max": b'{"a": 18446744073709551615}',
     "int64-min": b'{"a": -9223372036854775808}',
     "long-float": b'{"a": 0.1000000000000000055511151231257827}',
+    # the stdlib's int() refuses more digits than sys.get_int_max_str_digits() (4,300)
+    "widest-integer": b'{"a": -' + b"9" * sys.get_int_max_str_digits() + b"}",
+    "integer-past-the-digit-limit": b'{"a": ' + b"1" * (sys.get_int_max_str_digits() + 1) + b"}",
     # depth: orjson's limit is 1,024 levels, the stdlib's the stack's
     "nested-511": nested(511),
     "nested-512": nested(512),
@@ -155,6 +159,17 @@ def test_the_edges_read_as_they_always_did() -> None:
         strict_json.loads(READING["nested-1000"])
     assert orjson.loads(READING["nested-1000"])  # which is why the stdlib reads it
     assert strict_json.loads(READING["nested-512"])  # read, by whichever
+
+
+def test_an_integer_past_the_digit_limit_is_not_json() -> None:
+    """int() raises a bare ValueError past sys.get_int_max_str_digits(): it must be NotJson
+    like every other refusal, or readers that catch NotJson (the gateway's 400002, the event
+    decoder's WireError) crash on it. One digit fewer is read, every digit kept."""
+    limit = sys.get_int_max_str_digits()
+    assert strict_json.loads(READING["widest-integer"]) == {"a": -int("9" * limit)}
+    for raw in (READING["integer-past-the-digit-limit"], "[-" + "7" * (limit + 1) + "]"):
+        with pytest.raises(NotJson, match=f"more than {limit} digits"):
+            strict_json.loads(raw)
 
 
 def test_text_is_read_as_well_as_bytes() -> None:

@@ -228,6 +228,7 @@ def _plan_params(database_url: str, service: BenchService) -> dict[str, Any]:
         "not_befores": [None],
         "traceparents": [None],
         "grace": 3.0,
+        "time_limit": 900,
         "ttl": 86400.0,
         "id": pending[0],
         "get_task_id": pending[1],

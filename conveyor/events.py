@@ -104,6 +104,9 @@ class EventKind(enum.StrEnum):
     PROGRESS = "progress"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    # The dispatcher handed the attempt's message back to `-in` (a shutdown): the task waits
+    # in the queue again. CloudEvents only: the seed's legacy format has no such message.
+    REQUEUED = "requeued"
 
     @property
     def ce_type(self) -> str:
@@ -389,6 +392,8 @@ def _event_data(ev: TaskEvent) -> dict[str, Any]:
             return {"response": ev.response}
         case EventKind.FAILED:
             return {"errorMessage": ev.error_message}
+        case EventKind.REQUEUED:
+            return {}
 
 
 def encode_event(
@@ -396,6 +401,8 @@ def encode_event(
 ) -> WireMessage:
     data = _event_data(ev)
     if fmt is MessageFormat.LEGACY:
+        if ev.kind not in _LEGACY_BY_KIND:
+            raise ValueError(f"a legacy -out has no {ev.kind.value} message")
         payload = {"taskId": ev.task_id, "data": {"messageType": _LEGACY_BY_KIND[ev.kind], **data}}
         return WireMessage(_json_bytes(payload), {}, "application/json", ev.event_id)
     attributes: dict[str, Any] = {
@@ -493,7 +500,7 @@ def _event_from_fields(
         fields["progress"] = _progress(data.get("progress"))
     elif kind is EventKind.SUCCEEDED:
         fields["response"] = data.get("response")
-    else:
+    elif kind is EventKind.FAILED:
         message = _first(data, "errorMessage", "error_message")
         fields["error_message"] = None if message is None else str(message)
     return TaskEvent(

@@ -39,14 +39,12 @@ import aiohttp
 from yarl import URL
 
 from conveyor import headers as h
-from conveyor import strict_json
+from conveyor import storable, strict_json
 
 ERROR_LIMIT = 4096  # bytes of errorMessage kept, UTF-8
 RETRYABLE_STATUS = frozenset({408, 429})
 _ERROR_FIELDS = ("errorMessage", "error", "detail")
 MAX_DEPTH = 128  # deeper answers are refused, as the gateway refuses deeper requests
-NUL = "\x00"
-REPLACEMENT = "\ufffd"
 
 
 class Unparseable(ValueError):
@@ -197,40 +195,18 @@ def _strict_json(body: bytes) -> Any:
         value = strict_json.loads(body)
     except strict_json.TooDeep:
         raise Unparseable(f"nested deeper than {MAX_DEPTH} levels") from None
-    if b"\\u0000" in body or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
-        value = _storable(value)
+    # JSON in UTF-16 or UTF-32 spells a NUL otherwise: its copy is always checked.
+    suspect = storable.ESCAPED_NUL in body or json.detect_encoding(body) != "utf-8"
+    if suspect or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
+        try:
+            value = storable.storable(value, MAX_DEPTH)
+        except storable.TooDeep as exc:
+            raise Unparseable(str(exc)) from None
     return value
 
 
 def _text(body: bytes) -> str:
-    return body.decode("utf-8", errors="replace").replace(NUL, REPLACEMENT)
-
-
-def _storable(value: Any) -> Any:
-    """A copy without NUL characters, refused (Unparseable) past MAX_DEPTH; iterative,
-    so that no answer can exhaust the stack."""
-    root: list[Any] = [None]
-    stack: list[tuple[Any, Any, Any, int]] = [(value, root, 0, 1)]
-    while stack:
-        item, parent, key, depth = stack.pop()
-        if isinstance(item, str):
-            parent[key] = item.replace(NUL, REPLACEMENT)
-        elif isinstance(item, dict | list):
-            if depth > MAX_DEPTH:
-                raise Unparseable(f"nested deeper than {MAX_DEPTH} levels")
-            if isinstance(item, dict):
-                copy: Any = {}
-                for k, v in item.items():
-                    clean = k.replace(NUL, REPLACEMENT)
-                    copy[clean] = None
-                    stack.append((v, copy, clean, depth + 1))
-            else:
-                copy = [None] * len(item)
-                stack.extend((v, copy, i, depth + 1) for i, v in enumerate(item))
-            parent[key] = copy
-        else:
-            parent[key] = item
-    return root[0]
+    return storable.text(body.decode("utf-8", errors="replace"))
 
 
 # ---------------------------------------------------------------------------

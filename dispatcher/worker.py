@@ -9,7 +9,8 @@
     ack               only now, and only on the channel that delivered it
 
 A cancel aborts the call too (cancels.py): the message is then acked, nothing more.
-A shutdown aborts the call instead (shutdown.py). The message is then handed
+A shutdown aborts the call instead (shutdown.py). A `requeued` event tells the
+gateway the task waits in the queue again, and the message is handed
 back: republished to `<q>-in` with confirms, with `x-conveyor-requeues` set to
 the number of deliveries used so far, and only then acked. Not a
 `basic.nack(requeue=true)`: on a quorum queue that would count toward
@@ -220,7 +221,9 @@ class Worker:
             if self.cancels.cancelled(attempt.task_id):
                 await self._ack_cancelled(attempt.delivery, attempt.task_id, called=True)
             else:
-                await self._requeue(attempt.delivery, attempted=True)
+                await asyncio.gather(
+                    self._say_requeued(attempt), self._requeue(attempt.delivery, attempted=True)
+                )
             return
         finally:
             self.board.remove(attempt.task_id, reporter)
@@ -376,6 +379,27 @@ class Worker:
         await asyncio.wait_for(
             self.publisher.publish_event(event, attempt.submission.message_format), EVENT_TIMEOUT
         )
+
+    async def _say_requeued(self, attempt: Attempt) -> None:
+        """Tells the gateway that the task goes back to the queue, once its `started` went out:
+        the task is PENDING again, not an IN_PROGRESS one whose worker fell silent (the
+        watchdog would fail it if the queue held it longer than its time limit). Sent with the
+        copy, within the same bound, so that a shutdown takes no longer; should the next
+        attempt's `started` come first, it supersedes this event (the gateway checks the
+        attempt). Best effort: without it the task is as it always was."""
+        if not attempt.started_sent or attempt.submission.message_format is MessageFormat.LEGACY:
+            return
+        event = attempt.event(EventKind.REQUEUED)
+        try:
+            await asyncio.wait_for(
+                self.publisher.publish_event(event, attempt.submission.message_format),
+                REPUBLISH_TIMEOUT,
+            )
+        except BROKER_ERRORS as exc:
+            log.info(
+                "requeued event not confirmed",
+                extra={"task_id": attempt.task_id, "error": repr(exc)},
+            )
 
     def _on_retry(self, attempt: Attempt, failure: Failure, pause: float) -> None:
         self.metrics.retried.inc()

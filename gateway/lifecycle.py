@@ -1,7 +1,7 @@
 """The task state machine (SPEC §6.4), the only place task state changes.
 
     PENDING ──started──▶ IN_PROGRESS ──succeeded──▶ SUCCESS
-       │                  │    ▲  │
+       │   ◀──requeued───  │    ▲  │   (a shutdown handed the message back to the queue)
        │                  │    └──┘ started of a *new* attempt: new worker_host,
        │                  │         progress 0, start_date reset (redelivery)
        └──────────────────┴──failed / dead-lettered / expired──▶ FAILURE
@@ -43,7 +43,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from conveyor import strict_json
+from conveyor import storable, strict_json
 from conveyor.events import EventKind, TaskEvent, now
 
 
@@ -73,6 +73,24 @@ _STARTED = """
         INSERT INTO task_attempts (task_id, attempt_id, worker_host, start_date)
         SELECT task_id, CAST(%(attempt)s AS text), CAST(%(host)s AS text), %(time)s FROM task
         ON CONFLICT (task_id, attempt_id) DO NOTHING
+    )
+    SELECT count(*) AS changed, 0 AS callbacks FROM task
+    """
+
+# A shutdown handed the attempt's message back to `-in`: the task waits in the queue again,
+# PENDING (the watchdog leaves it alone, the reaper's time to live applies, capacity counts
+# it). Only for the attempt the task is at: a later attempt's `started` already took it over.
+_REQUEUED = """
+    WITH task AS (
+        UPDATE tasks
+           SET status = 'PENDING', worker_host = NULL, start_date = NULL, progress = 0,
+               updated_at = now()
+         WHERE task_id = %(task_id)s AND status = 'IN_PROGRESS' AND attempt_id = %(attempt)s
+        RETURNING task_id
+    ), closed AS (
+        UPDATE task_attempts a SET end_date = %(time)s, outcome = 'requeued'
+          FROM task
+         WHERE a.task_id = task.task_id AND a.attempt_id = %(attempt)s AND a.end_date IS NULL
     )
     SELECT count(*) AS changed, 0 AS callbacks FROM task
     """
@@ -287,11 +305,11 @@ def transition(event: TaskEvent) -> Transition:
                 task_id, "SUCCESS", time, event.attempt, _jsonb(event.response), None, event
             )
         case EventKind.FAILED:
-            message = (event.error_message or "The function failed without a message.").replace(
-                "\x00",
-                "\ufffd",  # PostgreSQL text cannot hold NUL
-            )
+            message = storable.text(event.error_message or "The function failed without a message.")
             return _finish(task_id, "FAILURE", time, event.attempt, None, message, event)
+        case EventKind.REQUEUED:
+            requeued = {"task_id": task_id, "attempt": event.attempt, "time": time}
+            return Transition(_REQUEUED, requeued, Applied.CHANGED)
     raise ValueError(f"no transition for {event.kind!r}")
 
 
@@ -326,8 +344,17 @@ def _finish(
 
 
 def _jsonb(value: Any) -> Jsonb:
-    # A function's JSON may hold integers wider than 64 bits: strict_json keeps their digits.
-    return Jsonb(value, dumps=strict_json.dumps)
+    return Jsonb(value, dumps=_storable_json)
+
+
+def _storable_json(value: Any) -> bytes:
+    """A worker's JSON as jsonb takes it. strict_json keeps the digits of integers wider than
+    64 bits; a NUL, which a worker that is not a dispatcher may send, becomes U+FFFD (else
+    PostgreSQL refuses the whole result, and the task would end FAILURE for a character)."""
+    dumped = strict_json.dumps(value)
+    if storable.ESCAPED_NUL in dumped:
+        dumped = strict_json.dumps(storable.storable(value))
+    return dumped
 
 
 def together(changes: Sequence[Transition]) -> list[Transition]:
@@ -410,8 +437,11 @@ async def expire_pending(conn: psycopg.AsyncConnection[Any], ttl: float) -> dict
 
 DEFAULT_TIME_LIMIT = 300 * 3  # taskTimeout x maxAttempts by default, for a deleted service
 
-# No sign of life (started, progress) for longer than every attempt the service allows, plus
+# No sign of life (started, progress) for longer than every attempt its message allows, plus
 # a margin: the worker is gone without a word (its result was lost, or it never reported).
+# The limit is the row's own (`time_limit`, from the figures its message was published with):
+# a service whose timeout was lowered since must not fail the tasks still running under the
+# old one. Rows older than migration 0010 fall back to the service's current figures.
 _ABANDON = """
     WITH task AS (
         UPDATE tasks t
@@ -421,6 +451,7 @@ _ABANDON = """
                notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
          WHERE t.status = 'IN_PROGRESS'
            AND t.updated_at < now() - make_interval(secs => %(margin)s + COALESCE(
+                 t.time_limit,
                  (SELECT s.task_timeout * s.max_attempts FROM services s WHERE s.name = t.service),
                  %(default_limit)s))
         RETURNING t.task_id, t.service

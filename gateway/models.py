@@ -124,6 +124,9 @@ tasks = Table(
     Column("publish_at", DateTime(timezone=True)),
     Column("publish_attempts", Integer, nullable=False, server_default="0"),
     Column("publish_error", Text),
+    # Seconds the watchdog waits for a word about the task (its margin apart): timeout times
+    # attempts as its message says them; NULL on rows older than migration 0010.
+    Column("time_limit", Integer),
     _updated(),
     CheckConstraint(
         "status IN ('PENDING', 'IN_PROGRESS', 'SUCCESS', 'FAILURE')", name="ck_tasks_status"

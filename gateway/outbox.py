@@ -60,7 +60,10 @@ _CLAIM = """
     WITH claimed AS (
         UPDATE tasks t
            SET publish_at = now() + make_interval(secs => %(lease)s),
-               publish_attempts = t.publish_attempts + 1
+               publish_attempts = t.publish_attempts + 1,
+               -- the watchdog's wait, from the figures this publish puts in the message
+               time_limit = COALESCE((SELECT s.task_timeout * s.max_attempts FROM services s
+                                       WHERE s.name = t.service), t.time_limit)
          WHERE t.id IN (SELECT id FROM tasks
                          WHERE publish_at IS NOT NULL AND publish_at <= now()
                          ORDER BY publish_at, id LIMIT %(limit)s

@@ -29,7 +29,7 @@ import psycopg
 from psycopg import AsyncConnection
 
 from gateway import errors
-from gateway.catalog import Access
+from gateway.catalog import Access, Service
 from gateway.models import TaskStatus
 from gateway.pgpool import Pool, jsonb
 
@@ -76,10 +76,13 @@ _INSERT = """
         -- the row is its own outbox entry: the relay may take it after the fast path's grace,
         -- or at its time (a past notBefore is published at once)
         INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key,
-                           not_before, traceparent, publish_at)
-        SELECT task_id, client_id, %(service)s, request, callback, key, not_before, traceparent,
+                           not_before, traceparent, publish_at, time_limit)
+        SELECT task_id, client_id, %(service)s, request, callback, key,
+               -- a time already past means now: the time to live counts from the submission
+               CASE WHEN not_before < now() THEN now() ELSE not_before END, traceparent,
                CASE WHEN not_before > now() THEN not_before
-                    ELSE now() + make_interval(secs => %(grace)s) END
+                    ELSE now() + make_interval(secs => %(grace)s) END,
+               %(time_limit)s
           FROM input ORDER BY n
         RETURNING id, task_id, not_before, COALESCE(not_before > now(), false) AS delayed
     )
@@ -265,8 +268,16 @@ def _insert_params(tasks: list[NewTask], grace: float) -> tuple[list[uuid.UUID],
         "not_befores": [t.not_before for t in tasks],
         "traceparents": [t.traceparent for t in tasks],
         "grace": grace,
+        "time_limit": time_limit(tasks[0].access.service),
     }
     return ids, params
+
+
+def time_limit(service: Service) -> int:
+    """How long the watchdog waits for a word about a task of `service` (before its margin):
+    every attempt's timeout, as its message tells the dispatcher. Kept on the row with the
+    message's own figures, so that a service changed later does not shorten it."""
+    return service.task_timeout * service.max_attempts
 
 
 def _accepted(ids: list[uuid.UUID], rows: list[Any]) -> list[Accepted]:
@@ -329,9 +340,7 @@ def iso(value: datetime | None) -> str | None:
     """ISO-8601 UTC with milliseconds and `Z`, as the seed's examples."""
     if value is None:
         return None
-    return (
-        value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
-    )
+    return value.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def task_view(row: Any, position: int | None = None) -> dict[str, Any]:

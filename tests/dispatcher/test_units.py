@@ -54,6 +54,14 @@ def test_4xx_fails_without_retry(body: bytes, message: str) -> None:
     assert classify(404, body) == Failure(message, retryable=False)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_a_nul_in_json_that_is_not_utf8_is_replaced_too(encoding: str) -> None:
+    """The NUL check read the raw bytes for the UTF-8 escape; UTF-16 and UTF-32 spell it
+    otherwise, and the answer went on with a NUL PostgreSQL refuses."""
+    body = '{"k\\u0000": ["x\\u0000y"]}'.encode(encoding)
+    assert classify(200, body) == Success({"k\ufffd": ["x\ufffdy"]})
+
+
 def test_error_message_is_truncated_to_4_kib_on_a_character_boundary() -> None:
     outcome = classify(400, ("é" * 5000).encode())
     assert isinstance(outcome, Failure)

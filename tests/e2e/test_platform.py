@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import CallbackSink, Stack
-from tests.support.gateway import Platform
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.processes import Processes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,10 +79,13 @@ def test_sigterm_in_requeue_mode_hands_the_task_over(
     assert first.wait(timeout=5) == 0
     assert time.monotonic() - sent < 5
 
+    # Back in the queue, the task is PENDING again: no worker has it.
+    waiting = stack.watch(task_id, lambda d: d["status"] != "IN_PROGRESS")[-1]
+    assert waiting["status"] == "PENDING", waiting
+    assert "workerHost" not in waiting
+
     stack.dispatcher("pod-second", SHUTDOWN_MODE="requeue")
-    restarted = stack.watch(
-        task_id, lambda d: d["status"] != "IN_PROGRESS" or d["startDate"] != before["startDate"]
-    )[-1]
+    restarted = stack.watch(task_id, lambda d: d["status"] != "PENDING")[-1]
     assert restarted["status"] == "IN_PROGRESS"
     assert restarted["startDate"] > before["startDate"]
     assert restarted["progress"] < before["progress"] or restarted["progress"] == 0.0
@@ -92,7 +96,42 @@ def test_sigterm_in_requeue_mode_hands_the_task_over(
         "SELECT worker_host, outcome FROM task_attempts WHERE task_id = %(t)s ORDER BY start_date",
         {"t": task_id},
     )
-    assert hosts == [("pod-first", "interrupted"), ("pod-second", "success")]
+    assert hosts == [("pod-first", "requeued"), ("pod-second", "success")]
+
+
+def test_a_task_handed_back_outlives_the_watchdog_while_it_waits(
+    procs: Processes,
+    database_url: str,
+    amqp_url: str,
+    sleeper_url: str,
+    platform: Platform,
+) -> None:
+    """A deploy while the queue is long: the task a SIGTERM handed back waits behind the
+    backlog for longer than its time limit. It used to stay IN_PROGRESS with nobody running
+    it, and the watchdog failed it (found by a black-box test)."""
+    env = gateway_env(
+        database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="1", CONVEYOR_REAPER_INTERVAL="0.3"
+    )
+    watchdog = GatewayProcess(procs, env, "gateway-watchdog")
+    service = platform.service(jsonSchema={"type": "object"}, taskTimeout=2, maxAttempts=1)
+    stack = Stack(procs, watchdog, sleeper_url, amqp_url, service)
+    try:
+        first = stack.dispatcher("pod-first", SHUTDOWN_MODE="requeue", CONCURRENCY="1")
+        task_id = stack.submit({"sleep": 1.5})
+        stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
+        first.signal(signal.SIGTERM)
+        assert first.wait(timeout=5) == 0
+        stack.watch(task_id, lambda d: d["status"] == "PENDING", timeout=10)
+
+        time.sleep(4)  # the time limit (2 s) and the margin (1 s) are over
+        assert stack.poll(task_id)["status"] == "PENDING"
+
+        stack.dispatcher("pod-second", SHUTDOWN_MODE="requeue", CONCURRENCY="1")
+        final = stack.finish(task_id)
+        assert final["status"] == "SUCCESS", final
+        assert db_row(platform, task_id)["worker_host"] == "pod-second"
+    finally:
+        stack.http.close()
 
 
 def test_sigkill_during_a_task_still_succeeds(stack: Stack, platform: Platform) -> None:

@@ -86,6 +86,7 @@ def _batch(client: str, count: int, not_before: datetime | None = None) -> dict[
         "not_befores": [not_before] * count,
         "traceparents": [None] * count,
         "grace": 30,
+        "time_limit": 900,
     }
 
 

@@ -90,6 +90,33 @@ def test_a_past_not_before_is_published_at_once(
     assert len(_published(amqp_url, svc.queue_name, 1, timeout=5, settle=0.5)) == 1
 
 
+def test_a_time_long_past_means_now(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    """A time already past means now: stored as the submission's, so that the time to live
+    counts from the submission (a 1970 `notBefore` was expired by the next reaper pass), and a
+    time before year 1 in UTC (`0001-01-01T00:00:00+14:00`) no longer makes every read of
+    the task fail (found by a black-box test)."""
+    svc = _service(platform, amqp_url)
+    ids = []
+    with gateway.http(svc.clients[0]) as http:
+        for past in ("1970-01-01T00:00:00Z", "0001-01-01T00:00:00+14:00"):
+            answer = http.post(gateway.tasks_url(svc.name), json={"body": {}, "notBefore": past})
+            assert answer.status_code == 201, answer.text
+            ids.append(answer.json()["data"]["taskId"])
+        for task_id in ids:
+            polled = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+            assert polled.status_code == 200, polled.text
+            data = polled.json()["data"]
+            assert data["notBefore"] == data["submitionDate"], data
+    rows = platform.sql(
+        "SELECT count(*) FROM tasks WHERE task_id = ANY(%(ids)s::uuid[])"
+        " AND not_before = submission_date",
+        {"ids": ids},
+    )
+    assert rows == [(2,)]
+
+
 @pytest.mark.parametrize(
     ("item", "path"),
     [
@@ -104,6 +131,18 @@ def test_a_past_not_before_is_published_at_once(
         ({"notBefore": 1795562511}, "notBefore"),
         ({"notBefore": "2999-01-01T00:00:00Z"}, "notBefore"),  # past the maximum delay
         ({"notBefore": "2026-11-24T10:00:00Z" + "0" * 100}, "notBefore"),
+        # ISO 8601 forms that are not RFC 3339 date-times (§5.6)
+        ({"notBefore": "2026-W48-5T18:00:00Z"}, "notBefore"),  # week date
+        ({"notBefore": "20261127T190000Z"}, "notBefore"),  # basic format
+        ({"notBefore": "2026-11-27 19:00:00Z"}, "notBefore"),  # space for T
+        ({"notBefore": "2026-11-27T19:00Z"}, "notBefore"),  # no seconds
+        ({"notBefore": "2026-11-27T19Z"}, "notBefore"),  # hours alone
+        ({"notBefore": "2026-11-27T19:00:00,5Z"}, "notBefore"),  # comma fraction
+        ({"notBefore": "2026-11-27T19:00:00.Z"}, "notBefore"),  # empty fraction
+        ({"notBefore": "2026-11-27T19:00:00+0100"}, "notBefore"),  # offset without colon
+        ({"notBefore": "2026-11-27T19:00:00+01"}, "notBefore"),  # offset hours alone
+        ({"notBefore": "2026-11-27T19:00:00+01:00:30"}, "notBefore"),  # offset seconds
+        ({"notBefore": "\uff12\uff10\uff12\uff16-11-27T19:00:00Z"}, "notBefore"),  # not ASCII
     ],
 )
 def test_bad_times_are_400002_naming_the_field(
@@ -123,6 +162,29 @@ def test_bad_times_are_400002_naming_the_field(
     assert platform.sql("SELECT count(*) FROM tasks WHERE service = %(s)s", {"s": svc.name}) == [
         (0,)
     ]
+
+
+def test_rfc3339_times_are_read_whatever_their_case_and_fraction(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """RFC 3339 §5.6: `T` and `Z` may be lower case, the fraction has any number of digits."""
+    svc = platform.service()
+    when = datetime.now(UTC).replace(microsecond=0) + timedelta(hours=1)
+    stamp = when.strftime("%Y-%m-%dt%H:%M:%S")
+    spellings = [f"{stamp}z", f"{stamp}.123456789z", f"{stamp}+00:00", f"{stamp}.5-00:00"]
+    with gateway.http(svc.clients[0]) as http:
+        for spelling in spellings:
+            single = http.post(
+                gateway.tasks_url(svc.name), json={"body": {}, "notBefore": spelling}
+            )
+            batch = http.post(
+                gateway.tasks_url(svc.name) + "/batch",
+                json={"tasks": [{"body": {}, "notBefore": spelling}]},
+            )
+            assert (single.status_code, batch.status_code) == (201, 201), (spelling, single.text)
+            polled = http.get(f"{gateway.tasks_url(svc.name)}/{single.json()['data']['taskId']}")
+            got = datetime.fromisoformat(polled.json()["data"]["notBefore"])
+            assert abs(got - when) < timedelta(seconds=1), (spelling, got)
 
 
 def test_batch_items_wait_for_their_own_time_and_capacity_counts_them(

@@ -1,0 +1,164 @@
+"""The watchdog against a real gateway process and PostgreSQL: an IN_PROGRESS task whose worker
+fell silent fails, but not a task still running under the limit its message gave it, nor a task
+a shutdown handed back to the queue (found by a black-box test of the running platform)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from conveyor import topology
+from conveyor.events import EventKind, TaskEvent, encode_event
+from tests.support.amqp import publish, queues_of, remove_service, wait_for_queues, wait_until
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
+from tests.support.processes import Processes
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def watchdog(procs: Processes, database_url: str, amqp_url: str) -> GatewayProcess:
+    """A gateway whose watchdog looks every 0.3 s, with a margin of 1 s."""
+    env = gateway_env(
+        database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="1", CONVEYOR_REAPER_INTERVAL="0.3"
+    )
+    return GatewayProcess(procs, env, "gateway-watchdog")
+
+
+@pytest.fixture
+def make_service(platform: Platform, amqp_url: str) -> Iterator[Any]:
+    made: list[Service] = []
+
+    def make(**options: Any) -> Service:
+        service = platform.service(**options)
+        wait_for_queues(amqp_url, queues_of(service.queue_name))
+        made.append(service)
+        return service
+
+    yield make
+    for service in made:
+        remove_service(platform, amqp_url, service)
+
+
+def _submit(gateway: GatewayProcess, service: Service) -> str:
+    with gateway.http(service.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(service.name), json={"body": {"n": 1}})
+    assert answer.status_code == 201, answer.text
+    return str(answer.json()["data"]["taskId"])
+
+
+def _poll(gateway: GatewayProcess, service: Service, task_id: str) -> dict[str, Any]:
+    with gateway.http(service.clients[0]) as http:
+        answer = http.get(f"{gateway.tasks_url(service.name)}/{task_id}")
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json()["data"])
+
+
+def _until(gateway: GatewayProcess, service: Service, task_id: str, status: str) -> dict:
+    def reached() -> dict[str, Any] | None:
+        data = _poll(gateway, service, task_id)
+        return data if data["status"] == status else None
+
+    return wait_until(reached, 20, what=f"task {task_id} {status}")
+
+
+def _send(amqp_url: str, service: Service, kind: EventKind, task_id: str, **fields: Any) -> None:
+    event = encode_event(TaskEvent(kind=kind, task_id=task_id, **fields), service.name)
+    publish(amqp_url, topology.out_queue(service.queue_name), [event])
+
+
+def _attempts(platform: Platform, task_id: str) -> list[tuple[str, str | None]]:
+    return [
+        (row[0], row[1])
+        for row in platform.sql(
+            "SELECT attempt_id, outcome FROM task_attempts WHERE task_id = %(t)s"
+            " ORDER BY start_date",
+            {"t": task_id},
+        )
+    ]
+
+
+def test_a_lowered_timeout_does_not_fail_the_tasks_already_running(
+    watchdog: GatewayProcess, make_service: Any, platform: Platform, amqp_url: str
+) -> None:
+    service = make_service(taskTimeout=5, maxAttempts=1)
+    task_id = _submit(watchdog, service)
+    _send(amqp_url, service, EventKind.STARTED, task_id, host="h", attempt="a1")
+    _until(watchdog, service, task_id, "IN_PROGRESS")
+    started = time.monotonic()
+    # What `admin apply` does to a running system: the service's timeout goes down to 1 s.
+    platform.sql("UPDATE services SET task_timeout = 1 WHERE name = %(s)s", {"s": service.name})
+
+    # 1 s + the margin has long passed; the task's own message gave its attempt 5 s.
+    time.sleep(3.5)
+    assert _poll(watchdog, service, task_id)["status"] == "IN_PROGRESS"
+
+    # The watchdog still fails it once its own limit and the margin are over.
+    failed = _until(watchdog, service, task_id, "FAILURE")
+    assert failed["errorMessage"].startswith("No result from the worker")
+    assert time.monotonic() - started >= 5
+    assert platform.sql("SELECT time_limit FROM tasks WHERE task_id = %(t)s", {"t": task_id}) == [
+        (5,)
+    ]
+
+
+def test_a_task_handed_back_waits_pending_and_the_watchdog_leaves_it(
+    watchdog: GatewayProcess, make_service: Any, platform: Platform, amqp_url: str
+) -> None:
+    service = make_service(taskTimeout=1, maxAttempts=1)
+    task_id = _submit(watchdog, service)
+    _send(amqp_url, service, EventKind.STARTED, task_id, host="pod-a", attempt="a1")
+    _until(watchdog, service, task_id, "IN_PROGRESS")
+
+    # An attempt the task is not at any more changes nothing.
+    _send(amqp_url, service, EventKind.REQUEUED, task_id, attempt="stale")
+    _send(amqp_url, service, EventKind.PROGRESS, task_id, attempt="a1", progress=40.0)
+    wait_until(lambda: _poll(watchdog, service, task_id)["progress"] == 40.0, 10, what="progress")
+    assert _poll(watchdog, service, task_id)["status"] == "IN_PROGRESS"
+
+    _send(amqp_url, service, EventKind.REQUEUED, task_id, attempt="a1")
+    pending = _until(watchdog, service, task_id, "PENDING")
+    assert pending["taskPosition"] == 1
+    assert "startDate" not in pending and "workerHost" not in pending
+    assert _attempts(platform, task_id) == [("a1", "requeued")]
+
+    # The service's time limit and the margin (2 s) pass: the task waits in the queue.
+    time.sleep(3.5)
+    assert _poll(watchdog, service, task_id)["status"] == "PENDING"
+
+    _send(amqp_url, service, EventKind.STARTED, task_id, host="pod-b", attempt="a2")
+    _until(watchdog, service, task_id, "IN_PROGRESS")
+    _send(amqp_url, service, EventKind.SUCCEEDED, task_id, attempt="a2", response={"ok": 1})
+    assert _until(watchdog, service, task_id, "SUCCESS")["response"] == {"ok": 1}
+    assert _attempts(platform, task_id) == [("a1", "requeued"), ("a2", "success")]
+    events = httpx.get(f"{watchdog.url}/metrics").text
+    assert 'conveyor_gateway_events_total{kind="requeued",outcome="changed"} 1.0' in events
+
+
+def test_a_nul_in_a_worker_s_response_is_stored_as_u_fffd(
+    watchdog: GatewayProcess, make_service: Any, amqp_url: str
+) -> None:
+    """A worker that is not a dispatcher may answer NUL characters; PostgreSQL refused the
+    whole result, and the task ended FAILURE for a character."""
+    service = make_service()
+    task_id = _submit(watchdog, service)
+    response = {"a\x00b": ["x\x00", {"k": "\x00"}], "literal": "\\u0000", "n": 10**30}
+    _send(
+        amqp_url,
+        service,
+        EventKind.SUCCEEDED,
+        task_id,
+        attempt=str(uuid.uuid4()),
+        response=response,
+    )
+    done = _until(watchdog, service, task_id, "SUCCESS")
+    assert done["response"] == {
+        "a\ufffdb": ["x\ufffd", {"k": "\ufffd"}],
+        "literal": "\\u0000",
+        "n": 10**30,
+    }

@@ -8,36 +8,53 @@ Every message ends, and no service can stop another's:
 
 * a message that cannot be understood is stored in `poison_messages` (the
   operator's view, in SQL), counted, and acked;
-* a batch the database refuses is applied one message at a time; a terminal
-  event it still refuses (a response PostgreSQL cannot store) fails its task
-  with the reason, so the task ends and its callback goes out;
+* a batch the database refuses is applied one message at a time;
+* a terminal event set aside, because the database refuses it (a response
+  PostgreSQL cannot store) or because it cannot be read whole (a response nested
+  deeper than a parser goes) while its task still can, fails that task with the
+  reason, so the task ends and its callback goes out;
 * an unreachable database is waited for (the batch is retried, never dropped);
 * each service's queues are declared and consumed on their own: one whose
   queues were declared with other arguments is reported (`broken()`, /readyz,
-  metrics) and its existing queues are still consumed.
+  metrics) and its existing queues are still consumed;
+* a service given another queue name or message format is consumed as it now is,
+  and the result queues it left are still consumed while they exist.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import aio_pika
 import aiormq.exceptions
 import psycopg
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustChannel,
+)
 from psycopg.types.json import Jsonb
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from conveyor import headers as h
 from conveyor import topology, tracing
 from conveyor.amqp import from_amqp
-from conveyor.events import WireError, WireMessage, decode_event, decode_submission
+from conveyor.events import (
+    MessageFormat,
+    WireError,
+    WireMessage,
+    decode_event,
+    decode_submission,
+    is_cloudevent,
+)
 from gateway import catalog, lifecycle, metrics
 from gateway.broker import Broker
 from gateway.pgpool import CONNECTION_ERRORS, Pool
@@ -48,6 +65,7 @@ POISON_BODY_LIMIT = 64 * 1024
 BATCH_SIZE = 200
 BATCH_WINDOW = 0.005
 DEAD_LETTERED = "dead_lettered"  # the kind of a -dlq message, beside the events' kinds
+POISON = "poison"  # the kind of a message that asks for nothing
 
 # The broker counts every return of a submission to `-in` (a worker that crashed with it,
 # and a connection that dropped under a healthy dispatcher alike) and dead-letters it at
@@ -86,6 +104,35 @@ class Poison(Exception):
         self.reason = reason
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one message asks for: a transition, counted under the message's kind; or to be
+    set aside (kept in `poison_messages`), saying why; or both: a terminal event set aside
+    still ends its task, FAILURE with the reason, rather than IN_PROGRESS until the watchdog."""
+
+    kind: str
+    change: lifecycle.Transition | None
+    aside: str | None = None
+
+
+Consumer = tuple[AbstractQueue, str]  # a queue, and the tag this gateway consumes it with
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """A service's result queues as consumed: declared for this queue name and format."""
+
+    queue_name: str
+    message_format: MessageFormat
+    consumers: list[Consumer]
+
+    def serves(self, service: catalog.Service) -> bool:
+        return (self.queue_name, self.message_format) == (
+            service.queue_name,
+            service.message_format,
+        )
+
+
 def _transient(exc: BaseException) -> bool:
     """Database unreachable (retry the whole batch) rather than a refused statement."""
     return isinstance(exc, CONNECTION_ERRORS)
@@ -106,8 +153,10 @@ class ResultConsumer:
         self.refresh_interval = refresh_interval
         self.on_finished = on_finished
         self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
-        self._channel: AbstractChannel | None = None
-        self._subscribed: dict[str, list[tuple[AbstractQueue, str]]] = {}  # service -> consumers
+        self._channel: AbstractRobustChannel | None = None
+        self._subscribed: dict[str, Subscription] = {}  # service -> its result queues
+        # Queue names services moved away from -> consumers of the result queues left there.
+        self._retired: dict[str, list[Consumer]] = {}
         self._broken: dict[str, str] = {}  # service -> why its topology could not be declared
         # The tasks the batch being applied ended, with their traces (tracing on only).
         self._ended: list[tuple[uuid.UUID, lifecycle.Finished]] = []
@@ -129,28 +178,34 @@ class ResultConsumer:
     async def refresh(self) -> None:
         async with self.pool.connection() as conn:
             services = {s.name: s for s in await catalog.all_services(conn)}
-        if set(self._subscribed) - set(services) and self._channel is not None:
+        stale = {
+            name: subscription
+            for name, subscription in self._subscribed.items()
+            if name not in services or not subscription.serves(services[name])
+        }
+        for name, subscription in stale.items():
+            if name in services:  # moved: its old queue's dispatchers still report there
+                self._retired.setdefault(subscription.queue_name, [])
+        if self._channel is None or self._channel.is_closed or stale:
             # A robust channel re-declares every queue it ever declared when it is restored,
-            # so a removed service's queues would come back after any reconnection, even once
-            # deleted. A fresh channel forgets them; unacked results go back to their queues.
-            forgotten, self._channel = self._channel, None
+            # so a removed service's queues (or a changed one's, as they were) would come back
+            # after any reconnection, even once deleted. A fresh channel forgets them; unacked
+            # results go back to their queues. The old one is closed for good: restored after
+            # a reconnection, it would double the new channel's consumers.
+            old = self._channel
+            # The broker's channels are robust (`connect_robust`).
+            fresh = await self.broker.channel(prefetch=BATCH_SIZE * 2)
+            self._channel = cast(AbstractRobustChannel, fresh)
             self._subscribed.clear()
-            await _close_quietly(forgotten)
-        if self._channel is None or self._channel.is_closed:
-            old, self._channel = self._channel, await self.broker.channel(prefetch=BATCH_SIZE * 2)
-            self._subscribed.clear()
+            self._retired = {queue_name: [] for queue_name in self._retired}
             if old is not None:
-                # A robust channel comes back with its consumers after a reconnection:
-                # closed for good, it cannot double the new channel's.
                 await _close_quietly(old)
-        for name in set(self._subscribed) - set(services):
-            for queue, tag in self._subscribed.pop(name):
-                await queue.cancel(tag)
         for name in set(self._broken) - set(services):
             del self._broken[name]
         for service in services.values():
             if service.name not in self._subscribed:
                 await self._subscribe(self._channel, service)
+        await self._consume_retired(self._channel, {s.queue_name for s in services.values()})
 
     async def _subscribe(self, channel: AbstractChannel, service: catalog.Service) -> None:
         """Declares the service's queues on a channel of their own (a refused declaration
@@ -165,10 +220,7 @@ class ResultConsumer:
             )
         }
         tags = []
-        for name, dead in (
-            (topology.out_queue(service.queue_name), False),
-            (topology.dead_letter_queue(service.queue_name), True),
-        ):
+        for name, dead in _result_queues(service.queue_name):
             if name in missing:
                 continue
             # Declared on the consuming channel, so that the robust channel restores the queue
@@ -181,8 +233,40 @@ class ResultConsumer:
                 queue = await channel.declare_queue(name, durable=True, arguments=arguments)
             tags.append((queue, await queue.consume(self._receiver(name, dead))))
         if tags:
-            self._subscribed[service.name] = tags
+            self._subscribed[service.name] = Subscription(
+                service.queue_name, service.message_format, tags
+            )
             log.info("consuming results", extra={"service": service.name})
+
+    async def _consume_retired(self, channel: AbstractRobustChannel, in_use: set[str]) -> None:
+        """Consumes the result queues of the queue names services moved away from, as long
+        as they exist: the old queue's dispatchers still finish their tasks and report there.
+
+        Declared passively and not robustly: aio-pika declares a robust queue again after a
+        reconnection, and as soon as the broker cancels its consumer (the queue was deleted),
+        so the operator could never delete it. A consumer either of these ended is made again
+        while its queue exists; a name with neither queue left is forgotten. Only while this
+        gateway runs: a restarted one knows the services' current queues only."""
+        live = await _consumer_tags(channel)
+        for queue_name, consumers in list(self._retired.items()):
+            consumers = [(queue, tag) for queue, tag in consumers if tag in live]
+            if queue_name in in_use:  # a service's again: consumed as that service's
+                del self._retired[queue_name]
+                for queue, tag in consumers:
+                    await queue.cancel(tag)
+                continue
+            consumed = {queue.name for queue, _ in consumers}
+            for name, dead in _result_queues(queue_name):
+                if name not in consumed and await self._exists(name):
+                    queue = await channel.declare_queue(name, passive=True, robust=False)
+                    tag = await queue.consume(self._receiver(name, dead), robust=False)
+                    consumers.append((queue, tag))
+                    log.info("consuming a queue left by its service", extra={"queue": name})
+            if consumers:
+                self._retired[queue_name] = consumers
+            else:
+                del self._retired[queue_name]
+                log.info("queues left by their service are gone", extra={"queue": queue_name})
 
     async def _declare(self, service: catalog.Service) -> set[str]:
         """The service's topology; on a refusal, which of its result queues do not exist.
@@ -206,10 +290,7 @@ class ResultConsumer:
             self._broken[service.name] = reason
         finally:
             await _close_quietly(channel)
-        names = (
-            topology.out_queue(service.queue_name),
-            topology.dead_letter_queue(service.queue_name),
-        )
+        names = [name for name, _ in _result_queues(service.queue_name)]
         return {name for name in names if not await self._exists(name)}
 
     async def _exists(self, name: str) -> bool:
@@ -343,19 +424,17 @@ class ResultConsumer:
         terminal events of tasks the batch mentions once share one statement
         (`lifecycle.Finishes`); the others keep their own, in the batch's order."""
         planned = [self._plan(d) for d in batch]
-        changes = [plan for plan in planned if not isinstance(plan, str)]
-        kinds = {id(change): kind for change, kind in changes}
-        finishes = lifecycle.Finishes(lifecycle.together([change for change, _ in changes]))
+        kinds = {id(plan.change): plan.kind for plan in planned if plan.change is not None}
+        changes = [plan.change for plan in planned if plan.change is not None]
+        finishes = lifecycle.Finishes(lifecycle.together(changes))
         shared = {id(change) for change in finishes.changes}
         sent: list[tuple[lifecycle.Transition, psycopg.AsyncCursor[Any], str]] = []
         async with self.pool.batch() as conn:
             for delivery, plan in zip(batch, planned, strict=True):
-                if isinstance(plan, str):
-                    await _set_aside(conn, delivery, plan)
-                    continue
-                change, kind = plan
-                if id(change) not in shared:
-                    sent.append((change, await conn.execute(change.sql, change.params), kind))
+                if plan.aside is not None:
+                    await _set_aside(conn, delivery, plan.aside)
+                if (change := plan.change) is not None and id(change) not in shared:
+                    sent.append((change, await conn.execute(change.sql, change.params), plan.kind))
             many = await conn.execute(finishes.sql, finishes.params) if shared else None
         callbacks = False
         for change, cursor, kind in sent:
@@ -370,51 +449,39 @@ class ResultConsumer:
         return callbacks
 
     async def _apply_alone(self, batch: list[Delivery]) -> bool:
-        """One message at a time, after the database refused the batch as a whole."""
+        """One message at a time, after the database refused the batch as a whole; one it
+        still refuses is set aside, saying so (`_refused`)."""
         callbacks = False
         for delivery in batch:
             plan = self._plan(delivery)
             try:
-                async with self.pool.connection() as conn, conn.transaction():
-                    if isinstance(plan, str):
-                        await _set_aside(conn, delivery, plan)
-                        continue
-                    change, kind = plan
-                    outcome = await lifecycle.apply(conn, change)
-                self._note(change, outcome)
-                callbacks |= _counted(kind, outcome)
+                callbacks |= await self._apply_one(delivery, plan)
             except Exception as exc:
                 if _transient(exc):
                     raise
-                callbacks |= await self._refused(delivery, plan, exc)
+                callbacks |= await self._apply_one(delivery, _refused(plan, exc))
         return callbacks
 
-    async def _refused(
-        self, delivery: Delivery, plan: tuple[lifecycle.Transition, str] | str, exc: Exception
-    ) -> bool:
-        """A message the database refuses alone. A terminal event still ends its task:
-        FAILURE, saying why, rather than a task IN_PROGRESS forever."""
-        reason = f"database refused it: {exc.__class__.__name__}: {str(exc)[:200]}"
+    async def _apply_one(self, delivery: Delivery, plan: Plan) -> bool:
         async with self.pool.connection() as conn, conn.transaction():
-            await _set_aside(conn, delivery, reason)
-            if isinstance(plan, str) or not plan[0].terminal:
+            if plan.aside is not None:
+                await _set_aside(conn, delivery, plan.aside)
+            if plan.change is None:
                 return False
-            failed = lifecycle.failure(
-                plan[0].task_id, f"The function's result could not be stored ({reason})."
-            )
-            outcome = await lifecycle.apply(conn, failed)
-        self._note(failed, outcome)
-        return _counted(plan[1], outcome)
+            outcome = await lifecycle.apply(conn, plan.change)
+        self._note(plan.change, outcome)
+        return _counted(plan.kind, outcome)
 
-    def _plan(self, delivery: Delivery) -> tuple[lifecycle.Transition, str] | str:
-        """The transition a message asks for and its kind, or why it is poison."""
+    def _plan(self, delivery: Delivery) -> Plan:
+        """The transition a message asks for, or why it is poison (and the task that ends
+        FAILURE for it, when it was a terminal event whose task can still be read)."""
         try:
             if delivery.dead_lettered:
-                return self._dead_lettered(delivery), DEAD_LETTERED
+                return Plan(DEAD_LETTERED, self._dead_lettered(delivery))
             event = decode_event(delivery.wire())
-            return lifecycle.transition(event), event.kind.value
+            return Plan(event.kind.value, lifecycle.transition(event))
         except (WireError, Poison) as exc:
-            return str(exc)
+            return _unusable(str(exc), None if delivery.dead_lettered else _terminal(delivery))
 
     def _dead_lettered(self, delivery: Delivery) -> lifecycle.Transition:
         wire = delivery.wire()
@@ -423,6 +490,80 @@ class ResultConsumer:
         except WireError as exc:
             raise Poison(f"dead-lettered message is not a submission: {exc}") from None
         return lifecycle.failure(uuid.UUID(task_id), _dead_letter_message(wire.headers))
+
+
+def _unusable(reason: str, terminal: tuple[str, uuid.UUID] | None) -> Plan:
+    """A message set aside for `reason`; a terminal event's (kind, task) still ends the task."""
+    if terminal is None:
+        return Plan(POISON, None, reason)
+    kind, task_id = terminal
+    failure = lifecycle.failure(task_id, f"The function's result could not be stored ({reason}).")
+    return Plan(kind, failure, reason)
+
+
+def _refused(plan: Plan, exc: Exception) -> Plan:
+    """A message the database refuses alone, set aside instead."""
+    reason = f"database refused it: {exc.__class__.__name__}: {str(exc)[:200]}"
+    change = plan.change
+    return _unusable(reason, (plan.kind, change.task_id) if change and change.terminal else None)
+
+
+def _terminal(delivery: Delivery) -> tuple[str, uuid.UUID] | None:
+    """The kind and task of a terminal event that cannot be read whole. A CloudEvent names
+    them in its attributes (headers), whatever its data; a legacy message in its outer
+    fields, read without the deep parts (`_shallow`) that may be what no parser here takes.
+    None for any other message."""
+    wire = delivery.wire()
+    body = b"{}" if is_cloudevent(wire.headers) else _shallow(wire.body)
+    try:
+        event = decode_event(replace(wire, body=body))
+    except WireError:
+        return None
+    return (event.kind.value, uuid.UUID(event.task_id)) if event.kind.terminal else None
+
+
+# What lies before the next run of brackets, skipped whole (a string to its end, or the
+# body's: none is read twice), then that run, or the end of the body.
+_BRACKETS = re.compile(
+    rb'(?:[^"\[\]{}]++|"(?:[^"\\]++|\\.)*+(?:"|\\?\Z))*+([\[{]++|[\]}]++|\Z)', re.DOTALL
+)
+SHALLOW_DEPTH = 2  # a legacy response is a member of `data`, a member of the message
+
+
+def _shallow(body: bytes, depth: int = SHALLOW_DEPTH) -> bytes:
+    """The JSON document with each value nested `depth` containers deep replaced by null.
+    One pass, without recursion, stepping from one run of brackets to the next (those in
+    strings are not nesting): about what the parser that refused the body spent on it."""
+    parts: list[bytes] = []
+    level = start = kept = 0
+    for match in _BRACKETS.finditer(body):
+        run, at = match.group(1), match.start(1)
+        if not run:
+            break
+        if run[0] in b"[{":
+            if level <= depth < level + len(run):  # one of them opens a value that deep
+                start = at + depth - level
+            level += len(run)
+        else:
+            closed = level - len(run)
+            if closed <= depth < level:  # one of them closes it
+                parts += [body[kept:start], b"null"]
+                kept = at + level - depth
+            level = closed
+    parts.append(body[kept:])
+    return b"".join(parts)
+
+
+def _result_queues(queue_name: str) -> list[tuple[str, bool]]:
+    """A queue name's `-out` and `-dlq`, each with whether it carries dead letters."""
+    return [(topology.out_queue(queue_name), False), (topology.dead_letter_queue(queue_name), True)]
+
+
+async def _consumer_tags(channel: AbstractChannel) -> set[str]:
+    """The consumers the broker still delivers to on the channel: it cancels the consumers
+    of a deleted queue, and a channel restored after a reconnection has its robust ones only."""
+    underlay = cast(aiormq.Channel, await channel.get_underlay_channel())
+    return set(underlay.consumers)
 
 
 def _counted(kind: str, outcome: lifecycle.Outcome) -> bool:
@@ -453,12 +594,16 @@ def _count(value: Any) -> int:
 
 
 def _returned(wire: WireMessage, delivery_limit: int) -> WireMessage:
-    """The submission as a new message: no trace of its death, its deliveries counted."""
+    """The submission as a new message: no trace of its death, its deliveries counted.
+
+    The broker dead-letters a message when it comes back once more than `x-delivery-limit`:
+    its first delivery and `delivery_limit` redeliveries were used, and the dispatcher numbers
+    the next one (X-Conveyor-Attempt) after them all."""
     headers = {
         k: v for k, v in wire.headers.items() if k not in (*h.DEATH_HEADERS, h.DELIVERY_COUNT)
     }
     headers[h.RETURNS] = _count(headers.get(h.RETURNS)) + 1
-    headers[h.REQUEUES] = _count(headers.get(h.REQUEUES)) + delivery_limit
+    headers[h.REQUEUES] = _count(headers.get(h.REQUEUES)) + delivery_limit + 1
     return WireMessage(wire.body, headers, wire.content_type, wire.message_id)
 
 

@@ -20,7 +20,7 @@ import pytest
 from bench.chaos.infra import queue_state
 from conveyor import topology
 from conveyor.events import EventKind, TaskEvent, encode_event
-from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
 from tests.support.processes import Processes
 from tests.support.servers import RabbitNode
 
@@ -75,16 +75,50 @@ def test_results_are_consumed_again_after_a_broker_restart(
     _eventually(lambda: _consumers(amqp_url, out) is not None, 60, "broker back")
     time.sleep(8)
 
+    _result_applied(gateway, amqp_url, service, service.queue_name)
+    assert _consumers(amqp_url, out) == 1
+    assert _consumers(amqp_url, dlq) == 1
+
+
+def test_queues_a_service_left_are_consumed_again_after_a_broker_restart(
+    procs: Processes,
+    platform: Platform,
+    database_url: str,
+    private_rabbit: RabbitNode,
+) -> None:
+    """A service moved to another queueName: the result queues it left are consumed without
+    aio-pika's restoration (which would declare them again once the operator deleted them),
+    so a reconnection drops their consumers, and the refresh makes them again."""
+    amqp_url = private_rabbit.url
+    service = platform.service()
+    env = gateway_env(database_url, amqp_url, CONVEYOR_SERVICE_REFRESH_INTERVAL="2")
+    gateway = GatewayProcess(procs, env)
+    left, moved = topology.out_queue(service.queue_name), f"{service.queue_name}-moved"
+    _eventually(lambda: _consumers(amqp_url, left) == 1, 20, "consuming -out")
+    platform.apply({"services": [{"name": service.name, "queueName": moved}]})
+    Platform.queue_names.add(moved)
+    _eventually(lambda: _consumers(amqp_url, topology.out_queue(moved)) == 1, 20, "the new -out")
+    assert _consumers(amqp_url, left) == 1
+
+    private_rabbit.restart(down_for=1.0)
+    _eventually(lambda: _consumers(amqp_url, left) == 1, 60, "consuming the old -out again")
+
+    _result_applied(gateway, amqp_url, service, service.queue_name)
+    _result_applied(gateway, amqp_url, service, moved)
+    assert _consumers(amqp_url, left) == 1
+    assert _consumers(amqp_url, topology.dead_letter_queue(service.queue_name)) == 1
+
+
+def _result_applied(gateway: GatewayProcess, amqp_url: str, service: Service, queue: str) -> None:
+    """A new task of `service` ends SUCCESS from a result published on `queue`'s `-out`."""
     with gateway.http(service.clients[0]) as http:
         answer = http.post(gateway.tasks_url(service.name), json={"body": {"sleep": 0}})
         assert answer.status_code == 201, answer.text
         task_id = answer.json()["data"]["taskId"]
-        asyncio.run(_publish_result(amqp_url, service.name, service.queue_name, task_id))
+        asyncio.run(_publish_result(amqp_url, service.name, queue, task_id))
 
         def finished() -> bool:
             url = f"{gateway.tasks_url(service.name)}/{task_id}"
             return http.get(url).json()["data"]["status"] == "SUCCESS"
 
-        _eventually(finished, 20, "SUCCESS applied from -out")
-    assert _consumers(amqp_url, out) == 1
-    assert _consumers(amqp_url, dlq) == 1
+        _eventually(finished, 20, f"SUCCESS applied from {topology.out_queue(queue)}")

@@ -6,7 +6,9 @@
 * a redelivery resets worker host, progress and start date;
 * the seed's own JSON, in both spellings, drives a legacy service;
 * messages nobody can read are set aside in `poison_messages`, never retried,
-  and never stop the consumer;
+  and never stop the consumer; a terminal one whose task can still be read ends it;
+* a service given another queue name or format is consumed as it now is, and the
+  queues it left as long as they exist;
 * dead-lettered submissions fail their task with a clear message;
 * a legacy service's `-in` carries the seed's submission JSON and accepts the
   seed worker's own queue declaration.
@@ -42,6 +44,7 @@ from gateway.results import MAX_RETURNS
 from gateway.store import iso
 from tests.support.amqp import (
     declare_like_seed_worker,
+    delete_queues,
     message_count,
     publish,
     publish_without_id,
@@ -54,7 +57,7 @@ from tests.support.amqp import (
     wait_for_queues,
     wait_until,
 )
-from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env, run_sync
 from tests.support.processes import Processes
 
 TASKS_PER_SEED = 30
@@ -376,6 +379,93 @@ def test_a_terminal_event_standing_in_for_started_opens_and_closes_its_attempt(
     ]
 
 
+# -- a service whose queues change while the gateways run ---------------------------
+
+
+def _declare_as_admin_apply(amqp_url: str, queue_name: str, message_format: MessageFormat) -> None:
+    """What `conveyor admin apply` declares besides writing the service's row."""
+    import aio_pika
+
+    async def declare() -> None:
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            limit = GatewaySettings().delivery_limit
+            await topology.declare_service(channel, queue_name, message_format, limit)
+
+    run_sync(declare())
+
+
+def _consumers(amqp_url: str, queue: str) -> int | None:
+    import aio_pika
+
+    async def count() -> int | None:
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            try:
+                declared = await channel.declare_queue(queue, passive=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                return None
+            return declared.declaration_result.consumer_count
+
+    return run_sync(count())
+
+
+@pytest.mark.timeout(90)
+def test_a_moved_queue_name_is_consumed_and_the_old_one_while_it_exists(
+    replicas: list[GatewayProcess], svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """`conveyor admin apply` gives a service another queueName while the gateways run:
+    the new queue's dispatchers report on the new `-out`, and the old queue's still finish
+    their tasks on the old one. Both are consumed, the old one until the operator deletes it,
+    and then never declared again."""
+    gateway = replicas[0]
+    old_out = topology.out_queue(svc.queue_name)
+    wait_until(lambda: _consumers(amqp_url, old_out) == len(replicas), what="both consuming")
+    old_task = _submit(gateway, svc, {"n": 1})  # on the old `-in`: an old dispatcher's
+    moved = Service(svc.name, f"{svc.queue_name}-moved", svc.clients)
+    platform.apply({"services": [{"name": svc.name, "queueName": moved.queue_name}]})
+    _declare_as_admin_apply(amqp_url, moved.queue_name, MessageFormat.CLOUDEVENTS)
+    try:
+        new_task = _submit(gateway, moved, {"n": 2})
+        _publish_events(amqp_url, moved, _event(moved, EventKind.SUCCEEDED, new_task, response=2))
+        _publish_events(amqp_url, svc, _event(svc, EventKind.SUCCEEDED, old_task, response=1))
+        assert _poll_until(gateway, moved, new_task, status="SUCCESS")["response"] == 2
+        assert _poll_until(gateway, svc, old_task, status="SUCCESS")["response"] == 1
+        for queue in (topology.out_queue(moved.queue_name), old_out):
+            wait_until(lambda q=queue: _consumers(amqp_url, q) == len(replicas), what=queue)
+
+        delete_queues(amqp_url, queues_of(svc.queue_name))  # the operator, once drained
+        time.sleep(2.0)  # refreshes every 0.3 s
+        assert [message_count(amqp_url, q) for q in queues_of(svc.queue_name)] == [None] * 3
+        later = _submit(gateway, moved, {"n": 3})
+        _publish_events(amqp_url, moved, _event(moved, EventKind.FAILED, later, error_message="x"))
+        _poll_until(gateway, moved, later, status="FAILURE")
+    finally:
+        remove_service(platform, amqp_url, moved)
+
+
+@pytest.mark.timeout(60)
+def test_a_changed_message_format_is_declared_again(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """A service turned legacy on its quorum queues: the gateway declares them again as the
+    seed's workers will (plain durable queues), and reports the refusal (/readyz) instead of
+    going on as if nothing changed; its events are still consumed."""
+    platform.apply(
+        {"services": [{"name": svc.name, "queueName": svc.queue_name, "messageFormat": "legacy"}]}
+    )
+
+    def reported() -> str | None:
+        return httpx.get(f"{gateway.url}/readyz").json().get("services", {}).get(svc.name)
+
+    assert "PRECONDITION_FAILED" in wait_until(reported, what="the service reported")
+    task_id = _submit(gateway, svc, {"n": 1})
+    _legacy(amqp_url, svc, {"taskId": task_id, "data": {"messageType": "success", "response": 1}})
+    assert _poll_until(gateway, svc, task_id, status="SUCCESS")["response"] == 1
+
+
 # -- the seed's own messages ---------------------------------------------------
 
 
@@ -521,26 +611,51 @@ def test_crashing_workers_dead_letter_the_task(
     assert message_count(amqp_url, in_queue) == 0
 
 
+def _attempts_until_dead_lettered(amqp_url: str, queue: str) -> list[int]:
+    """`reject_until_dead_lettered`, noting each delivery's X-Conveyor-Attempt as the
+    dispatcher computes it (`Delivery.previous_deliveries() + 1`)."""
+    import aio_pika
+
+    from dispatcher.consumer import Delivery
+
+    async def crash_every_time() -> list[int]:
+        attempts: list[int] = []
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            declared = await channel.get_queue(queue, ensure=True)
+            while (message := await declared.get(no_ack=False, fail=False)) is not None:
+                attempts.append(Delivery.of(message).previous_deliveries() + 1)
+                await message.nack(requeue=True)
+        return attempts
+
+    return run_sync(crash_every_time())
+
+
 @pytest.mark.timeout(90)
 def test_returns_without_crashes_give_the_submission_back(
     gateway: GatewayProcess, svc: Service, amqp_url: str
 ) -> None:
     """A message returned by dropped connections before any attempt started (as when broker
     nodes go away under healthy dispatchers) is not the workers' failure: the gateway
-    publishes it again, a bounded number of times, and only then fails the task."""
+    publishes it again, a bounded number of times, and only then fails the task. Each copy
+    counts the deliveries of the ones before: the attempt number never repeats."""
     task_id = _submit(gateway, svc, {"n": 1})
     in_queue = topology.in_queue(svc.queue_name)
     limit = GatewaySettings().delivery_limit
+    attempts: list[int] = []
     for returned in range(1, MAX_RETURNS + 1):
         wait_until(lambda: message_count(amqp_url, in_queue) == 1, what="submission on -in")
-        assert reject_until_dead_lettered(amqp_url, in_queue) == limit + 1
+        attempts += _attempts_until_dead_lettered(amqp_url, in_queue)
+        assert len(attempts) == returned * (limit + 1)  # the queue's x-delivery-limit, + 1
         again = wait_until(lambda: take_all(amqp_url, in_queue), what="published again")
         assert len(again) == 1 and again[0].headers["x-conveyor-returns"] == returned
         assert "x-death" not in again[0].headers
         assert decode_submission(again[0]).task_id == task_id
         assert _poll(gateway, svc, task_id)["status"] == "PENDING"
         publish(amqp_url, in_queue, again)  # back where the gateway put it
-    assert reject_until_dead_lettered(amqp_url, in_queue) == limit + 1
+    attempts += _attempts_until_dead_lettered(amqp_url, in_queue)
+    assert attempts == list(range(1, (MAX_RETURNS + 1) * (limit + 1) + 1))
     data = _poll_until(gateway, svc, task_id, status="FAILURE")
     assert "delivery limit" in data["errorMessage"]
 
@@ -577,35 +692,107 @@ def test_dead_lettered_submission_with_x_death_fails_its_task(
 # -- every task ends: what the database refuses, broken topologies, silence ----------
 
 
-def test_a_terminal_event_the_database_refuses_fails_its_task(
+def test_a_nul_in_a_worker_s_response_is_stored_as_u_fffd(
     gateway: GatewayProcess, svc: Service, legacy_svc: Service, platform: Platform, amqp_url: str
 ) -> None:
-    """PostgreSQL cannot store NUL in jsonb: the task still ends, saying why."""
+    """PostgreSQL cannot store NUL in jsonb, and a worker that is not a dispatcher (which
+    cleans a function's answer itself) may send one: it used to fail the task for a
+    character. Keys and strings alike, and a literal backslash-u0000 stays as it is."""
     ce_task = _submit(gateway, svc, {"n": 1})
     legacy_task = _submit(gateway, legacy_svc, {"n": 2})
-    sane = _submit(gateway, svc, {"n": 3})
+    response = {"a\x00b": ["x\x00", {"k": "\x00"}], "literal": "\\u0000", "n": 10**30}
     _publish_events(
         amqp_url,
         svc,
         _event(svc, EventKind.STARTED, ce_task, host="h", attempt="a1"),
-        _event(svc, EventKind.SUCCEEDED, ce_task, response={"text": "a\x00b"}, attempt="a1"),
-        _event(svc, EventKind.SUCCEEDED, sane, response={"ok": True}),
+        _event(svc, EventKind.SUCCEEDED, ce_task, response=response, attempt="a1"),
     )
     _legacy(
         amqp_url,
         legacy_svc,
         {"taskId": legacy_task, "data": {"messageType": "success", "response": "x\x00y"}},
     )
-    for service, task_id in ((svc, ce_task), (legacy_svc, legacy_task)):
-        data = _poll_until(gateway, service, task_id, status="FAILURE")
-        assert "result could not be stored" in data["errorMessage"]
-    assert _poll_until(gateway, svc, sane, status="SUCCESS")["response"] == {"ok": True}
-    refused = platform.sql(
-        "SELECT count(*) FROM poison_messages WHERE reason LIKE 'database refused it%%'"
-        " AND queue = ANY(%(q)s)",
-        {"q": [topology.out_queue(svc.queue_name), topology.out_queue(legacy_svc.queue_name)]},
+    stored = _poll_until(gateway, svc, ce_task, status="SUCCESS")["response"]
+    assert stored == {
+        "a\ufffdb": ["x\ufffd", {"k": "\ufffd"}],
+        "literal": "\\u0000",
+        "n": 10**30,
+    }
+    assert _poll_until(gateway, legacy_svc, legacy_task, status="SUCCESS")["response"] == "x\ufffdy"
+    queues = [topology.out_queue(svc.queue_name), topology.out_queue(legacy_svc.queue_name)]
+    assert _poison(platform, queues[0]) == _poison(platform, queues[1]) == []
+
+
+def test_a_response_with_a_lone_surrogate_fails_its_task(
+    gateway: GatewayProcess, legacy_svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """JSON may escape half a surrogate pair; jsonb refuses it: the batch is applied one
+    message at a time, and the one refused still ends its task, saying why."""
+    task_id = _submit(gateway, legacy_svc, {"n": 1})
+    sane = _submit(gateway, legacy_svc, {"n": 2})
+    half = f'{{"taskId": "{task_id}", "data": {{"messageType": "success", "response": "\\ud800"}}}}'
+    publish(
+        amqp_url,
+        topology.out_queue(legacy_svc.queue_name),
+        [
+            raw_json(half.encode()),
+            raw_json({"taskId": sane, "data": {"messageType": "success", "response": 1}}),
+        ],
     )
-    assert refused[0][0] == 2  # kept for the operator too
+    data = _poll_until(gateway, legacy_svc, task_id, status="FAILURE")
+    assert "result could not be stored (database refused it" in data["errorMessage"], data
+    assert _poll_until(gateway, legacy_svc, sane, status="SUCCESS")["response"] == 1
+    reasons = _poison(platform, topology.out_queue(legacy_svc.queue_name))
+    assert [reason.split(":")[0] for reason, _ in reasons] == ["database refused it"]
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_a_terminal_event_too_deep_to_read_fails_its_task(
+    gateway: GatewayProcess, svc: Service, legacy_svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """A hand-made `succeeded` whose response nests deeper than any parser here reads is
+    poison, yet its task and kind can still be read (the CloudEvent's headers, the legacy
+    message's outer fields): the task ends FAILURE saying why, not IN_PROGRESS until the
+    watchdog. So does a CloudEvent's whose data is not JSON at all. A deep event that ends
+    nothing is only set aside."""
+    ce_task = _submit(gateway, svc, {"n": 1})
+    legacy_task = _submit(gateway, legacy_svc, {"n": 2})
+    garbled = _submit(gateway, svc, {"n": 3})
+    out = topology.out_queue(svc.queue_name)
+    legacy_out = topology.out_queue(legacy_svc.queue_name)
+    _publish_events(amqp_url, svc, _event(svc, EventKind.STARTED, ce_task, host="h"))
+    _legacy(amqp_url, legacy_svc, {"taskId": legacy_task, "data": {"messageType": "started"}})
+    _poll_until(gateway, svc, ce_task, status="IN_PROGRESS")
+    _poll_until(gateway, legacy_svc, legacy_task, status="IN_PROGRESS")
+
+    succeeded = _event(svc, EventKind.SUCCEEDED, ce_task, response=None)
+    deep = f'{{"response": {_nested(5000)}}}'.encode()
+    legacy = (
+        f'{{"taskId": "{legacy_task}", "data": {{"messageType": "success",'
+        f' "response": {{"brackets in a string: ]]}}": {_nested(5000)}}}}}}}'
+    ).encode()
+    progress = _event(svc, EventKind.PROGRESS, ce_task, progress=50.0)
+    publish(
+        amqp_url,
+        out,
+        [
+            WireMessage(deep, progress.headers, "application/json"),
+            WireMessage(deep, succeeded.headers, "application/json"),
+            WireMessage(b"{not JSON", _event(svc, EventKind.SUCCEEDED, garbled).headers),
+        ],
+    )
+    publish(amqp_url, legacy_out, [raw_json(legacy)])
+
+    for service, task_id in ((svc, ce_task), (legacy_svc, legacy_task), (svc, garbled)):
+        data = _poll_until(gateway, service, task_id, status="FAILURE")
+        assert "result could not be stored" in data["errorMessage"], data
+        assert "not JSON" in data["errorMessage"], data
+    wait_until(lambda: len(_poison(platform, out)) == 3, what="the events set aside")
+    assert len(_poison(platform, legacy_out)) == 1
+    assert _poll(gateway, svc, ce_task)["progress"] == 0.0
 
 
 def test_an_error_message_with_nul_is_stored_readably(

@@ -43,6 +43,7 @@ from conveyor.settings import GatewaySettings
 from gateway.results import MAX_RETURNS
 from gateway.store import iso
 from tests.support.amqp import (
+    consumer_count,
     declare_like_seed_worker,
     delete_queues,
     message_count,
@@ -396,22 +397,6 @@ def _declare_as_admin_apply(amqp_url: str, queue_name: str, message_format: Mess
     run_sync(declare())
 
 
-def _consumers(amqp_url: str, queue: str) -> int | None:
-    import aio_pika
-
-    async def count() -> int | None:
-        connection = await aio_pika.connect(amqp_url)
-        async with connection:
-            channel = await connection.channel()
-            try:
-                declared = await channel.declare_queue(queue, passive=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                return None
-            return declared.declaration_result.consumer_count
-
-    return run_sync(count())
-
-
 @pytest.mark.timeout(90)
 def test_a_moved_queue_name_is_consumed_and_the_old_one_while_it_exists(
     replicas: list[GatewayProcess], svc: Service, platform: Platform, amqp_url: str
@@ -422,7 +407,7 @@ def test_a_moved_queue_name_is_consumed_and_the_old_one_while_it_exists(
     and then never declared again."""
     gateway = replicas[0]
     old_out = topology.out_queue(svc.queue_name)
-    wait_until(lambda: _consumers(amqp_url, old_out) == len(replicas), what="both consuming")
+    wait_until(lambda: consumer_count(amqp_url, old_out) == len(replicas), what="both consuming")
     old_task = _submit(gateway, svc, {"n": 1})  # on the old `-in`: an old dispatcher's
     moved = Service(svc.name, f"{svc.queue_name}-moved", svc.clients)
     platform.apply({"services": [{"name": svc.name, "queueName": moved.queue_name}]})
@@ -434,7 +419,7 @@ def test_a_moved_queue_name_is_consumed_and_the_old_one_while_it_exists(
         assert _poll_until(gateway, moved, new_task, status="SUCCESS")["response"] == 2
         assert _poll_until(gateway, svc, old_task, status="SUCCESS")["response"] == 1
         for queue in (topology.out_queue(moved.queue_name), old_out):
-            wait_until(lambda q=queue: _consumers(amqp_url, q) == len(replicas), what=queue)
+            wait_until(lambda q=queue: consumer_count(amqp_url, q) == len(replicas), what=queue)
 
         delete_queues(amqp_url, queues_of(svc.queue_name))  # the operator, once drained
         time.sleep(2.0)  # refreshes every 0.3 s

@@ -110,7 +110,8 @@ def queues_of(queue_name: str) -> list[str]:
     ]
 
 
-async def _message_count(url: str, queue: str) -> int | None:
+async def _declared(url: str, queue: str) -> Any:
+    """What a passive declare of `queue` answers, or None if it does not exist."""
     connection = await aio_pika.connect(url)
     async with connection:
         channel = await connection.channel()
@@ -118,12 +119,19 @@ async def _message_count(url: str, queue: str) -> int | None:
             declared = await channel.declare_queue(queue, passive=True)
         except aiormq.exceptions.ChannelNotFoundEntity:
             return None
-        return declared.declaration_result.message_count
+        return declared.declaration_result
 
 
 def message_count(url: str, queue: str) -> int | None:
     """Ready messages in `queue` (a passive declare), or None if it does not exist."""
-    return run_sync(_message_count(url, queue))
+    declared = run_sync(_declared(url, queue))
+    return None if declared is None else int(declared.message_count)
+
+
+def consumer_count(url: str, queue: str) -> int | None:
+    """Consumers of `queue` (a passive declare), or None if it does not exist."""
+    declared = run_sync(_declared(url, queue))
+    return None if declared is None else int(declared.consumer_count)
 
 
 def wait_for_queues(url: str, names: Iterable[str], timeout: float = 10.0) -> None:

@@ -182,15 +182,20 @@ async def declare_queues(queue_name: str) -> None:
         await connection.close()
 
 
-async def delete_queues(queue_name: str) -> None:
-    from conveyor.topology import dead_letter_queue, in_queue, out_queue
+async def delete_queues(queue_name: str, url: str = AMQP_URL) -> None:
+    """A run's service topology: its three queues and the control exchange the gateway
+    declared for cancels (left behind, they piled up on the broker run after run)."""
+    from conveyor.topology import control_exchange, dead_letter_queue, in_queue, out_queue
 
-    connection = await amqp.connect(AMQP_URL, name="conveyor bench")
+    connection = await amqp.connect(url, name="conveyor bench", timeout=10)
     try:
         for name in (in_queue(queue_name), out_queue(queue_name), dead_letter_queue(queue_name)):
             channel = await connection.channel()
             with contextlib.suppress(Exception):
                 await channel.queue_delete(name)
+        channel = await connection.channel()
+        with contextlib.suppress(Exception):
+            await channel.exchange_delete(control_exchange(queue_name))
     finally:
         await connection.close()
 

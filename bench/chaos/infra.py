@@ -104,17 +104,11 @@ async def _declare(amqp_url: str, queue: str) -> None:
         await topology.declare_service(channel, queue, MessageFormat.CLOUDEVENTS, limit)
 
 
-async def _delete_queues(amqp_url: str, queue: str) -> None:
-    connection = await connect_broker(amqp_url, name="chaos", timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        for spec in topology.service_queues(queue, MessageFormat.CLOUDEVENTS, 0):
-            await channel.queue_delete(spec.name)
-
-
 def delete_queues(amqp_url: str, queue: str) -> None:
+    from bench.stack import delete_queues as delete_topology
+
     try:
-        asyncio.run(_delete_queues(amqp_url, queue))
+        asyncio.run(delete_topology(queue, amqp_url))
     except Exception as exc:  # best effort clean-up; the report is already written
         log.warning("could not delete the run's queues: %r", exc)
 

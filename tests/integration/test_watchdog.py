@@ -81,13 +81,19 @@ def _attempts(platform: Platform, task_id: str) -> list[tuple[str, str | None]]:
     ]
 
 
+def _running(gateway: GatewayProcess, service: Service, amqp_url: str, host: str) -> str:
+    """A task submitted, then IN_PROGRESS at attempt `a1` on `host`; its id."""
+    task_id = _submit(gateway, service)
+    _send(amqp_url, service, EventKind.STARTED, task_id, host=host, attempt="a1")
+    _until(gateway, service, task_id, "IN_PROGRESS")
+    return task_id
+
+
 def test_a_lowered_timeout_does_not_fail_the_tasks_already_running(
     watchdog: GatewayProcess, make_service: Any, platform: Platform, amqp_url: str
 ) -> None:
     service = make_service(taskTimeout=5, maxAttempts=1)
-    task_id = _submit(watchdog, service)
-    _send(amqp_url, service, EventKind.STARTED, task_id, host="h", attempt="a1")
-    _until(watchdog, service, task_id, "IN_PROGRESS")
+    task_id = _running(watchdog, service, amqp_url, host="h")
     started = time.monotonic()
     # What `admin apply` does to a running system: the service's timeout goes down to 1 s.
     platform.sql("UPDATE services SET task_timeout = 1 WHERE name = %(s)s", {"s": service.name})
@@ -109,9 +115,7 @@ def test_a_task_handed_back_waits_pending_and_the_watchdog_leaves_it(
     watchdog: GatewayProcess, make_service: Any, platform: Platform, amqp_url: str
 ) -> None:
     service = make_service(taskTimeout=1, maxAttempts=1)
-    task_id = _submit(watchdog, service)
-    _send(amqp_url, service, EventKind.STARTED, task_id, host="pod-a", attempt="a1")
-    _until(watchdog, service, task_id, "IN_PROGRESS")
+    task_id = _running(watchdog, service, amqp_url, host="pod-a")
 
     # An attempt the task is not at any more changes nothing.
     _send(amqp_url, service, EventKind.REQUEUED, task_id, attempt="stale")

@@ -165,7 +165,8 @@ def response_value(body: bytes) -> Any:
 
 
 def error_message(body: bytes) -> str:
-    """The body's errorMessage, error or detail, else its text."""
+    """The body's errorMessage, error or detail, else its text. A field that is empty, or
+    only blanks, says nothing and is passed over."""
     if not body.strip():
         return ""
     try:
@@ -175,7 +176,7 @@ def error_message(body: bytes) -> str:
     if isinstance(payload, dict):
         for name in _ERROR_FIELDS:
             value = payload.get(name)
-            if value is None:
+            if value is None or (isinstance(value, str) and not value.strip()):
                 continue
             return value if isinstance(value, str) else json.dumps(value)
     return payload if isinstance(payload, str) else json.dumps(payload)

@@ -263,6 +263,7 @@ async def create(service: str, request: Request) -> Json:
 
 
 @router.post("/v1/services/{service}/tasks/batch", summary="Create many tasks", **_BATCH_DOC)
+@router.post("/v1/services/{service}/tasks/batch/", include_in_schema=False, **_BATCH_DOC)
 async def create_batch(service: str, request: Request) -> Json:
     """All or nothing: one transaction, one insert, capacity counted for the whole batch;
     one trace for the whole batch, as for any one request."""
@@ -418,6 +419,7 @@ async def _publish(rt: Runtime, done: list[tuple[NewTask, Accepted]]) -> None:
     response_model=api_models.TaskEnvelope,
     responses=api_models.error_responses(403, 404, 431, 503),
 )
+@router.get("/v1/services/{service}/tasks/{task_id}/", include_in_schema=False)
 async def poll(service: str, task_id: str, request: Request) -> Json:
     rt = runtime(request)
     client_id, _ = await _granted(request, rt, service)
@@ -434,6 +436,7 @@ async def poll(service: str, task_id: str, request: Request) -> Json:
     response_model=api_models.TaskEnvelope,
     responses=api_models.error_responses(403, 404, 409, 431, 503),
 )
+@router.post("/v1/services/{service}/tasks/{task_id}/cancel/", include_in_schema=False)
 async def cancel(service: str, task_id: str, request: Request) -> Json:
     """PENDING or IN_PROGRESS: FAILURE `Task cancelled.` at once; already cancelled: the same
     answer; finished otherwise: 409001 (gateway.cancel)."""
@@ -462,6 +465,7 @@ async def cancel(service: str, task_id: str, request: Request) -> Json:
         **api_models.error_responses(403, 404, 431, 503),
     },
 )
+@router.get("/v1/services/{service}/tasks/{task_id}/events/", include_in_schema=False)
 async def events(service: str, task_id: str, request: Request) -> EventSourceResponse:
     """Errors before the stream starts are the poll's; then the stream (gateway.task_events)."""
     rt = runtime(request)

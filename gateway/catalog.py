@@ -80,6 +80,17 @@ async def all_services(conn: psycopg.AsyncConnection[Any]) -> list[Service]:
     return [_service(row) for row in await (await conn.execute(_ALL)).fetchall()]
 
 
+async def moved_queues(conn: psycopg.AsyncConnection[Any]) -> set[str]:
+    """The queue names services moved away from, whose queues may still hold results."""
+    cursor = await conn.execute("SELECT queue_name FROM moved_queues")
+    return {row[0] for row in await cursor.fetchall()}
+
+
+async def forget_moved(conn: psycopg.AsyncConnection[Any], queue_name: str) -> None:
+    """The queues a service left are gone: nothing will report there again."""
+    await conn.execute("DELETE FROM moved_queues WHERE queue_name = %(q)s", {"q": queue_name})
+
+
 class SchemaCache:
     def __init__(self) -> None:
         self._validators: dict[tuple[str, datetime], jsonschema.protocols.Validator] = {}

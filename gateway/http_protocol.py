@@ -5,16 +5,20 @@ it: two system calls, two TCP segments and two wake-ups of the client for every 
 `conveyor gateway` serves with `CoalescingHttpToolsProtocol` (uvicorn's `http` setting
 takes a protocol class), whose transport joins what one turn of the event loop wrote
 (`conveyor.coalescing`). Streams (the event stream's SSE) still leave turn by turn.
+What the parser refuses before the app sees it is answered with the API's own 400002
+envelope, as every other refusal is, rather than uvicorn's plain text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from conveyor.coalescing import TurnBuffer
+from gateway import errors
 
 
 class TurnTransport(asyncio.Transport):
@@ -86,3 +90,17 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(TurnTransport(transport))
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(errors.invalid("request", msg).envelope()).encode()
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        head += [
+            name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
+        ]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()

@@ -67,6 +67,22 @@ services = Table(
     CheckConstraint("message_format IN ('cloudevents', 'legacy')", name="ck_services_format"),
 )
 
+# The queue names services moved away from (a trigger on `services` records them, migration
+# 0011): the gateways consume their result queues until the operator deletes them, or the
+# service is removed.
+moved_queues = Table(
+    "moved_queues",
+    metadata,
+    Column("queue_name", Text, primary_key=True),
+    Column(
+        "service",
+        Text,
+        ForeignKey("services.name", ondelete="CASCADE", onupdate="CASCADE"),
+        nullable=False,
+    ),
+    Column("moved_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
 clients = Table(
     "clients",
     metadata,

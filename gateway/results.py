@@ -178,14 +178,12 @@ class ResultConsumer:
     async def refresh(self) -> None:
         async with self.pool.connection() as conn:
             services = {s.name: s for s in await catalog.all_services(conn)}
+            moved = await catalog.moved_queues(conn)
         stale = {
             name: subscription
             for name, subscription in self._subscribed.items()
             if name not in services or not subscription.serves(services[name])
         }
-        for name, subscription in stale.items():
-            if name in services:  # moved: its old queue's dispatchers still report there
-                self._retired.setdefault(subscription.queue_name, [])
         if self._channel is None or self._channel.is_closed or stale:
             # A robust channel re-declares every queue it ever declared when it is restored,
             # so a removed service's queues (or a changed one's, as they were) would come back
@@ -205,7 +203,7 @@ class ResultConsumer:
         for service in services.values():
             if service.name not in self._subscribed:
                 await self._subscribe(self._channel, service)
-        await self._consume_retired(self._channel, {s.queue_name for s in services.values()})
+        await self._consume_retired(self._channel, {s.queue_name for s in services.values()}, moved)
 
     async def _subscribe(self, channel: AbstractChannel, service: catalog.Service) -> None:
         """Declares the service's queues on a channel of their own (a refused declaration
@@ -238,19 +236,25 @@ class ResultConsumer:
             )
             log.info("consuming results", extra={"service": service.name})
 
-    async def _consume_retired(self, channel: AbstractRobustChannel, in_use: set[str]) -> None:
-        """Consumes the result queues of the queue names services moved away from, as long
-        as they exist: the old queue's dispatchers still finish their tasks and report there.
+    async def _consume_retired(
+        self, channel: AbstractRobustChannel, in_use: set[str], moved: set[str]
+    ) -> None:
+        """Consumes the result queues of the queue names services moved away from (the
+        database records each move), as long as they exist: the old queue's dispatchers still
+        finish their tasks and report there, whether or not this gateway saw the move.
 
         Declared passively and not robustly: aio-pika declares a robust queue again after a
         reconnection, and as soon as the broker cancels its consumer (the queue was deleted),
         so the operator could never delete it. A consumer either of these ended is made again
-        while its queue exists; a name with neither queue left is forgotten. Only while this
-        gateway runs: a restarted one knows the services' current queues only."""
+        while its queue exists; a name with neither queue left is forgotten, for every
+        gateway."""
+        for queue_name in moved - in_use:
+            self._retired.setdefault(queue_name, [])
         live = await _consumer_tags(channel)
         for queue_name, consumers in list(self._retired.items()):
             consumers = [(queue, tag) for queue, tag in consumers if tag in live]
-            if queue_name in in_use:  # a service's again: consumed as that service's
+            if queue_name in in_use or queue_name not in moved:
+                # a service's again (consumed as that service's), or forgotten by a replica
                 del self._retired[queue_name]
                 for queue, tag in consumers:
                     await queue.cancel(tag)
@@ -266,6 +270,8 @@ class ResultConsumer:
                 self._retired[queue_name] = consumers
             else:
                 del self._retired[queue_name]
+                async with self.pool.connection() as conn:
+                    await catalog.forget_moved(conn, queue_name)
                 log.info("queues left by their service are gone", extra={"queue": queue_name})
 
     async def _declare(self, service: catalog.Service) -> set[str]:

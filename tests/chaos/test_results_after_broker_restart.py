@@ -20,6 +20,7 @@ import pytest
 from bench.chaos.infra import queue_state
 from conveyor import topology
 from conveyor.events import EventKind, TaskEvent, encode_event
+from tests.support.amqp import delete_queues, queues_of
 from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
 from tests.support.processes import Processes
 from tests.support.servers import RabbitNode
@@ -107,6 +108,48 @@ def test_queues_a_service_left_are_consumed_again_after_a_broker_restart(
     _result_applied(gateway, amqp_url, service, moved)
     assert _consumers(amqp_url, left) == 1
     assert _consumers(amqp_url, topology.dead_letter_queue(service.queue_name)) == 1
+
+
+def test_a_gateway_started_after_a_move_consumes_the_queue_the_service_left(
+    procs: Processes,
+    platform: Platform,
+    database_url: str,
+    private_rabbit: RabbitNode,
+) -> None:
+    """A service moved to another queueName while no gateway ran, or before one restarted:
+    the old queue's dispatchers still report on the old `-out`. Only a gateway that saw the
+    move used to consume it, so after a restart (a deploy) those results waited there and
+    their tasks stayed IN_PROGRESS until the watchdog failed them. The move is recorded by
+    the database, so a gateway started later knows it too, until the operator deletes the
+    queues."""
+    amqp_url = private_rabbit.url
+    service = platform.service()
+    env = gateway_env(database_url, amqp_url, CONVEYOR_SERVICE_REFRESH_INTERVAL="0.3")
+    gateway = GatewayProcess(procs, env)
+    left, moved = topology.out_queue(service.queue_name), f"{service.queue_name}-moved"
+    _eventually(lambda: _consumers(amqp_url, left) == 1, 20, "consuming -out")
+    gateway.proc.stop()
+
+    platform.apply({"services": [{"name": service.name, "queueName": moved}]})
+    Platform.queue_names.add(moved)
+    gateway = GatewayProcess(procs, env, "gateway-restarted")
+    _eventually(lambda: _consumers(amqp_url, topology.out_queue(moved)) == 1, 20, "the new -out")
+    _result_applied(gateway, amqp_url, service, service.queue_name)
+    assert _consumers(amqp_url, left) == 1
+    assert _consumers(amqp_url, topology.dead_letter_queue(service.queue_name)) == 1
+
+    # Once the operator deleted them, the queues are forgotten: not declared again, even by
+    # a gateway started after that.
+    delete_queues(amqp_url, queues_of(service.queue_name))
+    time.sleep(1.5)
+    gateway.proc.stop()
+    gateway = GatewayProcess(procs, env, "gateway-after-the-delete")
+    _result_applied(gateway, amqp_url, service, moved)
+    assert _consumers(amqp_url, left) is None
+    rows = platform.sql(
+        "SELECT count(*) FROM moved_queues WHERE queue_name = %(q)s", {"q": service.queue_name}
+    )
+    assert rows == [(0,)]
 
 
 def _result_applied(gateway: GatewayProcess, amqp_url: str, service: Service, queue: str) -> None:

@@ -70,6 +70,22 @@ def test_error_message_is_truncated_to_4_kib_on_a_character_boundary() -> None:
     assert truncate("short") == "short"
 
 
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b'{"errorMessage": "", "error": "quota exceeded"}', "quota exceeded"),
+        (b'{"errorMessage": "  ", "error": null, "detail": "no such image"}', "no such image"),
+        (b'{"errorMessage": ""}', '{"errorMessage": ""}'),
+    ],
+)
+def test_an_empty_error_message_falls_back_to_the_next_field_then_the_text(
+    body: bytes, error: str
+) -> None:
+    """SPEC §5: `errorMessage`, `error` or `detail`, else the text. An empty one says nothing:
+    a FAILURE with an empty message left the consumer with no reason at all."""
+    assert classify(422, body) == Failure(error, retryable=False)
+
+
 @pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504])
 def test_408_429_5xx_are_retryable_and_carry_retry_after(status: int) -> None:
     outcome = classify(status, b'{"errorMessage": "busy"}', {"retry-after": "7"})

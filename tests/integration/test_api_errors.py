@@ -43,6 +43,29 @@ def test_create_returns_task_id_and_position(gateway: GatewayProcess, svc) -> No
         assert second.json()["data"]["taskPosition"] == data["taskPosition"] + 1
 
 
+def test_every_task_route_answers_with_a_trailing_slash_too(gateway: GatewayProcess, svc) -> None:
+    """As the create route does (SPEC §3.1): a client that adds a `/` gets the answer, not a
+    307 that httpx, curl and most SDKs do not follow on their own."""
+    with gateway.http(svc.clients[0]) as http:
+        tasks = gateway.tasks_url(svc.name)
+        batch = http.post(f"{tasks}/batch/", json={"tasks": [{"body": {"sleep": 1}}]})
+        assert batch.status_code == 201, batch.text
+        task_id = batch.json()["data"]["tasks"][0]["taskId"]
+        poll = http.get(f"{tasks}/{task_id}/")
+        assert poll.status_code == 200, poll.text
+        assert poll.json()["data"]["status"] == "PENDING"
+        cancel = http.post(f"{tasks}/{task_id}/cancel/")
+        assert cancel.status_code == 200, cancel.text
+        assert cancel.json()["data"]["status"] == "FAILURE"
+        with http.stream("GET", f"{tasks}/{task_id}/events/") as stream:
+            assert stream.status_code == 200
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            assert '"FAILURE"' in stream.read().decode()
+        other = gateway.http(svc.clients[1])
+        with other:
+            assert error_of(other.get(f"{tasks}/{task_id}/")) == (404, 404002)
+
+
 def test_poll_pending_task_shape(gateway: GatewayProcess, svc) -> None:
     with gateway.http(svc.clients[0]) as http:
         task_id = http.post(gateway.tasks_url(svc.name), json={"body": {"sleep": 1}}).json()[

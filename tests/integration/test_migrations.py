@@ -25,6 +25,7 @@ TABLES = {
     "task_backlog",
     "task_backlog_blocks",
     "poison_messages",
+    "moved_queues",
 }
 INDEXES = {
     "ix_tasks_pending",
@@ -181,3 +182,27 @@ def _live_backlog(conn: psycopg.Connection) -> dict[tuple[str, str], int]:
         "SELECT service, client_id, count(*) FROM tasks WHERE status = 'PENDING' GROUP BY 1, 2"
     )
     return {(r[0], r[1]): int(r[2]) for r in rows}
+
+
+@pytest.mark.timeout(60)
+def test_every_move_of_a_queue_name_is_recorded(database_url: str) -> None:
+    """0011: a move records the name left, by whatever statement makes it; moving back
+    forgets it, and a service removed takes its records with it."""
+    with scratch_database(database_url) as url:
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+
+            def moved() -> list[tuple[str, str]]:
+                rows = conn.execute("SELECT queue_name, service FROM moved_queues ORDER BY 1")
+                return [(r[0], r[1]) for r in rows]
+
+            conn.execute("INSERT INTO services (name, queue_name) VALUES ('s', 'a'), ('t', 't')")
+            conn.execute("UPDATE services SET capacity = 3")  # not a move
+            assert moved() == []
+            conn.execute("UPDATE services SET queue_name = 'b' WHERE name = 's'")
+            conn.execute("UPDATE services SET queue_name = 'c' WHERE name = 's'")
+            assert moved() == [("a", "s"), ("b", "s")]
+            conn.execute("UPDATE services SET queue_name = 'a' WHERE name = 's'")
+            assert moved() == [("b", "s"), ("c", "s")]
+            conn.execute("UPDATE services SET queue_name = 'x' WHERE name = 't'")
+            conn.execute("DELETE FROM services WHERE name = 's'")
+            assert moved() == [("t", "t")]

@@ -115,6 +115,29 @@ def test_lying_small_length_never_reaches_the_app_as_one_body(
     assert largest < 1024
 
 
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        pytest.param(
+            b"POST /v1/services/s/tasks HTTP/1.1\r\nContent-Length: abc\r\n\r\n", id="length"
+        ),
+        pytest.param(b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", id="100k-url"),
+        pytest.param(b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", id="header-without-colon"),
+        pytest.param(b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03", id="tls-hello"),
+    ],
+)
+def test_requests_http_cannot_parse_get_the_error_envelope(
+    gateway: GatewayProcess, request_head: bytes
+) -> None:
+    """What the HTTP parser refuses before the app sees it: the same 400002 JSON envelope
+    as every other refusal, not uvicorn's plain text, and the connection closed."""
+    answer = raw_exchange(gateway, request_head, timeout=10)
+    assert answer.status == 400, answer.data[:300]
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.json_number() == 400002
+    assert answer.headers["connection"] == "close"
+
+
 # --- malformed JSON ----------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ import bcrypt
 from psycopg import AsyncConnection
 
 from conveyor.events import MessageFormat
+from gateway import lifecycle
 from gateway.auth import generate_secret, hash_secret
 from gateway.pgpool import jsonb
 from gateway.platform_file import (
@@ -226,8 +227,15 @@ async def delete_client(conn: AsyncConnection[Any], client_id: str) -> bool:
 
 
 async def delete_service(conn: AsyncConnection[Any], name: str) -> bool:
-    cursor = await conn.execute("DELETE FROM services WHERE name = %s", (name,))
-    return bool(cursor.rowcount)
+    """The service, its grants and its unfinished tasks' chances: no gateway consumes its
+    results once it is gone, so they end FAILURE now rather than wait for the watchdog or
+    the PENDING time to live. The queues are left to the operator."""
+    async with conn.transaction():
+        cursor = await conn.execute("DELETE FROM services WHERE name = %s", (name,))
+        if not cursor.rowcount:
+            return False
+        await lifecycle.end_service_tasks(conn, name)
+    return True
 
 
 async def grant(

@@ -112,7 +112,11 @@ _FINISH = """
     WITH task AS (
         UPDATE tasks
            SET status = CAST(%(status)s AS text), end_date = %(time)s, updated_at = now(),
-               start_date = COALESCE(CAST(%(started)s AS timestamptz), start_date, %(time)s),
+               -- a worker's answer means it ran; the platform's own FAILURE (cancelled,
+               -- dead-lettered) of a task never started gives it no start
+               start_date = COALESCE(CAST(%(started)s AS timestamptz), start_date,
+                                     CASE WHEN CAST(%(by_worker)s AS boolean)
+                                          THEN CAST(%(time)s AS timestamptz) END),
                worker_host = CASE WHEN CAST(%(started)s AS timestamptz) IS NULL THEN worker_host
                                   ELSE CAST(%(host)s AS text) END,
                attempt_id = CASE WHEN CAST(%(started)s AS timestamptz) IS NULL THEN attempt_id
@@ -171,12 +175,15 @@ _FINISH_MANY = """
         SELECT * FROM unnest(CAST(%(task_ids)s AS uuid[]), CAST(%(statuses)s AS text[]),
                              CAST(%(times)s AS timestamptz[]), CAST(%(attempts)s AS text[]),
                              CAST(%(responses)s AS jsonb[]), CAST(%(error_messages)s AS text[]),
-                             CAST(%(starteds)s AS timestamptz[]), CAST(%(hosts)s AS text[]))
-               AS i(task_id, status, time, attempt, response, error_message, started, host)
+                             CAST(%(starteds)s AS timestamptz[]), CAST(%(hosts)s AS text[]),
+                             CAST(%(by_workers)s AS boolean[]))
+               AS i(task_id, status, time, attempt, response, error_message, started, host,
+                    by_worker)
     ), task AS (
         UPDATE tasks t
            SET status = i.status, end_date = i.time, updated_at = now(),
-               start_date = COALESCE(i.started, t.start_date, i.time),
+               start_date = COALESCE(i.started, t.start_date,
+                                     CASE WHEN i.by_worker THEN i.time END),
                worker_host = CASE WHEN i.started IS NULL THEN t.worker_host ELSE i.host END,
                attempt_id = CASE WHEN i.started IS NULL THEN t.attempt_id ELSE i.attempt END,
                attempts = t.attempts + CASE WHEN i.started IS NULL THEN 0 ELSE 1 END,
@@ -339,6 +346,7 @@ def _finish(
         "error_message": error_message,
         "started": started,
         "host": None if event is None else event.host,
+        "by_worker": event is not None,
     }
     return Transition(_FINISH, params, Applied.FINISHED)
 
@@ -391,6 +399,7 @@ class Finishes:
         }
         params["starteds"] = [c.params["started"] for c in self.changes]
         params["hosts"] = [c.params["host"] for c in self.changes]
+        params["by_workers"] = [c.params["by_worker"] for c in self.changes]
         return params
 
     def outcomes(self, rows: Sequence[Sequence[Any]]) -> list[Outcome]:
@@ -433,6 +442,36 @@ async def expire_pending(conn: psycopg.AsyncConnection[Any], ttl: float) -> dict
     """The reaper's transition: PENDING past its time to live becomes FAILURE. How many
     tasks per service."""
     return await _per_service(conn, _EXPIRE, {"ttl": ttl})
+
+
+SERVICE_DELETED = "Service deleted."
+
+# Once its service is deleted nobody consumes a task's results any more: every task not
+# finished yet ends now, its open attempt interrupted, its callback due.
+_END_SERVICE = """
+    WITH task AS (
+        UPDATE tasks
+           SET status = 'FAILURE', end_date = now(), updated_at = now(),
+               error_message = %(message)s,
+               notification_status = CASE WHEN callback IS NOT NULL THEN 'PENDING' END,
+               publish_at = NULL
+         WHERE service = %(service)s AND status IN ('PENDING', 'IN_PROGRESS')
+        RETURNING task_id
+    ), history AS (
+        UPDATE task_attempts a
+           SET end_date = now(), outcome = 'interrupted'
+          FROM task
+         WHERE a.task_id = task.task_id AND a.end_date IS NULL
+    )
+    SELECT count(*) FROM task
+    """
+
+
+async def end_service_tasks(conn: psycopg.AsyncConnection[Any], service: str) -> int:
+    """Ends every unfinished task of a service being deleted: FAILURE `Service deleted.`."""
+    cursor = await conn.execute(_END_SERVICE, {"service": service, "message": SERVICE_DELETED})
+    row = await cursor.fetchone()
+    return int(row[0]) if row else 0
 
 
 DEFAULT_TIME_LIMIT = 300 * 3  # taskTimeout x maxAttempts by default, for a deleted service

@@ -84,7 +84,6 @@ _NOTE_ERRORS = """
       FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(errors)s AS text[])) AS f(id, error)
      WHERE t.id = f.id AND t.publish_at IS NOT NULL
     """
-SERVICE_DELETED = "Service deleted."
 
 
 class RelayStalled(Exception):
@@ -266,7 +265,7 @@ class Outbox:
     async def _end_orphans(self, rows: list[Any]) -> None:
         """Tasks whose service was deleted: nothing can run them, so they fail (which ends
         their publishing too)."""
-        changes = [lifecycle.failure(row.task_id, SERVICE_DELETED) for row in rows]
+        changes = [lifecycle.failure(row.task_id, lifecycle.SERVICE_DELETED) for row in rows]
         async with self.pool.batch() as conn:
             for change in changes:
                 await conn.execute(change.sql, change.params)

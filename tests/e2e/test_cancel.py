@@ -50,6 +50,7 @@ def test_a_pending_task_is_cancelled_and_never_called(stack: Stack, call_log: Pa
     assert answer.status_code == 200, answer.text
     data = answer.json()["data"]
     assert _cancelled(data) and data["endDate"] and data["taskId"] == task_id
+    assert "startDate" not in data  # it never started (SPEC §3.2: startDate comes with a start)
     again = _cancel(stack, task_id)  # idempotent
     assert again.status_code == 200 and again.json()["data"] == data
     stack.dispatcher("late-pod")  # never heard the broadcast, but its message is still queued

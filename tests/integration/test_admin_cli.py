@@ -438,3 +438,58 @@ def test_changed_secret_stops_the_old_one_within_the_cache_ttl(
     old = _post(gateway, service, (client, "old-secret-1"))
     assert (old.status_code, _error_number(old)) == (403, 403001)
     assert _post(gateway, service, (client, "new-secret-2")).status_code == 201
+
+
+def test_deleting_a_service_ends_its_unfinished_tasks_at_once(
+    gateway: GatewayProcess, platform: Platform, cli: Any, amqp_url: str
+) -> None:
+    """Found by a sweep: after `service delete` nobody consumes the service's results, so a
+    task running then failed later with "No result from the worker", and one PENDING stayed
+    so for the whole PENDING_TTL (a day), or ran without its result ever being recorded.
+    Every unfinished task now ends FAILURE "Service deleted." in the delete's own
+    transaction, its callback due; a result that comes later is ignored (terminal wins)."""
+    svc = platform.service()
+    try:
+        with gateway.http(svc.clients[0]) as http:
+            hook = {"type": "http", "url": "http://localhost:9/hook"}
+            ids = [
+                http.post(gateway.tasks_url(svc.name), json=body).json()["data"]["taskId"]
+                for body in ({"body": {}, "callback": hook}, {"body": {}}, {"body": {}})
+            ]
+        waiting, running, done = ids
+        platform.sql(
+            "UPDATE tasks SET status = 'IN_PROGRESS', start_date = now(), attempt_id = 'a1',"
+            " attempts = 1 WHERE task_id = %(t)s",
+            {"t": running},
+        )
+        platform.sql(
+            "INSERT INTO task_attempts (task_id, attempt_id, start_date)"
+            " VALUES (%(t)s, 'a1', now())",
+            {"t": running},
+        )
+        platform.sql(
+            "UPDATE tasks SET status = 'SUCCESS', start_date = now(), end_date = now(),"
+            " response = '1' WHERE task_id = %(t)s",
+            {"t": done},
+        )
+
+        cli("service", "delete", svc.name)
+
+        rows = {
+            str(r[0]): r[1:]
+            for r in platform.sql(
+                "SELECT task_id, status, error_message, start_date IS NOT NULL,"
+                " end_date IS NOT NULL, notification_status IS NOT NULL, publish_at IS NULL"
+                " FROM tasks WHERE task_id = ANY(%(ids)s::uuid[])",
+                {"ids": ids},
+            )
+        }
+        assert rows[waiting] == ("FAILURE", "Service deleted.", False, True, True, True)
+        assert rows[running] == ("FAILURE", "Service deleted.", True, True, False, True)
+        assert rows[done][:2] == ("SUCCESS", None)
+        assert platform.sql(
+            "SELECT outcome, end_date IS NOT NULL FROM task_attempts WHERE task_id = %(t)s",
+            {"t": running},
+        ) == [("interrupted", True)]
+    finally:
+        remove_service(platform, amqp_url, svc)

@@ -80,8 +80,9 @@ FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS g,
      LATERAL (SELECT now() - make_interval(secs => (g * 7919) %% 518400) AS at) AS s
 """
 _BACKLOG = """
-INSERT INTO tasks (task_id, client_id, service, request)
-SELECT gen_random_uuid(), %(client)s, %(service)s, jsonb_build_object('n', g)
+INSERT INTO tasks (task_id, client_id, service, request, expires_at)
+SELECT gen_random_uuid(), %(client)s, %(service)s, jsonb_build_object('n', g),
+       now() + interval '1 day'
 FROM generate_series(1, %(count)s::int) AS g
 """
 
@@ -228,6 +229,7 @@ def _plan_params(database_url: str, service: BenchService) -> dict[str, Any]:
         "not_befores": [None],
         "traceparents": [None],
         "grace": 3.0,
+        "time_to_live": 86400.0,
         "time_limit": 900,
         "ttl": 86400.0,
         "id": pending[0],

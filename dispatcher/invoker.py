@@ -252,7 +252,7 @@ class Invoker:
                     body = await self._read(answer)
         except TimeoutError:
             return Failure(
-                f"The function did not answer within the task timeout ({timeout:.3g} s left).",
+                "The function did not answer within the task timeout.",
                 retryable=True,
                 timed_out=True,
             )

@@ -114,5 +114,9 @@ async def call_with_retries(
 
 
 def _timed_out(last: Outcome) -> Failure:
+    """The task's time is up: the last call's own timeout says so already; another cause
+    (a 503, say) is given with it."""
+    if isinstance(last, Failure) and last.timed_out:
+        return Failure(last.error, retryable=False, timed_out=True)
     cause = last.error if isinstance(last, Failure) else "no answer"
     return Failure(f"task timeout: {cause}", retryable=False)

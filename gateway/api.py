@@ -32,7 +32,14 @@ from gateway.cancel import cancel_task
 from gateway.outbox import submission_for
 from gateway.responses import Json
 from gateway.runtime import Runtime
-from gateway.store import Accepted, NewTask, create_task, create_tasks, get_task
+from gateway.store import (
+    Accepted,
+    NewTask,
+    create_task,
+    create_tasks,
+    get_task,
+    time_to_live,
+)
 
 
 class DirectRoute(APIRoute):
@@ -355,7 +362,8 @@ async def _new_task(
         for error in schema_errors:
             error["path"] = where + error["path"]
         raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
-    return NewTask(client_id, access, item["body"], callback, key, not_before, traceparent)
+    ttl = time_to_live(access.service, rt.settings.pending_ttl)
+    return NewTask(client_id, access, item["body"], callback, key, ttl, not_before, traceparent)
 
 
 def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime | None:
@@ -402,8 +410,9 @@ async def _publish(rt: Runtime, done: list[tuple[NewTask, Accepted]]) -> None:
         if accepted.created and accepted.row_id is not None and not accepted.delayed:
             service = new.access.service
             metrics.child(metrics.SUBMITTED, service.name).inc()
+            assert accepted.expires_at is not None  # a row just inserted has its expiry
             submission = submission_for(
-                accepted.task_id, service, new.body, rt.settings.pending_ttl, new.traceparent
+                accepted.task_id, service, new.body, accepted.expires_at, new.traceparent
             )
             publishes.append(rt.outbox.publish_now(accepted.row_id, submission, service.queue_name))
     if publishes:

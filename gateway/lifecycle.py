@@ -413,6 +413,22 @@ async def apply(conn: psycopg.AsyncConnection[Any], change: Transition) -> Outco
     return change.outcome(await (await conn.execute(change.sql, change.params)).fetchone())
 
 
+# Rows from before migration 0012 have no expiry: the reaper's earlier rule gives them one
+# (from their due time, the PENDING time to live or the service's retention if shorter; a
+# deleted service's, the time to live alone). A rolling upgrade's old gateways may still
+# write such rows: each pass gives them theirs.
+_GIVE_EXPIRY = """
+    UPDATE tasks t
+       SET expires_at = COALESCE(t.not_before, t.submission_date)
+           + make_interval(secs => LEAST(%(ttl)s,
+               COALESCE((SELECT s.retention_seconds FROM services s WHERE s.name = t.service),
+                        %(ttl)s)))
+     WHERE t.status = 'PENDING' AND t.expires_at IS NULL
+    """
+
+# A PENDING task fails when its message expires from `-in` (the row keeps that expiry), so
+# that no worker runs it after, and no task waits PENDING once its message is gone. Only the
+# rows past it are read (ix_tasks_pending_expiry), however deep the backlog.
 _EXPIRE = """
     WITH task AS (
         UPDATE tasks t
@@ -420,18 +436,7 @@ _EXPIRE = """
                error_message = 'The task expired: it stayed PENDING longer than its time to live.',
                notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END,
                publish_at = NULL
-         WHERE t.status = 'PENDING'
-           -- no task lives shorter than the shortest time to live: only rows older than that
-           -- are read (ix_tasks_pending_since), however deep the backlog
-           AND COALESCE(t.not_before, t.submission_date)
-               < now() - make_interval(secs => LEAST(%(ttl)s,
-                 (SELECT min(s.retention_seconds) FROM services s)))
-           -- a task that waited for its time (run later) lives from that time on
-           AND COALESCE(t.not_before, t.submission_date)
-               < now() - make_interval(secs => LEAST(%(ttl)s,
-                 -- a deleted service's tasks expire too, after the TTL alone
-                 COALESCE((SELECT s.retention_seconds FROM services s WHERE s.name = t.service),
-                          %(ttl)s)))
+         WHERE t.status = 'PENDING' AND t.expires_at < now()
         RETURNING t.service
     )
     SELECT service, count(*) FROM task GROUP BY service
@@ -439,9 +444,10 @@ _EXPIRE = """
 
 
 async def expire_pending(conn: psycopg.AsyncConnection[Any], ttl: float) -> dict[str, int]:
-    """The reaper's transition: PENDING past its time to live becomes FAILURE. How many
-    tasks per service."""
-    return await _per_service(conn, _EXPIRE, {"ttl": ttl})
+    """The reaper's transition: PENDING past its expiry becomes FAILURE. How many tasks per
+    service. `ttl` is for the rows that have no expiry yet."""
+    await conn.execute(_GIVE_EXPIRY, {"ttl": ttl})
+    return await _per_service(conn, _EXPIRE, {})
 
 
 SERVICE_DELETED = "Service deleted."

@@ -143,6 +143,9 @@ tasks = Table(
     # Seconds the watchdog waits for a word about the task (its margin apart): timeout times
     # attempts as its message says them; NULL on rows older than migration 0010.
     Column("time_limit", Integer),
+    # When a PENDING task fails "expired": its message's own expiry (0012). NULL on rows older
+    # than that, until the reaper's next pass gives them one.
+    Column("expires_at", DateTime(timezone=True)),
     _updated(),
     CheckConstraint(
         "status IN ('PENDING', 'IN_PROGRESS', 'SUCCESS', 'FAILURE')", name="ck_tasks_status"
@@ -154,12 +157,8 @@ tasks = Table(
         postgresql_where=text("status = 'PENDING'"),
         postgresql_include=["not_before"],
     ),
-    # what a PENDING task's age counts from: the reaper reads only those old enough (0009)
-    Index(
-        "ix_tasks_pending_since",
-        text("COALESCE(not_before, submission_date)"),
-        postgresql_where=text("status = 'PENDING'"),
-    ),
+    # the reaper reads only the PENDING tasks past their expiry, or without one yet (0012)
+    Index("ix_tasks_pending_expiry", "expires_at", postgresql_where=text("status = 'PENDING'")),
     Index(
         "ux_tasks_idempotency",
         "client_id",

@@ -10,7 +10,7 @@ over within one lease.
 A callback target is someone else's server, so none may hold the notifier up:
 each attempt has a total deadline (a target trickling its answer included), only
 the status line is read, and deliveries run in a bounded pool that the claim
-loop never waits on as a whole. Each notification gets a bounded number of
+loop never waits on as a whole, in which one target holds a few slots at most. Each notification gets a bounded number of
 attempts with exponential backoff (tenacity); then its outcome is recorded,
 whatever went wrong.
 """
@@ -21,6 +21,7 @@ import asyncio
 import functools
 import json
 import logging
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -46,18 +47,44 @@ RECORD_PATIENCE = 60.0  # seconds to wait out a database outage before giving a 
 # not: under load, wake-ups are coalesced into at most one claim pass per WAKE_GAP seconds.
 WAKE_GAP = 0.05
 
-_CLAIM = """
-    UPDATE tasks
+# A callback's target, as the claim groups them: its URL's authority (host and port).
+_TARGET = "COALESCE(lower(substring(callback->>'url' FROM '^[^:/?#]+://([^/?#]*)')), '')"
+# The oldest due notifications, at most `per_target` in flight for any one target (those
+# this gateway delivers now included), so that a consumer whose endpoint hangs holds a few
+# slots, never all of them: the others' callbacks go out meanwhile. A target at its share
+# is skipped in the scan itself, so rows behind its backlog are reached in one pass.
+_CLAIM = f"""
+    WITH due AS (
+        SELECT id, {_TARGET} AS target FROM tasks
+         WHERE notification_status = 'PENDING'
+           AND (notify_claimed_until IS NULL OR notify_claimed_until < now())
+           AND {_TARGET} <> ALL(CAST(%(full)s AS text[]))
+         ORDER BY id LIMIT %(window)s
+    ), chosen AS (
+        SELECT id, target FROM (
+            SELECT d.id, d.target,
+                   row_number() OVER (PARTITION BY d.target ORDER BY d.id)
+                   + COALESCE(b.busy, 0) AS nth
+              FROM due d
+              LEFT JOIN unnest(CAST(%(targets)s AS text[]), CAST(%(busy)s AS int[]))
+                   AS b(target, busy) ON b.target = d.target
+        ) ranked
+         WHERE nth <= %(per_target)s
+         ORDER BY id LIMIT %(limit)s
+    )
+    UPDATE tasks t
        SET notify_claimed_until = now() + make_interval(secs => %(lease)s),
-           notification_attempts = notification_attempts + 1
-     WHERE id IN (
-             SELECT id FROM tasks
-              WHERE notification_status = 'PENDING'
-                AND (notify_claimed_until IS NULL OR notify_claimed_until < now())
-              ORDER BY id LIMIT %(limit)s
-              FOR UPDATE SKIP LOCKED)
-    RETURNING id, task_id, status, submission_date, start_date, end_date, progress, response,
-              error_message, callback, not_before, traceparent
+           notification_attempts = t.notification_attempts + 1
+      FROM chosen c
+     WHERE t.id = c.id
+       AND t.id IN (SELECT id FROM tasks
+                     WHERE id IN (SELECT id FROM chosen)
+                       AND notification_status = 'PENDING'
+                       AND (notify_claimed_until IS NULL OR notify_claimed_until < now())
+                     FOR UPDATE SKIP LOCKED)
+    RETURNING t.id, t.task_id, t.status, t.submission_date, t.start_date, t.end_date,
+              t.progress, t.response, t.error_message, t.callback, t.not_before, t.traceparent,
+              c.target
     """
 _RENEW = """
     UPDATE tasks SET notify_claimed_until = now() + make_interval(secs => %(lease)s)
@@ -84,6 +111,7 @@ class Notifier:
         timeout: float = 10.0,
         concurrency: int = 20,
         lease: float = 30.0,
+        per_target: int = 5,
     ) -> None:
         self.pool = pool
         self.policy = policy
@@ -92,9 +120,11 @@ class Notifier:
         self.backoff = backoff
         self.timeout = timeout  # the whole of one attempt: connect, send, status line
         self.concurrency = concurrency
+        self.per_target = max(1, min(per_target, concurrency))
         self.lease = lease
         self._wakeup = asyncio.Event()
         self._deliveries: dict[int, asyncio.Task[None]] = {}  # row id -> its delivery
+        self._targets: dict[int, str] = {}  # row id -> its delivery's target
         self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False)
 
     def wake(self) -> None:
@@ -118,12 +148,22 @@ class Notifier:
         room = self.concurrency - len(self._deliveries)
         if room <= 0:
             return 0
+        busy = Counter(self._targets.values())
+        params = {
+            "lease": self.lease,
+            "limit": room,
+            "window": self.concurrency * 10,
+            "per_target": self.per_target,
+            "full": [target for target, n in busy.items() if n >= self.per_target],
+            "targets": list(busy),
+            "busy": list(busy.values()),
+        }
         async with self.pool.connection() as conn:
-            cursor = await conn.execute(_CLAIM, {"lease": self.lease, "limit": room})
-            rows = await cursor.fetchall()
+            rows = await (await conn.execute(_CLAIM, params)).fetchall()
         for row in rows:
             task = asyncio.create_task(self._notify(row))
             self._deliveries[row.id] = task
+            self._targets[row.id] = row.target
             task.add_done_callback(functools.partial(self._done, row.id))
         return len(rows)
 
@@ -134,6 +174,7 @@ class Notifier:
 
     def _done(self, row_id: int, _: asyncio.Task[None]) -> None:
         self._deliveries.pop(row_id, None)
+        self._targets.pop(row_id, None)
         self._wakeup.set()  # a slot is free
 
     async def _keep_leases(self) -> None:

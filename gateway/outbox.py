@@ -43,7 +43,7 @@ from typing import Any
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from conveyor import topology, tracing
-from conveyor.events import MessageFormat, Submission, encode_submission, now
+from conveyor.events import MessageFormat, Submission, encode_submission
 from gateway import lifecycle, metrics
 from gateway.broker import Broker, PublishError
 from gateway.catalog import Service
@@ -69,11 +69,11 @@ _CLAIM = """
                          ORDER BY publish_at, id LIMIT %(limit)s
                          FOR UPDATE SKIP LOCKED)
         RETURNING t.id, t.task_id, t.status, t.request, t.service, t.submission_date,
-                  t.not_before, t.traceparent
+                  t.not_before, t.traceparent, t.expires_at
     )
     SELECT c.id, c.task_id, c.status, c.request, c.service, s.name IS NULL AS orphan,
            s.queue_name, s.message_format, s.max_attempts, s.task_timeout,
-           c.submission_date, c.not_before, s.retention_seconds, c.traceparent
+           c.submission_date, c.not_before, s.retention_seconds, c.traceparent, c.expires_at
       FROM claimed c LEFT JOIN services s ON s.name = c.service
     """
 # A failed publish gives its lease back after a short, growing pause (capped at 10 s): the
@@ -97,7 +97,8 @@ class RelayPass:
 
 
 def expiry(submitted: datetime, ttl: float, retention: float) -> datetime:
-    """When a PENDING task fails (the reaper's rule): its message is worth nothing after."""
+    """When a PENDING task fails, for a row from before migration 0012 that has no expiry of
+    its own yet (the reaper's rule for those, `lifecycle._GIVE_EXPIRY`)."""
     return submitted + timedelta(seconds=min(ttl, retention))
 
 
@@ -105,10 +106,10 @@ def submission_for(
     task_id: Any,
     service: Service,
     body: dict[str, Any],
-    ttl: float,
+    expires_at: datetime,
     traceparent: str | None = None,
 ) -> Submission:
-    """A task just accepted, as published on `-in`."""
+    """A task just accepted, as published on `-in`, expiring when its row says."""
     return Submission(
         task_id=str(task_id),
         service=service.name,
@@ -117,7 +118,7 @@ def submission_for(
         max_attempts=service.max_attempts,
         timeout=float(service.task_timeout),
         traceparent=traceparent,
-        expires_at=expiry(now(), ttl, service.retention_seconds),
+        expires_at=expires_at,
     )
 
 
@@ -283,9 +284,9 @@ class Outbox:
             message_format=MessageFormat(row.message_format),
             max_attempts=row.max_attempts,
             timeout=float(row.task_timeout),
-            expires_at=expiry(
-                row.not_before or row.submission_date, self.ttl, row.retention_seconds
-            ),
+            # rows from before migration 0012 may have none yet: the reaper's own rule
+            expires_at=row.expires_at
+            or expiry(row.not_before or row.submission_date, self.ttl, row.retention_seconds),
             traceparent=row.traceparent,
         )
         try:

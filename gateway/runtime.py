@@ -81,6 +81,7 @@ class Runtime:
             backoff=settings.callback_backoff,
             timeout=settings.callback_timeout,
             concurrency=settings.callback_concurrency,
+            per_target=settings.callback_per_target,
             lease=settings.callback_lease,
         )
         self.results = ResultConsumer(

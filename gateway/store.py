@@ -43,6 +43,7 @@ class NewTask:
     body: dict[str, Any]
     callback: dict[str, Any] | None
     idempotency_key: str | None
+    time_to_live: float  # seconds a PENDING task lives from its due time (`time_to_live`)
     not_before: datetime | None = None  # run later: published once due (SPEC §11.4)
     traceparent: str | None = None  # the task's trace, for the gateway's later spans
 
@@ -54,6 +55,7 @@ class Accepted:
     created: bool  # False: an idempotent repeat of an earlier submission
     row_id: int | None  # the task row, marked published once the broker confirms
     delayed: bool = False  # waits for its time: the relay publishes it
+    expires_at: datetime | None = None  # when it fails if still PENDING; its message's expiry
 
 
 # Any number of tasks of one service in one statement (the intake batches concurrent
@@ -76,17 +78,19 @@ _INSERT = """
         -- the row is its own outbox entry: the relay may take it after the fast path's grace,
         -- or at its time (a past notBefore is published at once)
         INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key,
-                           not_before, traceparent, publish_at, time_limit)
+                           not_before, traceparent, publish_at, time_limit, expires_at)
         SELECT task_id, client_id, %(service)s, request, callback, key,
                -- a time already past means now: the time to live counts from the submission
                CASE WHEN not_before < now() THEN now() ELSE not_before END, traceparent,
                CASE WHEN not_before > now() THEN not_before
                     ELSE now() + make_interval(secs => %(grace)s) END,
-               %(time_limit)s
+               %(time_limit)s,
+               GREATEST(not_before, now()) + make_interval(secs => %(time_to_live)s)
           FROM input ORDER BY n
-        RETURNING id, task_id, not_before, COALESCE(not_before > now(), false) AS delayed
+        RETURNING id, task_id, not_before, COALESCE(not_before > now(), false) AS delayed,
+                  expires_at
     )
-    SELECT ins.task_id, ins.id AS row_id, ins.delayed,
+    SELECT ins.task_id, ins.id AS row_id, ins.delayed, ins.expires_at,
            (SELECT COALESCE(sum(b.pending), 0)::bigint FROM task_backlog_blocks b
              WHERE b.service = %(service)s)
            + (SELECT count(*) FROM tasks t
@@ -269,6 +273,7 @@ def _insert_params(tasks: list[NewTask], grace: float) -> tuple[list[uuid.UUID],
         "traceparents": [t.traceparent for t in tasks],
         "grace": grace,
         "time_limit": time_limit(tasks[0].access.service),
+        "time_to_live": tasks[0].time_to_live,
     }
     return ids, params
 
@@ -280,9 +285,19 @@ def time_limit(service: Service) -> int:
     return service.task_timeout * service.max_attempts
 
 
+def time_to_live(service: Service, pending_ttl: float) -> float:
+    """How long a PENDING task of `service` lives from its due time: the gateway's PENDING
+    time to live, or the service's retention if shorter. Kept on the row as its message's
+    expiry, so that a service changed later moves neither."""
+    return min(pending_ttl, float(service.retention_seconds))
+
+
 def _accepted(ids: list[uuid.UUID], rows: list[Any]) -> list[Accepted]:
     by_id = {row.task_id: row for row in rows}
-    return [Accepted(i, by_id[i].position, True, by_id[i].row_id, by_id[i].delayed) for i in ids]
+    return [
+        Accepted(i, r.position, True, r.row_id, r.delayed, r.expires_at)
+        for i, r in ((i, by_id[i]) for i in ids)
+    ]
 
 
 async def _count(conn: AsyncConnection[Any], query: str, params: dict[str, Any]) -> int:

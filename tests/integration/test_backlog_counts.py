@@ -87,6 +87,7 @@ def _batch(client: str, count: int, not_before: datetime | None = None) -> dict[
         "traceparents": [None] * count,
         "grace": 30,
         "time_limit": 900,
+        "time_to_live": 86400,
     }
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -293,6 +294,24 @@ def test_pending_notification_survives_a_restart(
 # -- hostile targets, bad URLs, dead replicas ------------------------------------
 
 
+@contextmanager
+def _notifier(
+    database_url: str, amqp_url: str, procs: Processes, **settings: str
+) -> Iterator[tuple[GatewayProcess, Platform, Service]]:
+    """A gateway of its own on a scratch database, its notifier tuned by `settings`."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        env = gateway_env(url, amqp_url, CONVEYOR_CALLBACK_BACKOFF="0.1", **settings)
+        try:
+            gateway = GatewayProcess(procs, env, "gateway-notifier")
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            yield gateway, platform, svc
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
 @pytest.mark.timeout(90)
 def test_a_slow_target_delays_no_other_callback(
     database_url: str, amqp_url: str, procs: Processes, serve: Any
@@ -303,37 +322,52 @@ def test_a_slow_target_delays_no_other_callback(
     hang, hang_port = serve(HANG)
     _, endless_port = serve(ENDLESS)
     _, fast_port = serve(200)
-    with scratch_database(database_url) as url:
-        platform = Platform(url)
-        svc = platform.service()
-        env = gateway_env(
-            url,
-            amqp_url,
-            CONVEYOR_CALLBACK_TIMEOUT="2",
-            CONVEYOR_CALLBACK_ATTEMPTS="2",
-            CONVEYOR_CALLBACK_BACKOFF="0.1",
-        )
-        try:
-            gateway = GatewayProcess(procs, env, "gateway-notifier")
-            wait_for_queues(amqp_url, queues_of(svc.queue_name))
-            slow = [
-                _submit(gateway, svc, f"http://localhost:{port}/hook")
-                for port in (trickle_port, hang_port)
-            ]
-            unread = _submit(gateway, svc, f"http://localhost:{endless_port}/hook")
-            normal = _submit(gateway, svc, f"http://localhost:{fast_port}/hook")
-            for task_id in (*slow, unread, normal):
-                _finish_by_sql(platform, task_id)
+    settings = {"CONVEYOR_CALLBACK_TIMEOUT": "2", "CONVEYOR_CALLBACK_ATTEMPTS": "2"}
+    with _notifier(database_url, amqp_url, procs, **settings) as (gateway, platform, svc):
+        slow = [
+            _submit(gateway, svc, f"http://localhost:{port}/hook")
+            for port in (trickle_port, hang_port)
+        ]
+        unread = _submit(gateway, svc, f"http://localhost:{endless_port}/hook")
+        normal = _submit(gateway, svc, f"http://localhost:{fast_port}/hook")
+        for task_id in (*slow, unread, normal):
+            _finish_by_sql(platform, task_id)
 
-            assert _wait_notified(platform, normal) == "SUCCESS"
-            assert [_notification(platform, t) for t in slow] == ["PENDING", "PENDING"]
-            assert _wait_notified(platform, unread) == "SUCCESS"  # the status is enough
-            for task_id in slow:
-                assert _wait_notified(platform, task_id, timeout=30) == "FAILURE"
-            assert len(trickle.requests()) == len(hang.requests()) == 2
-        finally:
-            procs.stop_all()
-            remove_service(platform, amqp_url, svc)
+        assert _wait_notified(platform, normal) == "SUCCESS"
+        assert [_notification(platform, t) for t in slow] == ["PENDING", "PENDING"]
+        assert _wait_notified(platform, unread) == "SUCCESS"  # the status is enough
+        for task_id in slow:
+            assert _wait_notified(platform, task_id, timeout=30) == "FAILURE"
+        assert len(trickle.requests()) == len(hang.requests()) == 2
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_target_with_many_tasks_delays_no_other_consumer(
+    database_url: str, amqp_url: str, procs: Processes, serve: Any
+) -> None:
+    """Found by a sweep: one consumer whose endpoint hangs, with more finished tasks than the
+    notifier has slots, held every slot for attempts x timeout, so another consumer's
+    callback waited about a minute behind them (27 minutes behind 1,000). A target now holds
+    at most `CALLBACK_PER_TARGET` of the slots."""
+    hang, hang_port = serve(HANG)
+    fast, fast_port = serve(200)
+    settings = {
+        "CONVEYOR_CALLBACK_TIMEOUT": "8",
+        "CONVEYOR_CALLBACK_ATTEMPTS": "2",
+        "CONVEYOR_CALLBACK_CONCURRENCY": "10",
+        "CONVEYOR_CALLBACK_PER_TARGET": "3",
+    }
+    with _notifier(database_url, amqp_url, procs, **settings) as (gateway, platform, svc):
+        dead = [_submit(gateway, svc, f"http://localhost:{hang_port}/hook") for _ in range(30)]
+        normal = _submit(gateway, svc, f"http://localhost:{fast_port}/hook")
+        for task_id in dead:
+            _finish_by_sql(platform, task_id)
+        time.sleep(1.0)  # the dead target's callbacks are under way
+        _finish_by_sql(platform, normal)
+
+        assert _wait_notified(platform, normal, timeout=5) == "SUCCESS"
+        assert len(fast.requests()) == 1
+        assert len(hang.requests()) <= 3  # at most its share of the slots at a time
 
 
 def test_a_callback_url_with_a_control_character_is_refused_at_submission(

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from typing import Any, NamedTuple
 
 import pytest
@@ -201,8 +202,9 @@ def test_reaper_fails_pending_tasks_past_their_ttl(
 
 def _reap(gateway: GatewayProcess, platform: Platform, svc: Service) -> None:
     stale, fresh = _submit(gateway, svc), _submit(gateway, svc)
-    platform.sql(
-        "UPDATE tasks SET submission_date = now() - interval '2 days' WHERE task_id = %(t)s",
+    platform.sql(  # its message expired from -in a day ago
+        "UPDATE tasks SET submission_date = now() - interval '2 days',"
+        " expires_at = now() - interval '1 day' WHERE task_id = %(t)s",
         {"t": stale},
     )
 
@@ -217,6 +219,39 @@ def _reap(gateway: GatewayProcess, platform: Platform, svc: Service) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_task_expires_when_its_message_does_whatever_its_retention_became(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a sweep: the reaper read the service's retention at the time of each pass,
+    while the task's message carries the expiry it was published with. Lowered by `admin
+    apply`, the reaper failed tasks "expired" whose messages a dispatcher then ran anyway;
+    raised, a task whose message had expired stayed PENDING for the new retention. The row
+    now keeps its message's expiry."""
+    lowered, raised = platform.service(retention=86400), platform.service(retention=3)
+    try:
+        kept, gone = _submit(gateway, lowered), _submit(gateway, raised)
+        platform.apply(
+            {
+                "services": [
+                    {"name": lowered.name, "queueName": lowered.queue_name, "retention": 2},
+                    {"name": raised.name, "queueName": raised.queue_name, "retention": 86400},
+                ]
+            }
+        )
+        data = wait_until(
+            lambda: (d := _poll(gateway, raised, gone))["status"] == "FAILURE" and d,
+            timeout=15,
+            what="the task whose message expired, reaped",
+        )
+        assert "expired" in data["errorMessage"]
+        time.sleep(1.0)  # two more reaper passes (every 0.5 s)
+        assert _poll(gateway, lowered, kept)["status"] == "PENDING"
+    finally:
+        remove_service(platform, amqp_url, lowered)
+        remove_service(platform, amqp_url, raised)
+
+
+@pytest.mark.timeout(60)
 def test_pending_tasks_of_a_deleted_service_expire_too(
     gateway: GatewayProcess, platform: Platform, amqp_url: str
 ) -> None:
@@ -226,7 +261,8 @@ def test_pending_tasks_of_a_deleted_service_expire_too(
         "UPDATE tasks SET publish_at = NULL WHERE task_id = %(t)s", {"t": stale}
     )
     platform.sql(
-        "UPDATE tasks SET submission_date = now() - interval '2 days' WHERE task_id = %(t)s",
+        "UPDATE tasks SET submission_date = now() - interval '2 days',"
+        " expires_at = now() - interval '1 day' WHERE task_id = %(t)s",
         {"t": stale},
     )
     remove_service(platform, amqp_url, svc)
@@ -239,7 +275,8 @@ def test_pending_tasks_of_a_deleted_service_expire_too(
 
 
 async def _expire_reading_only_the_old(url: str) -> None:
-    """A deep young backlog, and a few PENDING tasks each past what bounds its life."""
+    """A deep young backlog, tasks whose message expired or not whatever their age, and rows
+    from before migration 0012 (no expiry of their own) each past what bounds its life."""
     async with await connect(url) as conn:
         await conn.execute(
             "INSERT INTO services (name, queue_name, retention_seconds)"
@@ -247,37 +284,50 @@ async def _expire_reading_only_the_old(url: str) -> None:
         )
         await conn.execute(
             """INSERT INTO tasks (task_id, client_id, service, request, status, submission_date,
-                                  not_before)
-               SELECT gen_random_uuid(), 'c1', s, '{}'::jsonb, 'PENDING', now() - age, later
+                                  not_before, expires_at)
+               SELECT gen_random_uuid(), 'c1', s, '{}'::jsonb, 'PENDING', now() - age, later,
+                      expiry
                  FROM (VALUES
-                   ('long', interval '0 s', NULL::timestamptz, 5000, 'young'),
-                   ('long', interval '2 days', NULL, 3, 'past the TTL'),
-                   ('gone', interval '2 days', NULL, 2, 'a deleted service: the TTL'),
-                   ('long', interval '2 days', now() + interval '1 hour', 4, 'waits its time'),
-                   ('long', interval '3 days', now() - interval '2 days', 5, 'due long ago'),
-                   ('short', interval '2 minutes', NULL, 6, 'past its retention'),
-                   ('short', interval '10 s', NULL, 7, 'within its retention')
-                 ) AS r(s, age, later, n, what), generate_series(1, r.n)"""
+                   ('long', interval '0 s', NULL::timestamptz, now() + interval '1 day', 5000,
+                    'young'),
+                   ('long', interval '1 hour', NULL, now() - interval '1 s', 2,
+                    'its message expired'),
+                   ('short', interval '2 days', NULL, now() + interval '1 hour', 1,
+                    'old, but its message lives an hour more'),
+                   -- rows from before 0012: the earlier rule gives them their expiry
+                   ('long', interval '2 days', NULL, NULL, 3, 'past the TTL'),
+                   ('gone', interval '2 days', NULL, NULL, 2, 'a deleted service: the TTL'),
+                   ('long', interval '2 days', now() + interval '1 hour', NULL, 4,
+                    'waits its time'),
+                   ('long', interval '3 days', now() - interval '2 days', NULL, 5,
+                    'due long ago'),
+                   ('short', interval '2 minutes', NULL, NULL, 6, 'past its retention'),
+                   ('short', interval '10 s', NULL, NULL, 7, 'within its retention')
+                 ) AS r(s, age, later, expiry, n, what), generate_series(1, r.n)"""
         )
         read = (
             "SELECT seq_tup_read AS seq, COALESCE(idx_tup_fetch, 0) AS fetched"
             " FROM pg_stat_xact_user_tables WHERE relname = 'tasks'"
         )
-        async with conn.transaction():
-            before = await (await conn.execute(read)).fetchone()
-            expired = await lifecycle.expire_pending(conn, DAY)
-            after = await (await conn.execute(read)).fetchone()
-        assert expired == {"long": 3 + 5, "gone": 2, "short": 6}
+        passes = []
+        for _ in range(2):
+            async with conn.transaction():
+                before = await (await conn.execute(read)).fetchone()
+                expired = await lifecycle.expire_pending(conn, DAY)
+                after = await (await conn.execute(read)).fetchone()
+            passes.append((expired, after.seq - before.seq, after.fetched - before.fetched))
         left = await (
             await conn.execute(
                 "SELECT service, count(*) AS n FROM tasks WHERE status = 'PENDING'"
                 " GROUP BY service ORDER BY service"
             )
         ).fetchall()
-        assert [(r.service, r.n) for r in left] == [("long", 5000 + 4), ("short", 7)]
-        # Only the rows older than the shortest life (60 s) were read: not the young backlog.
-        assert after.seq == before.seq
-        assert after.fetched - before.fetched <= 3 + 2 + 5 + 6 + 4, (before, after)
+        assert [(r.service, r.n) for r in left] == [("long", 5000 + 4), ("short", 1 + 7)]
+        # The first pass reads the 27 rows without an expiry, then the 18 past theirs; the
+        # next one reads nothing at all: never the young backlog.
+        assert passes[0][0] == {"long": 2 + 3 + 5, "gone": 2, "short": 6}
+        assert passes[0][1] == 0 and passes[0][2] <= 27 + 18, passes
+        assert passes[1] == ({}, 0, 0), passes
         # Nor does it compile the statement: at a million rows, JIT was most of a pass.
         assert (await (await conn.execute("SHOW jit")).fetchone()).jit == "off"
 

@@ -29,7 +29,7 @@ TABLES = {
 }
 INDEXES = {
     "ix_tasks_pending",
-    "ix_tasks_pending_since",
+    "ix_tasks_pending_expiry",
     "ux_tasks_idempotency",
     "ix_tasks_notify",
     "ix_tasks_finished",

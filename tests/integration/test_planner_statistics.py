@@ -39,6 +39,7 @@ def _finishes(count: int) -> lifecycle.Finishes:
         "error_message": None,
         "started": now,
         "host": "h",
+        "by_worker": True,
     }
     return lifecycle.Finishes(
         [

@@ -9,7 +9,9 @@ envelope handling, Basic auth and polling loop, in a sync and an async flavour:
 
 Both flavours share the request building and response parsing below; only the
 I/O differs. API errors raise `ConveyorError`; network failures raise httpx's own
-`httpx.TransportError` subclasses unchanged.
+`httpx.TransportError` subclasses unchanged, except while `follow` or `wait` waits: they
+ride out a gateway unreachable for up to `OUTAGE_WINDOW_S` (a restart, a rolling deploy),
+polling meanwhile, and raise only after that.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_POLL_INTERVAL_S = 0.5
 TERMINAL_STATUSES = frozenset({"SUCCESS", "FAILURE"})
+OUTAGE_WINDOW_S = 30.0
 
 
 class ConveyorError(Exception):
@@ -287,11 +290,36 @@ def _task(data: dict[str, Any]) -> Task:
 
 
 class _Pacer:
-    """The polling schedule shared by both flavours: how long to pause, and when to give up."""
+    """The polling schedule shared by both flavours: how long to pause, when to give up, and
+    how long the gateway may stay unreachable before its transport error is raised."""
 
     def __init__(self, timeout: float | None, interval: float) -> None:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._interval = interval
+        self._unreachable_since: float | None = None
+        self.last: Task | None = None  # the last state seen, stream or poll
+
+    def seen(self, task: Task) -> bool:
+        """Records `task`; whether it is news (a poll after the stream may repeat its last)."""
+        new = self.last is None or task.raw != self.last.raw
+        self.last = task
+        self._unreachable_since = None
+        return new
+
+    def pause_after_outage(self, exc: httpx.TransportError) -> float:
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+        if now - self._unreachable_since >= OUTAGE_WINDOW_S:
+            raise exc
+        if self._deadline is None:
+            return self._interval
+        left = self._deadline - now
+        if left <= 0:
+            if self.last is None:
+                raise exc
+            raise TaskWaitTimeout(self.last) from exc
+        return min(self._interval, left)
 
     def pause_after(self, task: Task) -> float:
         if self._deadline is None:
@@ -390,41 +418,49 @@ class ConveyorClient(_FromEnv):
     ) -> Iterator[Task]:
         """Yields the task as it changes, the last one being SUCCESS or FAILURE: from the
         gateway's event stream (SPEC §11.3), or by polling every `interval` seconds from a
-        gateway without one. Raises TaskWaitTimeout after `timeout` seconds."""
-        last: Task | None = None
-        with connect_sse(self._http, "GET", _events_path(service, task_id)) as source:
-            if not _is_stream(source.response):
-                source.response.read()
-            if not _stream_refused(source.response):
-                # A quiet stream still sends comments, so no read timeout ends it: at the
-                # deadline its socket is shut down, which ends the blocked read at once.
-                deadline = None if timeout is None else _StreamDeadline(source.response, timeout)
-                try:
-                    for sse in source.iter_sse():
-                        task = _stream_task(sse)
-                        if task is not None:
-                            last = task
-                            yield task
-                            if task.done:
-                                return
-                except (httpx.StreamError, httpx.TransportError) as exc:
-                    if deadline is not None and deadline.passed.is_set() and last is not None:
-                        raise TaskWaitTimeout(last) from exc
-                    raise
-                finally:
-                    if deadline is not None:
-                        deadline.cancel()
-                if last is not None and deadline is not None and deadline.passed.is_set():
-                    raise TaskWaitTimeout(last)
-        yield from self._poll(service, task_id, timeout, interval)
-
-    def _poll(
-        self, service: str, task_id: str, timeout: float | None, interval: float
-    ) -> Iterator[Task]:
+        gateway without one, or once the stream broke (the gateway restarted). Raises
+        TaskWaitTimeout after `timeout` seconds."""
         pacer = _Pacer(timeout, interval)
+        try:
+            with connect_sse(self._http, "GET", _events_path(service, task_id)) as source:
+                if not _is_stream(source.response):
+                    source.response.read()
+                if not _stream_refused(source.response):
+                    # A quiet stream still sends comments, so no read timeout ends it: at the
+                    # deadline its socket is shut down, which ends the blocked read at once.
+                    deadline = (
+                        None if timeout is None else _StreamDeadline(source.response, timeout)
+                    )
+                    try:
+                        for sse in source.iter_sse():
+                            task = _stream_task(sse)
+                            if task is not None and pacer.seen(task):
+                                yield task
+                                if task.done:
+                                    return
+                    except (httpx.StreamError, httpx.TransportError) as exc:
+                        if deadline is not None and deadline.passed.is_set() and pacer.last:
+                            raise TaskWaitTimeout(pacer.last) from exc
+                        raise
+                    finally:
+                        if deadline is not None:
+                            deadline.cancel()
+                    if pacer.last is not None and deadline is not None:
+                        if deadline.passed.is_set():
+                            raise TaskWaitTimeout(pacer.last)
+        except (httpx.StreamError, httpx.TransportError):
+            pass  # the gateway went away: polling rides the outage out
+        yield from self._poll(service, task_id, pacer)
+
+    def _poll(self, service: str, task_id: str, pacer: _Pacer) -> Iterator[Task]:
         while True:
-            task = self.get(service, task_id)
-            yield task
+            try:
+                task = self.get(service, task_id)
+            except httpx.TransportError as exc:
+                time.sleep(pacer.pause_after_outage(exc))
+                continue
+            if pacer.seen(task):
+                yield task
             if task.done:
                 return
             time.sleep(pacer.pause_after(task))
@@ -506,30 +542,37 @@ class AsyncConveyorClient(_FromEnv):
     ) -> AsyncIterator[Task]:
         """Yields the task as it changes, the last one being SUCCESS or FAILURE: from the
         gateway's event stream (SPEC §11.3), or by polling every `interval` seconds from a
-        gateway without one. Raises TaskWaitTimeout after `timeout` seconds."""
-        last: Task | None = None
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        async with aconnect_sse(self._http, "GET", _events_path(service, task_id)) as source:
-            if not _is_stream(source.response):
-                await source.response.aread()
-            if not _stream_refused(source.response):
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        async for sse in source.aiter_sse():
-                            task = _stream_task(sse)
-                            if task is not None:
-                                last = task
-                                yield task
-                                if task.done:
-                                    return
-                except TimeoutError:
-                    if last is None:
-                        raise
-                    raise TaskWaitTimeout(last) from None
+        gateway without one, or once the stream broke (the gateway restarted). Raises
+        TaskWaitTimeout after `timeout` seconds."""
         pacer = _Pacer(timeout, interval)
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            async with aconnect_sse(self._http, "GET", _events_path(service, task_id)) as source:
+                if not _is_stream(source.response):
+                    await source.response.aread()
+                if not _stream_refused(source.response):
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            async for sse in source.aiter_sse():
+                                task = _stream_task(sse)
+                                if task is not None and pacer.seen(task):
+                                    yield task
+                                    if task.done:
+                                        return
+                    except TimeoutError:
+                        if pacer.last is None:
+                            raise
+                        raise TaskWaitTimeout(pacer.last) from None
+        except (httpx.StreamError, httpx.TransportError):
+            pass  # the gateway went away: polling rides the outage out
         while True:
-            task = await self.get(service, task_id)
-            yield task
+            try:
+                task = await self.get(service, task_id)
+            except httpx.TransportError as exc:
+                await asyncio.sleep(pacer.pause_after_outage(exc))
+                continue
+            if pacer.seen(task):
+                yield task
             if task.done:
                 return
             await asyncio.sleep(pacer.pause_after(task))

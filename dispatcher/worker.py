@@ -407,7 +407,8 @@ class Worker:
             "function call failed; retrying",
             extra={
                 "task_id": attempt.task_id,
-                "cause": failure.error[:200],
+                # what went wrong, not what the function said: its answer may echo the task
+                "cause": failure.error.partition(":")[0][:200],
                 "pause": round(pause, 3),
             },
         )

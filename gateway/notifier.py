@@ -90,6 +90,12 @@ _RENEW = """
     UPDATE tasks SET notify_claimed_until = now() + make_interval(secs => %(lease)s)
      WHERE id = ANY(%(ids)s) AND notification_status = 'PENDING'
     """
+# A gateway shutting down gives back the callbacks it was delivering: another replica, or
+# this one restarted, sends them at once instead of after the rest of their lease.
+_RELEASE = """
+    UPDATE tasks SET notify_claimed_until = NULL
+     WHERE id = ANY(%(ids)s) AND notification_status = 'PENDING'
+    """
 _RECORD = """
     UPDATE tasks SET notification_status = %(outcome)s, notify_claimed_until = NULL
      WHERE id = %(id)s AND notification_status = 'PENDING'
@@ -261,7 +267,14 @@ class Notifier:
             raise CallbackFailed(f"answered {answer.status_code}")
 
     async def close(self) -> None:
+        unfinished = list(self._deliveries)
         for task in list(self._deliveries.values()):
             task.cancel()
         await asyncio.gather(*self._deliveries.values(), return_exceptions=True)
         await self._client.aclose()
+        if unfinished:
+            try:
+                async with self.pool.connection() as conn:
+                    await conn.execute(_RELEASE, {"ids": unfinished})
+            except CONNECTION_ERRORS:
+                log.warning("callbacks in progress not given back; their leases will expire")

@@ -396,15 +396,24 @@ def test_a_stored_url_that_cannot_be_sent_is_recorded_as_failed(
 
 
 @pytest.mark.timeout(90)
-def test_callbacks_of_a_dead_replica_go_out_within_its_lease(
-    database_url: str, amqp_url: str, procs: Processes, serve: Any
+@pytest.mark.parametrize(
+    ("stop", "lease"),
+    [
+        pytest.param(signal.SIGKILL, "3", id="killed: within its lease"),
+        # Found by a sweep: a replica stopped for a deploy kept its claims, and their
+        # callbacks waited out the rest of the lease. It gives them back as it stops.
+        pytest.param(signal.SIGTERM, "60", id="stopped: at once"),
+    ],
+)
+def test_callbacks_of_a_replica_that_stops_go_out_again(
+    database_url: str, amqp_url: str, procs: Processes, serve: Any, stop: int, lease: str
 ) -> None:
     hook, port = serve(HANG, 200)
     with scratch_database(database_url) as url:
         platform = Platform(url)
         svc = platform.service()
         env = gateway_env(
-            url, amqp_url, CONVEYOR_CALLBACK_LEASE="3", CONVEYOR_CALLBACK_TIMEOUT="60"
+            url, amqp_url, CONVEYOR_CALLBACK_LEASE=lease, CONVEYOR_CALLBACK_TIMEOUT="60"
         )
         try:
             first = GatewayProcess(procs, env, "gateway-dies")
@@ -412,10 +421,10 @@ def test_callbacks_of_a_dead_replica_go_out_within_its_lease(
             task_id = _submit(first, svc, f"http://localhost:{port}/hook")
             _finish_by_sql(platform, task_id)
             wait_until(lambda: hook.requests(), 15, what="the first delivery under way")
-            time.sleep(4)  # longer than the lease: it must have been renewed meanwhile
+            time.sleep(4)  # longer than a 3 s lease: it must have been renewed meanwhile
             assert _notification(platform, task_id) == "PENDING"
-            first.proc.signal(signal.SIGKILL)
-            first.proc.wait(timeout=10)
+            first.proc.signal(stop)
+            first.proc.wait(timeout=15)
 
             GatewayProcess(procs, env, "gateway-takes-over")
             assert _wait_notified(platform, task_id, timeout=15) == "SUCCESS"

@@ -7,6 +7,7 @@ made none of them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -17,9 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from conveyor.client import AsyncConveyorClient, ConveyorClient, TaskWaitTimeout
+from conveyor.client import AsyncConveyorClient, ConveyorClient, Task, TaskWaitTimeout
 from tests.support.gateway import Client, GatewayProcess, Platform, Service, gateway_env
 from tests.support.processes import Processes
+from tests.support.tcpproxy import TcpProxy
 
 
 def _events_url(gateway: GatewayProcess, service: str, task_id: str) -> str:
@@ -219,6 +221,47 @@ def test_the_sdk_follows_the_stream(gateway: GatewayProcess, platform: Platform)
         with pytest.raises(TaskWaitTimeout):
             client.wait(svc.name, quiet, timeout=1.0)
         assert time.monotonic() - began < 5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_the_sdk_waits_through_a_gateway_restart(
+    gateway: GatewayProcess, platform: Platform, flavour: str
+) -> None:
+    """Found by a sweep: `wait()` raised RemoteProtocolError when the gateway restarted under
+    its stream (a deploy), though the task went on to SUCCESS. It now polls through an outage
+    of up to `OUTAGE_WINDOW_S`: here the stream is reset, connections are refused for 2.5 s,
+    and the task ends meanwhile."""
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    proxy = TcpProxy("127.0.0.1", gateway.port)
+    url = f"http://127.0.0.1:{proxy.port}"
+    client_id, secret = svc.clients[0].auth
+
+    def outage() -> None:
+        time.sleep(1.0)
+        proxy.sever()
+        time.sleep(1.5)
+        _set(platform, task_id, status="SUCCESS", progress=100, response="{}", end_date="now()")
+        time.sleep(1.0)
+        proxy.restore()
+
+    async def wait_async() -> Task:
+        async with AsyncConveyorClient(url, client_id, secret) as client:
+            return await client.wait(svc.name, task_id, timeout=30, interval=0.2)
+
+    restarts = threading.Thread(target=outage)
+    restarts.start()
+    try:
+        if flavour == "sync":
+            with ConveyorClient(url, client_id, secret) as client:
+                task = client.wait(svc.name, task_id, timeout=30, interval=0.2)
+        else:
+            task = asyncio.run(wait_async())
+    finally:
+        restarts.join()
+        proxy.close()
+    assert task.status == "SUCCESS"
 
 
 async def test_the_async_sdk_follows_the_stream(

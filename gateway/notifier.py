@@ -49,10 +49,11 @@ WAKE_GAP = 0.05
 
 # A callback's target, as the claim groups them: its URL's authority (host and port).
 _TARGET = "COALESCE(lower(substring(callback->>'url' FROM '^[^:/?#]+://([^/?#]*)')), '')"
-# The oldest due notifications, at most `per_target` in flight for any one target (those
-# this gateway delivers now included), so that a consumer whose endpoint hangs holds a few
-# slots, never all of them: the others' callbacks go out meanwhile. A target at its share
-# is skipped in the scan itself, so rows behind its backlog are reached in one pass.
+# The oldest due notifications, each target (those this gateway delivers now counted) up to
+# `per_target`; a target at its share is skipped in that scan, so rows behind its backlog are
+# reached in one pass. Beyond its share a target takes only spare slots: it always leaves
+# `per_target` of them free. So a consumer whose endpoint hangs never holds every slot, and
+# one consumer alone still gets most of them.
 _CLAIM = f"""
     WITH due AS (
         SELECT id, {_TARGET} AS target FROM tasks
@@ -60,7 +61,7 @@ _CLAIM = f"""
            AND (notify_claimed_until IS NULL OR notify_claimed_until < now())
            AND {_TARGET} <> ALL(CAST(%(full)s AS text[]))
          ORDER BY id LIMIT %(window)s
-    ), chosen AS (
+    ), within AS (
         SELECT id, target FROM (
             SELECT d.id, d.target,
                    row_number() OVER (PARTITION BY d.target ORDER BY d.id)
@@ -71,6 +72,15 @@ _CLAIM = f"""
         ) ranked
          WHERE nth <= %(per_target)s
          ORDER BY id LIMIT %(limit)s
+    ), beyond AS (
+        SELECT id, {_TARGET} AS target FROM tasks
+         WHERE notification_status = 'PENDING'
+           AND (notify_claimed_until IS NULL OR notify_claimed_until < now())
+           AND id NOT IN (SELECT id FROM within)
+         ORDER BY id
+         LIMIT GREATEST(0, %(limit)s - %(per_target)s - (SELECT count(*) FROM within))
+    ), chosen AS (
+        SELECT id, target FROM within UNION ALL SELECT id, target FROM beyond
     )
     UPDATE tasks t
        SET notify_claimed_until = now() + make_interval(secs => %(lease)s),

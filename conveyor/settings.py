@@ -70,8 +70,9 @@ class GatewaySettings(CommonSettings):
     callback_backoff: float = 1.0
     # Callbacks delivered at once by one gateway: a slow target holds one slot, not the rest.
     callback_concurrency: int = 20
-    # Of those, how many one target (host and port) may hold: a consumer whose endpoint hangs
-    # delays its own callbacks, not everyone's.
+    # Of those, how many one target (host and port) is sure of; beyond them it takes only
+    # slots that leave as many free: a consumer whose endpoint hangs delays its own callbacks,
+    # not everyone's.
     callback_per_target: int = 5
     # A claimed callback is renewed while it is delivered; a dead replica's go out after this.
     callback_lease: float = 30.0

@@ -94,10 +94,9 @@ def test_queues_a_service_left_are_consumed_again_after_a_broker_restart(
     service = platform.service()
     env = gateway_env(database_url, amqp_url, CONVEYOR_SERVICE_REFRESH_INTERVAL="2")
     gateway = GatewayProcess(procs, env)
-    left, moved = topology.out_queue(service.queue_name), f"{service.queue_name}-moved"
+    left = topology.out_queue(service.queue_name)
     _eventually(lambda: _consumers(amqp_url, left) == 1, 20, "consuming -out")
-    platform.apply({"services": [{"name": service.name, "queueName": moved}]})
-    Platform.queue_names.add(moved)
+    moved = _move(platform, service)
     _eventually(lambda: _consumers(amqp_url, topology.out_queue(moved)) == 1, 20, "the new -out")
     assert _consumers(amqp_url, left) == 1
 
@@ -126,12 +125,11 @@ def test_a_gateway_started_after_a_move_consumes_the_queue_the_service_left(
     service = platform.service()
     env = gateway_env(database_url, amqp_url, CONVEYOR_SERVICE_REFRESH_INTERVAL="0.3")
     gateway = GatewayProcess(procs, env)
-    left, moved = topology.out_queue(service.queue_name), f"{service.queue_name}-moved"
+    left = topology.out_queue(service.queue_name)
     _eventually(lambda: _consumers(amqp_url, left) == 1, 20, "consuming -out")
     gateway.proc.stop()
 
-    platform.apply({"services": [{"name": service.name, "queueName": moved}]})
-    Platform.queue_names.add(moved)
+    moved = _move(platform, service)
     gateway = GatewayProcess(procs, env, "gateway-restarted")
     _eventually(lambda: _consumers(amqp_url, topology.out_queue(moved)) == 1, 20, "the new -out")
     _result_applied(gateway, amqp_url, service, service.queue_name)
@@ -150,6 +148,14 @@ def test_a_gateway_started_after_a_move_consumes_the_queue_the_service_left(
         "SELECT count(*) FROM moved_queues WHERE queue_name = %(q)s", {"q": service.queue_name}
     )
     assert rows == [(0,)]
+
+
+def _move(platform: Platform, service: Service) -> str:
+    """`admin apply` gives `service` another queueName; the new one, swept at the run's end."""
+    moved = f"{service.queue_name}-moved"
+    platform.apply({"services": [{"name": service.name, "queueName": moved}]})
+    Platform.queue_names.add(moved)
+    return moved
 
 
 def _result_applied(gateway: GatewayProcess, amqp_url: str, service: Service, queue: str) -> None:

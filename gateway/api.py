@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse
@@ -62,6 +63,8 @@ MAX_SERVICE_NAME = 200
 MAX_IDEMPOTENCY_KEY = 200
 # Deeper documents overflow recursive JSON encoders downstream (json, orjson: 254).
 MAX_DEPTH = 128
+# A stopping server lets its event streams end on their own (uvicorn waits 5 s in all).
+STREAM_STOP_GRACE = 2.0
 _JSON_TYPES = ("application/json", "application/cloudevents+json")
 # Bytes that may hold what jsonb refuses: an escaped NUL, a surrogate escaped or encoded.
 # Searched in the bytes as sent, so only bytes the reader takes as UTF-8 are let through.
@@ -488,10 +491,13 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
     def read() -> Awaitable[dict[str, Any]]:
         return get_task(rt.pool, client_id, service, parsed)
 
+    stopping = anyio.Event()  # set by sse_starlette once the server shuts down
     return EventSourceResponse(
-        rt.task_events.stream(str(parsed), read),
+        rt.task_events.stream(str(parsed), read, stopping),
         ping=rt.settings.stream_heartbeat,
         headers={"Cache-Control": "no-store"},
+        shutdown_event=stopping,
+        shutdown_grace_period=STREAM_STOP_GRACE,
     )
 
 

@@ -7,7 +7,9 @@ task and sends an event if the status or the progress moved. A stream registers 
 first read, so nothing between the read and the first notification is missed; while the
 listening connection is down (a database restart), streams re-read their task every second
 instead, and all of them re-read once it is back. A client that goes away ends its generator,
-which unregisters it: nothing is kept per closed stream.
+which unregisters it: nothing is kept per closed stream. A gateway that stops (a deploy, a
+scale-in) ends each stream properly after a `retry` line, rather than cutting it mid-answer:
+an EventSource then reconnects, to another replica, and the SDK polls.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import anyio
 import psycopg
+from sse_starlette import ServerSentEvent
 
 from conveyor import strict_json
 from gateway import errors, metrics
@@ -30,6 +34,7 @@ log = logging.getLogger("conveyor.gateway.task_events")
 CHANNEL = "conveyor_task"
 TERMINAL = ("SUCCESS", "FAILURE")
 UNHEARD_POLL = 1.0  # seconds between re-reads while notifications cannot be heard
+RECONNECT_MS = 1000  # the `retry` a stopping gateway leaves its streams with
 
 Read = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -69,32 +74,51 @@ class TaskEvents:
                 if not events:
                     del self._following[task_id]
 
-    async def stream(self, task_id: str, read: Read) -> AsyncIterator[dict[str, str]]:
+    async def stream(
+        self, task_id: str, read: Read, stopping: anyio.Event
+    ) -> AsyncIterator[dict[str, str] | ServerSentEvent]:
         """The events of one task until it ends: the current state first, then each change
-        of status or progress, with increasing ids."""
+        of status or progress, with increasing ids; or until `stopping` (the server shuts
+        down), with a last line that tells the client when to reconnect."""
         with self.following(task_id) as changed:
-            data = await read()
-            number = 1
-            yield _event(number, data)
-            while data["status"] not in TERMINAL:
-                wait = None if self.listener.listening else UNHEARD_POLL
-                try:
-                    await asyncio.wait_for(changed.wait(), wait)
-                except TimeoutError:
-                    pass
-                changed.clear()
-                try:
-                    fresh = await read()
-                except errors.ApiError:
-                    return  # purged, or access revoked meanwhile: the stream just ends
-                except CONNECTION_ERRORS as exc:  # the database is away: keep trying, slowly
-                    log.info("task stream could not read", extra={"error": repr(exc)})
-                    await asyncio.sleep(UNHEARD_POLL)
-                    continue
-                if (fresh["status"], fresh["progress"]) != (data["status"], data["progress"]):
-                    data = fresh
-                    number += 1
-                    yield _event(number, data)
+            waking = asyncio.create_task(_set_when(stopping, changed))
+            try:
+                data = await read()
+                number = 1
+                yield _event(number, data)
+                while data["status"] not in TERMINAL:
+                    wait = None if self.listener.listening else UNHEARD_POLL
+                    await _wait(changed, wait)
+                    changed.clear()
+                    if stopping.is_set():
+                        yield ServerSentEvent(retry=RECONNECT_MS, comment="the gateway stops")
+                        return
+                    try:
+                        fresh = await read()
+                    except errors.ApiError:
+                        return  # purged, or access revoked meanwhile: the stream just ends
+                    except CONNECTION_ERRORS as exc:  # the database is away: retry, slowly
+                        log.info("task stream could not read", extra={"error": repr(exc)})
+                        await _wait(changed, UNHEARD_POLL)
+                        continue
+                    if (fresh["status"], fresh["progress"]) != (data["status"], data["progress"]):
+                        data = fresh
+                        number += 1
+                        yield _event(number, data)
+            finally:
+                waking.cancel()
+
+
+async def _wait(changed: asyncio.Event, seconds: float | None) -> None:
+    try:
+        await asyncio.wait_for(changed.wait(), seconds)
+    except TimeoutError:
+        pass
+
+
+async def _set_when(stopping: anyio.Event, changed: asyncio.Event) -> None:
+    await stopping.wait()
+    changed.set()
 
 
 def _event(number: int, data: dict[str, Any]) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
 import time
 import uuid
@@ -301,3 +302,48 @@ def test_the_sdk_deadline_is_a_timeout_even_when_its_thread_is_slow_to_finish(
     with ConveyorClient(gateway.url, client_id, secret) as client:
         with pytest.raises(TaskWaitTimeout):
             client.wait(svc.name, _submit(gateway, svc), timeout=0.5)
+
+
+@pytest.mark.timeout(60)
+def test_a_gateway_stopping_ends_its_open_streams_cleanly(
+    database_url: str, amqp_url: str, platform: Platform, tmp_path: Any
+) -> None:
+    """Found by a sweep: a SIGTERM (a deploy, a scale-in) cut the open streams mid-answer, with
+    no end of the chunked body, and uvicorn logged "ASGI callable returned without completing
+    response" as an error. A stopping gateway now ends each stream properly, after a `retry`
+    line: a browser's EventSource reconnects (to another replica) and the SDK polls."""
+    procs = Processes(tmp_path)
+    try:
+        stopping = GatewayProcess(procs, gateway_env(database_url, amqp_url), "gateway-stopping")
+        svc = platform.service()
+        task_id = _submit(stopping, svc)
+        lines: list[str] = []
+        ended: list[str] = []
+
+        def read() -> None:
+            try:
+                with (
+                    httpx.Client(base_url=stopping.url, auth=svc.clients[0].auth) as http,
+                    http.stream("GET", _events_url(stopping, svc.name, task_id)) as response,
+                ):
+                    lines.extend(response.iter_lines())
+                ended.append("cleanly")
+            except httpx.HTTPError as exc:
+                ended.append(repr(exc))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while "event: task" not in lines and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "event: task" in lines
+        stopping.proc.signal(signal.SIGTERM)
+        assert stopping.proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn raises it again
+        reader.join(10)
+        assert ended == ["cleanly"]
+        assert any(line.startswith("retry:") for line in lines), lines
+        logs = stopping.proc.logs()
+        assert "ASGI callable returned without completing response" not in logs
+        assert '"level": "error"' not in logs.lower().replace('"level":"', '"level": "')
+    finally:
+        procs.stop_all()

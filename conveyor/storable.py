@@ -1,18 +1,30 @@
-"""JSON that PostgreSQL can store: no NUL character, which neither `text` nor `jsonb` holds.
+"""JSON that PostgreSQL can store: no NUL character, which neither `text` nor `jsonb` holds,
+and no lone surrogate (half of a UTF-16 pair, which JSON may escape as `\\ud800`), which jsonb
+refuses and UTF-8 cannot encode.
 
 What a function or a worker answers reaches a task row in two ways: through a dispatcher,
 which cleans a function's answer before it publishes it, and straight from a legacy or
 third-party worker's event on `-out`, which the gateway cleans before it writes it. Both
-replace NUL with U+FFFD, in keys and in strings alike, here.
+replace either with U+FFFD, in keys and in strings alike, here: the task ends as the function
+said, not FAILURE for a character.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-NUL = "\x00"
 REPLACEMENT = "\ufffd"
-ESCAPED_NUL = b"\\u0000"  # how a NUL looks in serialized JSON: the cheap test before a walk
+# Python reads a well-formed escaped pair as one character: a surrogate left in a str is lone.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+# How either looks in serialized JSON: the cheap test before a walk. A pair that the stdlib
+# escapes (an emoji, written ASCII-only) matches too, and the walk then changes nothing.
+_ESCAPED = re.compile(rb"\\u0000|\\u[dD][89a-fA-F]")
+
+
+def suspect(serialized: bytes) -> bool:
+    """Whether JSON text may hold what PostgreSQL refuses (else no walk is needed)."""
+    return b"\\u" in serialized and _ESCAPED.search(serialized) is not None
 
 
 class TooDeep(ValueError):
@@ -20,11 +32,11 @@ class TooDeep(ValueError):
 
 
 def text(value: str) -> str:
-    return value.replace(NUL, REPLACEMENT)
+    return _UNSTORABLE.sub(REPLACEMENT, value)
 
 
 def storable(value: Any, max_depth: int | None = None) -> Any:
-    """A copy of `value` without NUL characters; TooDeep past `max_depth` (when given).
+    """A copy of `value` without NUL or lone surrogates; TooDeep past `max_depth` (when given).
     Iterative, so that no value can exhaust the stack."""
     root: list[Any] = [None]
     stack: list[tuple[Any, Any, Any, int]] = [(value, root, 0, 1)]

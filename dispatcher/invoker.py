@@ -197,7 +197,7 @@ def _strict_json(body: bytes) -> Any:
     except strict_json.TooDeep:
         raise Unparseable(f"nested deeper than {MAX_DEPTH} levels") from None
     # JSON in UTF-16 or UTF-32 spells a NUL otherwise: its copy is always checked.
-    suspect = storable.ESCAPED_NUL in body or json.detect_encoding(body) != "utf-8"
+    suspect = storable.suspect(body) or json.detect_encoding(body) != "utf-8"
     if suspect or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
         try:
             value = storable.storable(value, MAX_DEPTH)

@@ -70,7 +70,7 @@ def check_shape(callback: object, policy: CallbackPolicy) -> tuple[str, str]:
     try:
         parts = urlsplit(url)
         _ = parts.port  # raises on a malformed port
-        httpx.URL(url)  # what will send it: control characters, bad hosts
+        _ = httpx.URL(url).host  # what will send it: control characters, names IDNA refuses
     except (ValueError, httpx.InvalidURL):
         raise CallbackRefused("callback url is not a valid URL") from None
     # `type` names the mechanism (an HTTP call); the URL's scheme says whether it is TLS.
@@ -135,9 +135,9 @@ async def destination(url: str, policy: CallbackPolicy) -> Destination:
     """Resolves the URL's host once, checks every address, and pins the call to one."""
     try:
         parsed = httpx.URL(url)
-    except httpx.InvalidURL:
+        host = parsed.host.lower()
+    except (ValueError, httpx.InvalidURL):  # ValueError: a name IDNA cannot decode
         raise CallbackRefused("callback url is not a valid URL") from None
-    host = parsed.host.lower()
     if not host or host in policy.allowed_hosts or policy.allow_private:
         return Destination(parsed)
     addresses = await resolve(host, parsed.port)

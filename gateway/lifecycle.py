@@ -357,10 +357,11 @@ def _jsonb(value: Any) -> Jsonb:
 
 def _storable_json(value: Any) -> bytes:
     """A worker's JSON as jsonb takes it. strict_json keeps the digits of integers wider than
-    64 bits; a NUL, which a worker that is not a dispatcher may send, becomes U+FFFD (else
-    PostgreSQL refuses the whole result, and the task would end FAILURE for a character)."""
+    64 bits; a NUL or a lone surrogate, which a worker that is not a dispatcher may send,
+    becomes U+FFFD (else PostgreSQL refuses the whole result, and the task would end FAILURE
+    for a character)."""
     dumped = strict_json.dumps(value)
-    if storable.ESCAPED_NUL in dumped:
+    if storable.suspect(dumped):
         dumped = strict_json.dumps(storable.storable(value))
     return dumped
 

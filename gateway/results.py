@@ -509,7 +509,10 @@ def _unusable(reason: str, terminal: tuple[str, uuid.UUID] | None) -> Plan:
 
 def _refused(plan: Plan, exc: Exception) -> Plan:
     """A message the database refuses alone, set aside instead."""
-    reason = f"database refused it: {exc.__class__.__name__}: {str(exc)[:200]}"
+    # The primary message only: PostgreSQL's DETAIL and CONTEXT may quote the data refused.
+    diag = getattr(exc, "diag", None)
+    said = (diag.message_primary if diag is not None else None) or str(exc).partition("\n")[0]
+    reason = f"database refused it: {exc.__class__.__name__}: {said[:200]}"
     change = plan.change
     return _unusable(reason, (plan.kind, change.task_id) if change and change.terminal else None)
 

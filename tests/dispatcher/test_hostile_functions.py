@@ -76,6 +76,22 @@ async def test_nul_bytes_are_replaced_so_the_result_can_be_stored(
     assert (await rabbit.wait_terminal(error)).error_message == "bad\ufffdinput"
 
 
+async def test_lone_surrogates_are_replaced_so_the_result_can_be_stored(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Half a UTF-16 pair, escaped in JSON, is refused by jsonb as NUL is: found by a sweep,
+    the task ended FAILURE with PostgreSQL's error quoting the answer."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    value = await rabbit.submit({"rawResponse": '{"r": "a \\ud800 b", "\\udc00": 1}'})
+    pair = await rabbit.submit({"rawResponse": '["\\ud83d\\ude00"]'})
+    error = await rabbit.submit({"statuses": [400], "error": '{"error": "bad\\udbff"}'})
+
+    assert (await rabbit.wait_terminal(value)).response == {"r": "a \ufffd b", "\ufffd": 1}
+    assert (await rabbit.wait_terminal(pair)).response == ["\U0001f600"]
+    assert (await rabbit.wait_terminal(error)).error_message == "bad\ufffd"
+
+
 async def test_a_number_beyond_a_double_is_kept_as_text_not_sent_as_infinity(
     rabbit: Rabbit, function: FakeFunction, launch: Launch
 ) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import aiormq.exceptions
 import httpx
+import psycopg
 import pytest
 
 from conveyor import topology
@@ -40,6 +41,8 @@ from conveyor.events import (
     encode_submission,
 )
 from conveyor.settings import GatewaySettings
+from gateway import results
+from gateway.database_url import libpq
 from gateway.results import MAX_RETURNS
 from gateway.store import iso
 from tests.support.amqp import (
@@ -708,27 +711,48 @@ def test_a_nul_in_a_worker_s_response_is_stored_as_u_fffd(
     assert _poison(platform, queues[0]) == _poison(platform, queues[1]) == []
 
 
-def test_a_response_with_a_lone_surrogate_fails_its_task(
-    gateway: GatewayProcess, legacy_svc: Service, platform: Platform, amqp_url: str
+def test_a_lone_surrogate_in_a_worker_s_response_is_stored_as_u_fffd(
+    gateway: GatewayProcess, svc: Service, legacy_svc: Service, platform: Platform, amqp_url: str
 ) -> None:
-    """JSON may escape half a surrogate pair; jsonb refuses it: the batch is applied one
-    message at a time, and the one refused still ends its task, saying why."""
-    task_id = _submit(gateway, legacy_svc, {"n": 1})
-    sane = _submit(gateway, legacy_svc, {"n": 2})
-    half = f'{{"taskId": "{task_id}", "data": {{"messageType": "success", "response": "\\ud800"}}}}'
+    """JSON may escape half a surrogate pair, which jsonb refuses. Found by a sweep: the task
+    then ended FAILURE with PostgreSQL's error, which quoted the answer (in the task and in a
+    warning). Half a pair now becomes U+FFFD, like a NUL, in keys and strings; a whole pair
+    is the character it spells."""
+    ce_task = _submit(gateway, svc, {"n": 1})
+    legacy_task = _submit(gateway, legacy_svc, {"n": 2})
+    failed = _submit(gateway, legacy_svc, {"n": 3})
+    ce_body = b'{"response": {"a\\udc00": ["x\\ud800y", "\\ud83d\\ude00"]}}'
+    _publish_events(amqp_url, svc, _event(svc, EventKind.STARTED, ce_task, host="h", attempt="a"))
+    succeeded = _event(svc, EventKind.SUCCEEDED, ce_task, response=None, attempt="a")
+    publish(
+        amqp_url,
+        topology.out_queue(svc.queue_name),
+        [WireMessage(ce_body, succeeded.headers, "application/json")],
+    )
+    half = f'{{"taskId": "{legacy_task}", "data": {{"messageType": "success", "response": "\\ud800"}}}}'
+    failure = f'{{"taskId": "{failed}", "data": {{"messageType": "failure", "errorMessage": "b\\udfffd"}}}}'
     publish(
         amqp_url,
         topology.out_queue(legacy_svc.queue_name),
-        [
-            raw_json(half.encode()),
-            raw_json({"taskId": sane, "data": {"messageType": "success", "response": 1}}),
-        ],
+        [raw_json(half.encode()), raw_json(failure.encode())],
     )
-    data = _poll_until(gateway, legacy_svc, task_id, status="FAILURE")
-    assert "result could not be stored (database refused it" in data["errorMessage"], data
-    assert _poll_until(gateway, legacy_svc, sane, status="SUCCESS")["response"] == 1
-    reasons = _poison(platform, topology.out_queue(legacy_svc.queue_name))
-    assert [reason.split(":")[0] for reason, _ in reasons] == ["database refused it"]
+    stored = _poll_until(gateway, svc, ce_task, status="SUCCESS")["response"]
+    assert stored == {"a\ufffd": ["x\ufffdy", "\U0001f600"]}
+    assert _poll_until(gateway, legacy_svc, legacy_task, status="SUCCESS")["response"] == "\ufffd"
+    assert _poll_until(gateway, legacy_svc, failed, status="FAILURE")["errorMessage"] == "b\ufffdd"
+    for queue in (topology.out_queue(svc.queue_name), topology.out_queue(legacy_svc.queue_name)):
+        assert _poison(platform, queue) == []
+
+
+def test_what_the_database_refuses_is_set_aside_without_quoting_it(database_url: str) -> None:
+    """PostgreSQL's DETAIL and CONTEXT may quote the data it refused: the reason kept (and
+    logged, and told in the task's errorMessage) is its primary message alone."""
+    with psycopg.connect(libpq(database_url)) as conn, pytest.raises(psycopg.Error) as refused:
+        conn.execute("SELECT %s::jsonb", ('{"secret-answer": "\\ud800"}',))
+    assert "secret-answer" in str(refused.value)  # PostgreSQL does quote it
+    plan = results._refused(results.Plan("succeeded", None), refused.value)
+    assert plan.aside is not None and plan.aside.startswith("database refused it: ")
+    assert "secret-answer" not in plan.aside and "\n" not in plan.aside
 
 
 def _nested(depth: int) -> str:

@@ -112,6 +112,16 @@ async def test_forbidden_addresses_are_refused(host: str) -> None:
         await check_callback(https(host), STRICT)
 
 
+@pytest.mark.parametrize("host", ["xn--", "xn--ls8h.la", "xn--zz.example"])
+async def test_names_idna_cannot_read_are_refused_not_a_crash(host: str) -> None:
+    """Found by a sweep: these answered 500 (an IDNAError escaped the check) and dropped the
+    connection; they are refused like any other URL that cannot be sent."""
+    with pytest.raises(CallbackRefused, match="not a valid URL"):
+        await check_callback(https(host), STRICT)
+    with pytest.raises(CallbackRefused, match="not a valid URL"):
+        await check_destination(f"https://{host}/hook", STRICT)
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]", "10.0.0.1", "2130706433"])
 async def test_forbidden_addresses_are_refused_over_http_too(host: str) -> None:
     policy = CallbackPolicy(allow_http=True)

@@ -42,6 +42,9 @@ class GatewaySettings(CommonSettings):
     database_url: str = DEFAULT_DATABASE_URL
     db_pool_size: int = 10
     max_body_bytes: int = 1024 * 1024
+    # A request must arrive whole (head and body) within this many seconds of its connection,
+    # or of the answer before it: a client that trickles it, or sends nothing, is dropped.
+    request_read_timeout: float = Field(60.0, gt=0)
     # A batch submission (POST …/tasks/batch): how many tasks, and its own size limit.
     max_batch_items: int = 1000
     max_batch_bytes: int = 16 * 1024 * 1024

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor import heap, tracing
@@ -131,6 +132,12 @@ def _add_error_handlers(app: FastAPI) -> None:
             exc.status_code, errors.INVALID_REQUEST
         )
         return _error_response(errors.ApiError(kind, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, exc: ClientDisconnect) -> Response:
+        """Closed before the end of its body (or dropped for its slowness): nobody reads an
+        answer, and it is no error of this gateway's."""
+        return Response(status_code=400)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Json:

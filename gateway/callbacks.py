@@ -62,7 +62,7 @@ def check_shape(callback: object, policy: CallbackPolicy) -> tuple[str, str]:
         raise CallbackRefused(f"unknown callback field: {first}", field=first)
     kind = callback.get("type")
     allowed_types = {"https", "http"} if policy.allow_http else {"https"}
-    if kind not in allowed_types:
+    if not isinstance(kind, str) or kind not in allowed_types:  # an object is not hashable
         raise CallbackRefused(f"callback type must be one of {sorted(allowed_types)}", "type")
     url = callback.get("url")
     if not isinstance(url, str) or len(url) > 2048:

@@ -6,18 +6,24 @@ it: two system calls, two TCP segments and two wake-ups of the client for every 
 takes a protocol class), whose transport joins what one turn of the event loop wrote
 (`conveyor.coalescing`). Streams (the event stream's SSE) still leave turn by turn.
 What the parser refuses before the app sees it is answered with the API's own 400002
-envelope, as every other refusal is, rather than uvicorn's plain text.
+envelope, as every other refusal is, rather than uvicorn's plain text. uvicorn has no limit
+on the time a request takes to arrive: a client that connects and sends nothing, or trickles
+a request a byte at a time, held its connection (and a descriptor) forever. A request must
+now arrive whole within CONVEYOR_REQUEST_READ_TIMEOUT of its connection, or of the answer
+before it, or its connection is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from conveyor.coalescing import TurnBuffer
+from conveyor.settings import GatewaySettings
 from gateway import errors
 
 
@@ -85,11 +91,53 @@ class TurnTransport(asyncio.Transport):
         return self._transport.get_extra_info(name, default)
 
 
+@functools.cache
+def read_timeout() -> float:
+    """Read once per process: uvicorn makes the protocol, and its workers are processes."""
+    return GatewaySettings().request_read_timeout
+
+
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a `TurnTransport`."""
+    """uvicorn's httptools protocol on a `TurnTransport`, with a deadline for each request."""
+
+    _reading: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(TurnTransport(transport))
+        self._expect_request()
+
+    def on_message_complete(self) -> None:
+        self._stop_expecting()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # The next request, on a connection kept alive; unless one pipelined behind this one
+        # has already arrived whole, and runs now.
+        cycle = self.cycle
+        waiting = cycle is None or cycle.response_complete or cycle.more_body
+        if waiting and not self.transport.is_closing():
+            self._expect_request()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_expecting()
+        super().connection_lost(exc)
+
+    def _expect_request(self) -> None:
+        self._stop_expecting()
+        self._reading = self.loop.call_later(read_timeout(), self._not_in_time)
+
+    def _stop_expecting(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
+            self._reading = None
+
+    def _not_in_time(self) -> None:
+        """Closed without an answer: the client is not reading one either. An app already
+        reading the body is told the client is gone."""
+        self._reading = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         body = json.dumps(errors.invalid("request", msg).envelope()).encode()

@@ -25,7 +25,8 @@ from tests.security.helpers import (
     request_bytes,
     still_serving,
 )
-from tests.support.gateway import GatewayProcess, Platform, Service
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
+from tests.support.processes import Processes
 
 TEN_MB = 10 * 1024 * 1024
 SQL_LIKE = ["' OR 1=1 --", '"; DROP TABLE tasks; --', "1; SELECT pg_sleep(5)", "%' --"]
@@ -425,3 +426,97 @@ def test_slow_loris_does_not_starve_others(gateway: GatewayProcess, svc: Service
     assert len(latencies) >= 10
     assert sorted(latencies)[len(latencies) // 2] < 0.5, latencies
     assert max(latencies) < 2.0, latencies
+
+
+@pytest.fixture(scope="module")
+def impatient(
+    database_url: str, amqp_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """A gateway that waits 1 s for a whole request (CONVEYOR_REQUEST_READ_TIMEOUT)."""
+    procs = Processes(tmp_path_factory.mktemp("impatient"))
+    env = gateway_env(database_url, amqp_url, CONVEYOR_REQUEST_READ_TIMEOUT="1")
+    yield GatewayProcess(procs, env, "gateway-impatient")
+    procs.stop_all()
+
+
+def _closed_after(sock: socket.socket, drip: bytes, limit: float) -> float | None:
+    """Seconds until the gateway closes `sock` while `drip` is sent a byte every 0.2 s;
+    None if it is still open after `limit`."""
+    started = time.monotonic()
+    sock.settimeout(0.2)
+    offset = 0
+    while time.monotonic() - started < limit:
+        try:
+            if drip:
+                sock.send(drip[offset % len(drip) : offset % len(drip) + 1])
+                offset += 1
+            if sock.recv(65536) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            continue
+        except OSError:
+            return time.monotonic() - started
+    return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("head", "drip"),
+    [
+        pytest.param(b"", b"", id="connected, nothing sent"),
+        pytest.param(b"POST /v1/services/s/tasks HTTP/1.1\r\n", b"X-Slow: aaaa", id="headers"),
+        pytest.param(
+            b"POST /v1/services/s/tasks HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
+            b"Content-Type: application/json\r\n\r\n{",
+            b" ",
+            id="body",
+        ),
+        pytest.param(
+            b"POST /v1/services/s/tasks HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\n\r\n1\r\n{\r\n",
+            b"1\r\n \r\n",
+            id="chunks without end",
+        ),
+    ],
+)
+def test_a_request_that_never_arrives_whole_is_dropped(
+    impatient: GatewayProcess, platform: Platform, head: bytes, drip: bytes
+) -> None:
+    """Found by a sweep: a connection that sent nothing, or a request trickled a byte at a
+    time, was kept open forever (3,000 of them held 3,000 descriptors). A request must now
+    arrive whole within CONVEYOR_REQUEST_READ_TIMEOUT of the connection or of the answer
+    before it; the gateway then closes the connection, and logs no error for it."""
+    svc = platform.service()
+    auth = auth_header(svc.clients[0])
+    with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
+        head = head.replace(b"/v1/services/s/", f"/v1/services/{svc.name}/".encode())
+        head = head.replace(b"Host: x\r\n", f"Host: x\r\nAuthorization: {auth}\r\n".encode())
+        sock.sendall(head)
+        closed = _closed_after(sock, drip, limit=10)
+    assert closed is not None and closed < 5, closed
+    with impatient.http(svc.clients[0]) as http:  # a whole request is still served
+        assert http.post(impatient.tasks_url(svc.name), json={"body": {}}).status_code == 201
+    logs = impatient.proc.logs()
+    assert "unexpected error" not in logs and "Exception in ASGI application" not in logs
+
+
+def test_a_client_gone_mid_body_is_not_an_error(
+    gateway: GatewayProcess, svc: Service, http
+) -> None:
+    """Found by a sweep: a client closing its connection before the end of its body was
+    logged as an unexpected error with its traceback, twice; anyone could fill the log."""
+    headers = {
+        "Authorization": auth_header(svc.clients[0]),
+        "Content-Type": "application/json",
+        "Content-Length": "1000",
+    }
+    before = gateway.proc.logs().count("Exception in ASGI application")
+    errors_before = gateway.proc.logs().count("unexpected error")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+            sock.sendall(request_bytes("POST", gateway.tasks_url(svc.name), headers, b'{"body":{'))
+            time.sleep(0.2)  # the app is reading the body
+    time.sleep(0.5)
+    logs = gateway.proc.logs()
+    assert logs.count("Exception in ASGI application") == before
+    assert logs.count("unexpected error") == errors_before

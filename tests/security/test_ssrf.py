@@ -112,6 +112,13 @@ async def test_forbidden_addresses_are_refused(host: str) -> None:
         await check_callback(https(host), STRICT)
 
 
+@pytest.mark.parametrize("kind", [{}, [], ["https"], 1, None, True])
+async def test_a_callback_type_that_is_not_a_string_is_refused_not_a_crash(kind: object) -> None:
+    """Found by a sweep: an object or an array as `type` answered 500 (unhashable)."""
+    with pytest.raises(CallbackRefused, match="callback type must be one of"):
+        await check_callback({"type": kind, "url": "https://example.com/h"}, STRICT)
+
+
 @pytest.mark.parametrize("host", ["xn--", "xn--ls8h.la", "xn--zz.example"])
 async def test_names_idna_cannot_read_are_refused_not_a_crash(host: str) -> None:
     """Found by a sweep: these answered 500 (an IDNAError escaped the check) and dropped the

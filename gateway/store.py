@@ -91,13 +91,14 @@ _INSERT = """
                   expires_at
     )
     SELECT ins.task_id, ins.id AS row_id, ins.delayed, ins.expires_at,
-           (SELECT COALESCE(sum(b.pending), 0)::bigint FROM task_backlog_blocks b
-             WHERE b.service = %(service)s)
-           + (SELECT count(*) FROM tasks t
-               WHERE t.service = %(service)s AND t.status = 'PENDING'
-                 AND t.not_before IS NOT NULL AND t.not_before <= now())
-           + count(*) FILTER (WHERE ins.not_before IS NULL OR ins.not_before <= now())
-                   OVER (ORDER BY ins.id) AS position
+           CASE WHEN ins.delayed THEN 0  -- not due yet: no place in the queue (SPEC §11.4)
+           ELSE (SELECT COALESCE(sum(b.pending), 0)::bigint FROM task_backlog_blocks b
+                  WHERE b.service = %(service)s)
+                + (SELECT count(*) FROM tasks t
+                    WHERE t.service = %(service)s AND t.status = 'PENDING'
+                      AND t.not_before IS NOT NULL AND t.not_before <= now())
+                + count(*) FILTER (WHERE NOT ins.delayed) OVER (ORDER BY ins.id)
+           END AS position
       FROM ins
     """
 BLOCK_BITS = 10  # `task_backlog_blocks` counts by blocks of 1,024 row ids (migration 0008)
@@ -131,13 +132,14 @@ _PENDING_CLIENT = (
     " WHERE service = %(service)s AND client_id = %(client_id)s"
 )
 _BY_KEY = """
-    SELECT id, task_id, status, submission_date FROM tasks
+    SELECT id, task_id, status, submission_date, not_before FROM tasks
     WHERE client_id = %(client_id)s AND service = %(service)s AND idempotency_key = %(key)s
     """
 _FORGET_KEY = "UPDATE tasks SET idempotency_key = NULL WHERE id = %(id)s"
 _BY_KEYS = f"""
     SELECT t.id, t.task_id, t.submission_date, t.idempotency_key,
-           CASE WHEN t.status = 'PENDING' THEN {_position("t.id")} ELSE 0 END AS position
+           CASE WHEN t.status = 'PENDING' AND (t.not_before IS NULL OR t.not_before <= now())
+                THEN {_position("t.id")} ELSE 0 END AS position
       FROM tasks t
      WHERE t.client_id = %(client_id)s AND t.service = %(service)s
        AND t.idempotency_key >= %(key)s || E'\\n' AND t.idempotency_key < %(key)s || E'\\x0b'
@@ -332,13 +334,18 @@ async def _idempotent_repeat(conn: AsyncConnection[Any], new: NewTask) -> Accept
         await conn.execute(_FORGET_KEY, {"id": row.id})
         return None
     position = 0
-    if row.status == TaskStatus.PENDING:
+    if row.status == TaskStatus.PENDING and _due(row.not_before):
         position = await _position_of(conn, new.access.service.name, row.id)
     return Accepted(row.task_id, position, False, None)
 
 
 async def _position_of(conn: AsyncConnection[Any], service: str, row_id: int) -> int:
     return await _count(conn, _POSITION, {"service": service, "id": row_id})
+
+
+def _due(not_before: datetime | None) -> bool:
+    """Whether a PENDING task is in the queue; one still waiting has position 0 (§11.4)."""
+    return not_before is None or not_before <= datetime.now(UTC)
 
 
 # ---------------------------------------------------------------------------
@@ -395,5 +402,5 @@ async def get_task(pool: Pool, client_id: str, service: str, task_id: uuid.UUID)
             raise errors.ApiError(errors.TASK_NOT_FOUND)
         position = None
         if row.status == TaskStatus.PENDING:
-            position = await _position_of(conn, service, row.id)
+            position = await _position_of(conn, service, row.id) if _due(row.not_before) else 0
         return task_view(row, position)

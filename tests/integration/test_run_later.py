@@ -79,6 +79,35 @@ def test_a_delayed_task_waits_then_is_published_once(
     assert published_at - at < timedelta(seconds=3 + 2.0 + 1.0)  # 2 s of settle included
 
 
+def test_a_task_not_yet_due_answers_position_0_behind_due_ones(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a sweep: behind two due tasks a delayed one answered `taskPosition` 2, on
+    create, poll and a repeated Idempotency-Key alike; only due tasks have a place (§11.4)."""
+    svc = _service(platform, amqp_url)
+    url = gateway.tasks_url(svc.name)
+    later = {"body": {}, "delaySeconds": 600}
+    with gateway.http(svc.clients[0]) as http:
+        due = [http.post(url, json={"body": {}}).json()["data"]["taskPosition"] for _ in "ab"]
+        created = http.post(url, json=later, headers={"Idempotency-Key": "later"})
+        repeated = http.post(url, json=later, headers={"Idempotency-Key": "later"})
+        task_id = created.json()["data"]["taskId"]
+        polled = http.get(f"{url}/{task_id}").json()["data"]
+        batch = http.post(f"{url}/batch", json={"tasks": [later]}, headers={"Idempotency-Key": "b"})
+        batch_again = http.post(
+            f"{url}/batch", json={"tasks": [later]}, headers={"Idempotency-Key": "b"}
+        )
+        after = http.post(url, json={"body": {}}).json()["data"]["taskPosition"]
+    assert due == [1, 2]
+    assert (created.status_code, repeated.status_code) == (201, 200)
+    assert created.json()["data"]["taskPosition"] == 0
+    assert repeated.json()["data"] == created.json()["data"]
+    assert polled["status"] == "PENDING" and polled["taskPosition"] == 0
+    assert batch.json()["data"]["tasks"][0]["taskPosition"] == 0
+    assert batch_again.json()["data"] == batch.json()["data"]
+    assert after == 3  # and the delayed ones take no place from the next due one
+
+
 def test_a_past_not_before_is_published_at_once(
     gateway: GatewayProcess, platform: Platform, amqp_url: str
 ) -> None:
@@ -196,7 +225,7 @@ def test_batch_items_wait_for_their_own_time_and_capacity_counts_them(
         answer = http.post(gateway.tasks_url(svc.name) + "/batch", json={"tasks": items})
         assert answer.status_code == 201, answer.text
         tasks = answer.json()["data"]["tasks"]
-        assert [t["taskPosition"] for t in tasks] == [1, 1, 2]  # the delayed one is not due
+        assert [t["taskPosition"] for t in tasks] == [1, 0, 2]  # the delayed one is not due
         full = http.post(gateway.tasks_url(svc.name), json={"body": {}, "delaySeconds": 60})
         assert (full.status_code, full.json()["error"]["number"]) == (429, 429001)
     now = _published(amqp_url, svc.queue_name, 2, timeout=5, settle=0.5)

@@ -55,6 +55,9 @@ class GatewaySettings(CommonSettings):
     # Failed authentications per (client id, source address) pair, per minute, before that
     # pair's wrong secrets are refused without bcrypt when possible (the right one never is).
     auth_failures_per_minute: int = 20
+    # The proxies (addresses or CIDRs, comma-separated; `*` for any) whose X-Forwarded-For
+    # names a request's source, for the throttle above. Empty: the connection's peer is.
+    forwarded_allow_ips: str = ""
     # Crash redeliveries allowed before a submission is dead-lettered (SPEC §7.1).
     delivery_limit: int = 5
     # A PENDING task older than this (bounded by its service's retention) fails.

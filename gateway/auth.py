@@ -8,20 +8,22 @@ verification instead of queueing a bcrypt each. bcrypt runs on a small pool of
 its own, so a burst of logins cannot starve the default executor (DNS look-ups
 of the callback checks run there).
 
-Every failure looks the same (403001). An unknown client costs one bcrypt
-against a dummy hash, so it takes as long as a wrong secret.
+Every failure looks the same (403001) and takes as long as a real check, whether the
+client exists or not: when the answer is certain without bcrypt (an unknown client, or a
+secret other than the one this process already verified against the hash stored now), the
+refusal waits its turn in the bcrypt pool's queue, then as long as a check takes (measured),
+without spending the CPU. So neither a flood of made-up client ids nor guesses at a client
+that logged in here cost bcrypt work, or delay anyone else's login.
 
 Brute force is slowed per (client id, source address), and only for wrong
 credentials: client ids are not secret, and behind an ingress every consumer
 shares one address, so a throttle that refused before verifying would let
 anyone lock any client out. The right secret is never refused. Over its
-failure budget, a pair is answered without bcrypt only when the answer is
-certain: for an unknown client, and for a client whose secret this process has
-already verified against the hash stored now (the presented secret either is
-that one, accepted, or is wrong). Otherwise its verifications still run, one at
-a time for that pair. The trade-off: a throttled attacker can tell an existing
-client that has not authenticated here since the process started (slow answer)
-from the others (fast answer); client ids are not secret.
+failure budget, a pair's attempts are answered one at a time, each after a
+check's time, real or not: a few guesses a second, whatever the client. The
+right secret, once verified here, is accepted at once even then. The source is
+the connection's peer unless CONVEYOR_FORWARDED_ALLOW_IPS names the proxies
+whose X-Forwarded-For is believed; otherwise a caller could pick its own.
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ class Authenticator:
         self._lanes: dict[str, _Lane] = {}
         self._bcrypt = ThreadPoolExecutor(bcrypt_threads, thread_name_prefix="conveyor-bcrypt")
         self._dummy_hash = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(dummy_rounds))
+        self._check_seconds: float | None = None  # how long a check takes here (moving mean)
 
     def _cache_key(self, client_id: str, secret: str) -> bytes:
         return hmac.new(self._key, f"{client_id}\0{secret}".encode(), hashlib.sha256).digest()
@@ -165,16 +168,14 @@ class Authenticator:
     async def _verify_throttled(
         self, pair: str, key: bytes, client_id: str, secret: str
     ) -> str | None:
-        """Over the pair's failure budget: no bcrypt when the answer is certain without it."""
-        stored = await self._lookup(client_id)
-        if stored is None:
-            return None  # no such client: nothing could be accepted
+        """Over the pair's failure budget: one attempt at a time, each a check's time; the
+        secret verified here before is still accepted at once."""
         verified = self._verified.get(client_id)
-        if verified is not None and hmac.compare_digest(verified.stored_hash, stored):
-            if not hmac.compare_digest(verified.key, key):
-                return None  # not the secret that matched this very hash
-            self._remember(key, client_id, stored)
-            return client_id
+        if verified is not None and hmac.compare_digest(verified.key, key):
+            stored = await self._lookup(client_id)
+            if stored is not None and hmac.compare_digest(verified.stored_hash, stored):
+                self._remember(key, client_id, stored)
+                return client_id
         async with self._one_at_a_time(pair):
             return await self._verify_once(key, client_id, secret)
 
@@ -209,13 +210,39 @@ class Authenticator:
 
     async def _verify(self, key: bytes, client_id: str, secret: str) -> str | None:
         stored = await self._lookup(client_id)
-        hashed = stored.encode() if stored else self._dummy_hash
-        loop = asyncio.get_running_loop()
-        ok = await loop.run_in_executor(self._bcrypt, _checkpw, secret.encode(), hashed)
-        if not (ok and stored):
+        if stored is None:
+            await self._as_long_as_a_check()  # no such client: nothing could be accepted
+            return None
+        verified = self._verified.get(client_id)
+        if verified is not None and hmac.compare_digest(verified.stored_hash, stored):
+            # This very hash was matched here: the answer is certain without bcrypt.
+            if hmac.compare_digest(verified.key, key):
+                self._remember(key, client_id, stored)
+                return client_id
+            await self._as_long_as_a_check()
+            return None
+        if not await self._check(secret.encode(), stored.encode()):
             return None
         self._remember(key, client_id, stored)
         return client_id
+
+    async def _check(self, secret: bytes, hashed: bytes) -> bool:
+        """One bcrypt check on the pool; its duration feeds what a refusal without one waits."""
+        loop = asyncio.get_running_loop()
+        ok, seconds = await loop.run_in_executor(self._bcrypt, _timed_checkpw, secret, hashed)
+        last = self._check_seconds
+        self._check_seconds = seconds if last is None else 0.8 * last + 0.2 * seconds
+        return ok
+
+    async def _as_long_as_a_check(self) -> None:
+        """A refusal that takes as long as a check, queue included, without its CPU: its turn
+        in the pool's queue (a no-op), then a check's measured time. Until one was measured,
+        a real check of the dummy hash."""
+        if self._check_seconds is None:
+            await self._check(secrets.token_bytes(16), self._dummy_hash)
+            return
+        await asyncio.get_running_loop().run_in_executor(self._bcrypt, _nothing)
+        await asyncio.sleep(self._check_seconds)
 
     def _remember(self, key: bytes, client_id: str, stored: str) -> None:
         self._cache[key] = (client_id, time.monotonic() + self._ttl)
@@ -225,8 +252,14 @@ class Authenticator:
         self._bcrypt.shutdown(wait=False, cancel_futures=True)
 
 
-def _checkpw(secret: bytes, hashed: bytes) -> bool:
+def _timed_checkpw(secret: bytes, hashed: bytes) -> tuple[bool, float]:
+    started = time.perf_counter()
     try:
-        return bcrypt.checkpw(secret, hashed)
+        ok = bcrypt.checkpw(secret, hashed)
     except ValueError:  # a corrupt stored hash denies, it does not crash
-        return False
+        ok = False
+    return ok, time.perf_counter() - started
+
+
+def _nothing() -> None:
+    return None

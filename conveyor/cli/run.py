@@ -53,6 +53,9 @@ def gateway(
         "access_log": False,
         "timeout_graceful_shutdown": 5,
         "h11_max_incomplete_event_size": 64 * 1024,
+        # X-Forwarded-For only from the proxies named: else any caller picks its own source.
+        "proxy_headers": bool(settings.forwarded_allow_ips),
+        "forwarded_allow_ips": settings.forwarded_allow_ips or None,
         # httptools, each answer in one send (gateway/http_protocol.py)
         "http": "gateway.http_protocol:CoalescingHttpToolsProtocol",
     }

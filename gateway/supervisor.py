@@ -25,6 +25,11 @@ class LoopEnded(RuntimeError):
     """A loop meant to run forever returned."""
 
 
+class LoopCancelled(RuntimeError):
+    """A loop was cancelled from within: a library cancelled a future it awaited (aiormq
+    does, closing a connection it found stuck). Only `stop()` cancels a loop for good."""
+
+
 class Supervisor:
     def __init__(self, backoff: float = 0.5, backoff_max: float = 10.0) -> None:
         self._wait = wait_exponential(multiplier=backoff, max=backoff_max)
@@ -57,7 +62,13 @@ class Supervisor:
         async for attempt in retrying:
             with attempt:
                 self._down.pop(name, None)
-                await loop()
+                try:
+                    await loop()
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is None or task.cancelling():
+                        raise  # stop(): the loop ends for good
+                    raise LoopCancelled(f"{name} was cancelled from within") from None
                 raise LoopEnded(f"{name} returned")
 
     def _crashed(self, name: str, state: RetryCallState) -> None:

@@ -63,3 +63,31 @@ async def test_a_loop_that_returns_is_a_crash_too() -> None:
         await asyncio.sleep(0.01)
     await supervisor.stop()
     assert len(runs) >= 2
+
+
+async def test_a_loop_a_library_cancels_from_within_is_restarted_too() -> None:
+    """Found by a sweep: when aiormq gave up on a stuck connection it cancelled the futures
+    the `service-stats` loop awaited. The CancelledError (a BaseException) ended the loop for
+    good, without a line in the log: /readyz said "stopped" until the process restarted.
+    Only the supervisor's own stop() ends a loop."""
+    runs: list[int] = []
+    healthy = asyncio.Event()
+
+    async def cancelled_inside() -> None:
+        runs.append(1)
+        if len(runs) < 3:
+            future = asyncio.get_running_loop().create_future()
+            future.cancel()  # as a library does to an RPC whose connection it closed
+            await future
+        healthy.set()
+        await asyncio.Event().wait()
+
+    before = _restarts("cancelled-inside")
+    supervisor = Supervisor(backoff=0.01, backoff_max=0.02)
+    supervisor.spawn("cancelled-inside", cancelled_inside)
+    await asyncio.wait_for(healthy.wait(), 5)
+    assert len(runs) == 3
+    assert _restarts("cancelled-inside") - before == 2
+    assert supervisor.down() == {}
+    await asyncio.wait_for(supervisor.stop(), 5)  # and stop() still ends it
+    assert supervisor.down() == {"cancelled-inside": "stopped"}

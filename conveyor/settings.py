@@ -41,6 +41,9 @@ class CommonSettings(BaseSettings):
 class GatewaySettings(CommonSettings):
     database_url: str = DEFAULT_DATABASE_URL
     db_pool_size: int = 10
+    # A connection is lent at most this long: a frozen or silently cut-off server fails what
+    # waits on it (503 503001; loops retry) instead of holding it for as long as it lasts.
+    db_timeout: float = Field(10.0, gt=0)
     max_body_bytes: int = 1024 * 1024
     # A request must arrive whole (head and body) within this many seconds of its connection,
     # or of the answer before it: a client that trickles it, or sends nothing, is dropped.

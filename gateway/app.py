@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor import heap, tracing
 from conveyor.settings import GatewaySettings
-from gateway import admin_api, api, dashboard, errors, metrics
+from gateway import admin_api, api, dashboard, errors, metrics, pgpool
 from gateway.responses import Json
 from gateway.runtime import Runtime
 
@@ -132,6 +132,16 @@ def _add_error_handlers(app: FastAPI) -> None:
             exc.status_code, errors.INVALID_REQUEST
         )
         return _error_response(errors.ApiError(kind, headers=dict(exc.headers or {})))
+
+    async def database_away(_: Request, exc: Exception) -> Json:
+        """The database down, frozen or cut off: 503 and a warning, no traceback. Registered
+        by class so that Starlette does not re-raise it, as it does what the catch-all
+        handler answers (uvicorn then logged each one as an error in the application)."""
+        log.warning("database unavailable", extra={"error": exc.__class__.__name__})
+        return _error_response(errors.ApiError(errors.UNAVAILABLE, headers={"Retry-After": "1"}))
+
+    for kind in pgpool.CONNECTION_ERRORS:
+        app.add_exception_handler(kind, database_away)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(_: Request, exc: ClientDisconnect) -> Response:

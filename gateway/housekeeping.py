@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 
 from gateway import lifecycle, metrics
-from gateway.pgpool import Pool
+from gateway.pgpool import MAINTENANCE_TIMEOUT, Pool
 
 log = logging.getLogger("conveyor.gateway.housekeeping")
 
@@ -132,7 +132,7 @@ async def reaper_loop(
     whose worker has said nothing for longer than the service allows (the watchdog)."""
     while True:
         try:
-            async with pool.connection() as conn:  # autocommit: one statement each
+            async with pool.connection(MAINTENANCE_TIMEOUT) as conn:  # one statement each
                 expired = await lifecycle.expire_pending(conn, ttl)
                 abandoned = await lifecycle.abandon_silent(conn, silence_margin)
                 await compact_backlog(conn)

@@ -9,11 +9,22 @@ round trip per checkout; a connection given back mid-transaction is closed, not 
 every connection has the JIT off (`_set_up`).
 `reconnect_timeout` is short so that after an outage the next checkout retries at once
 rather than waiting out the pool's own backoff.
+
+A connection is lent for at most `use_timeout` seconds (CONVEYOR_DB_TIMEOUT). A server
+that is frozen, or behind a partition that drops packets silently, never answers and never
+closes: its statements waited without end (a submission hung for as long as the freeze).
+At the deadline the connection's socket is shut down, so whatever waits on it fails at once
+as a lost connection, which the API answers 503 503001 and a loop retries. Shut down, not
+cancelled: a cancelled statement would still have its pipeline or transaction wound up by a
+round trip to the server that does not answer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import select
+import socket
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -30,6 +41,9 @@ from conveyor import strict_json
 from gateway.database_url import libpq
 
 CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
+# What the loops that touch many rows at once may take (ANALYZE of a large table, the reaper
+# giving old rows their expiry), where a request waits CONVEYOR_DB_TIMEOUT at most.
+MAINTENANCE_TIMEOUT = 600.0
 
 
 def jsonb(value: Any) -> Jsonb | None:
@@ -63,11 +77,17 @@ async def _set_up(conn: psycopg.AsyncConnection[Any]) -> None:
 
 class Pool:
     def __init__(
-        self, database_url: str, size: int, ping_after: float = 2.0, connect_timeout: int = 5
+        self,
+        database_url: str,
+        size: int,
+        ping_after: float = 2.0,
+        connect_timeout: int = 5,
+        use_timeout: float = 10.0,
     ) -> None:
         self.url = libpq(database_url)
         self.ping_after = ping_after
         self.connect_timeout = connect_timeout
+        self.use_timeout = use_timeout
         # When each connection was last given back (or opened): the idle-time criterion.
         self._since: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], float] = (
             weakref.WeakKeyDictionary()
@@ -92,14 +112,21 @@ class Pool:
         )
 
     @asynccontextmanager
-    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        """A connection in autocommit mode, returned to the pool afterwards."""
+    async def connection(
+        self, use_timeout: float | None = None
+    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A connection in autocommit mode, returned to the pool afterwards; severed if it is
+        still lent after `use_timeout` (the pool's by default: a long maintenance statement
+        may ask for more)."""
         if self._pool.closed:  # not opened yet (open() is idempotent; after close() it raises)
             await self._pool.open()
         conn = await self._pool.getconn()
+        seconds = self.use_timeout if use_timeout is None else use_timeout
+        deadline = asyncio.get_running_loop().call_later(seconds, _sever, conn)
         try:
             yield conn
         finally:
+            deadline.cancel()
             lost = conn.broken
             if lost or conn.info.transaction_status != TransactionStatus.IDLE:
                 await _close(conn)  # broken, or interrupted mid-statement or transaction
@@ -158,6 +185,21 @@ def _readable(conn: psycopg.AsyncConnection[Any]) -> bool:
     except (OSError, ValueError, psycopg.Error):
         return True
     return bool(events) or conn.pgconn.status != ConnStatus.OK
+
+
+def _sever(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Shuts the connection's socket down (a duplicate of its descriptor, so libpq's own
+    stays valid): a read under way ends at once, and the connection is broken."""
+    try:
+        duplicate = socket.socket(fileno=os.dup(conn.pgconn.socket))
+    except (OSError, psycopg.Error):
+        return  # already closed
+    try:
+        duplicate.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        duplicate.close()
 
 
 async def _close(conn: psycopg.AsyncConnection[Any]) -> None:

@@ -22,7 +22,7 @@ import psycopg
 from psycopg import sql
 
 from gateway import metrics
-from gateway.pgpool import Pool
+from gateway.pgpool import MAINTENANCE_TIMEOUT, Pool
 
 log = logging.getLogger("conveyor.gateway.planner_statistics")
 
@@ -68,7 +68,7 @@ async def refresh(conn: psycopg.AsyncConnection[Any]) -> list[str]:
 async def analyze_loop(pool: Pool, interval: float) -> None:
     while True:
         try:
-            async with pool.connection() as conn:
+            async with pool.connection(MAINTENANCE_TIMEOUT) as conn:
                 await refresh(conn)
         except Exception as exc:  # lock timeout, outage: the next pass tries again
             log.warning("statistics pass failed", extra={"error": repr(exc)})

@@ -37,7 +37,9 @@ log = logging.getLogger("conveyor.gateway")
 class Runtime:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.pool = Pool(settings.database_url, settings.db_pool_size)  # the API's hot path
+        self.pool = Pool(  # the API's hot path
+            settings.database_url, settings.db_pool_size, use_timeout=settings.db_timeout
+        )
         self.intake = Intake(self.pool, settings.outbox_grace)
         self.listener = Listener(settings.database_url)  # one LISTEN connection
         self.access = AccessCache(self.pool, self.listener)

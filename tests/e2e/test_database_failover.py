@@ -7,6 +7,7 @@ A pair of the test's own (other ports, own data directories), killed by pid.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -96,3 +97,75 @@ def test_a_primary_failover_loses_no_task(
         time.sleep(0.5)
     stack.http.close()
     assert statuses == Counter({"SUCCESS": 80})
+
+
+def _family(pid: int) -> list[int]:
+    """`pid` and its descendants (a postmaster and its backends), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
+    family, todo = [], [pid]
+    while todo:
+        member = todo.pop()
+        family.append(member)
+        todo.extend(children.get(member, []))
+    return family
+
+
+@pytest.fixture
+def server() -> Iterator[PostgresServer]:
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries are not installed here")
+    pg = PostgresServer().start()
+    yield pg
+    pg.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_database_is_answered_503_not_waited_for(
+    server: PostgresServer, procs: Processes, amqp_url: str
+) -> None:
+    """Found by a sweep: with PostgreSQL frozen (SIGSTOP; a silent partition is the same),
+    a submission waited for as long as the freeze, 90 s, with no answer. A connection is now
+    lent for CONVEYOR_DB_TIMEOUT at most: the submission is answered 503 503001 with
+    Retry-After, no traceback is logged, and it goes through once the server thaws."""
+    url = f"postgresql://postgres@127.0.0.1:{server.port}/conveyor?connect_timeout=3"
+    upgrade = subprocess.run(
+        [sys.executable, "-m", "conveyor", "db", "upgrade"],
+        cwd=REPO,
+        env={**os.environ, "CONVEYOR_DATABASE_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+    service = Platform(url).service()
+    gateway = GatewayProcess(
+        procs, gateway_env(url, amqp_url, CONVEYOR_DB_TIMEOUT="2"), "gateway-frozen-db"
+    )
+    tasks_url = gateway.tasks_url(service.name)
+    with gateway.http(service.clients[0]) as http:
+        assert http.post(tasks_url, json={"body": {}}).status_code == 201
+        assert server.pid is not None
+        frozen = _family(server.pid)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            answer = http.post(tasks_url, json={"body": {}}, timeout=30)
+            waited = time.monotonic() - started
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["number"] == 503001
+        assert answer.headers["retry-after"] == "1"
+        assert waited < 10, waited
+        assert _submit(http, tasks_url, timeout=30) is not None  # thawed: accepted again
+    logs = gateway.proc.logs()
+    assert "Exception in ASGI application" not in logs and "unexpected error" not in logs

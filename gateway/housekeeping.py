@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 
 from gateway import lifecycle, metrics
+from gateway.hearing import Hearing
 from gateway.pgpool import MAINTENANCE_TIMEOUT, Pool
 
 log = logging.getLogger("conveyor.gateway.housekeeping")
@@ -126,15 +127,20 @@ async def reaper_loop(
     ttl: float,
     interval: float,
     on_expired: Callable[[], None],
+    hearing: Hearing,
     silence_margin: float = 300.0,
 ) -> None:
     """Ends what nothing else would: PENDING past its time to live, and IN_PROGRESS tasks
-    whose worker has said nothing for longer than the service allows (the watchdog)."""
+    whose worker has said nothing for longer than the service allows (the watchdog), the
+    silence counted only while results could be heard (gateway.hearing)."""
     while True:
         try:
             async with pool.connection(MAINTENANCE_TIMEOUT) as conn:  # one statement each
                 expired = await lifecycle.expire_pending(conn, ttl)
-                abandoned = await lifecycle.abandon_silent(conn, silence_margin)
+                abandoned: dict[str, int] = {}
+                heard_since = hearing.since()  # read now: the statements above may have waited
+                if heard_since is not None:
+                    abandoned = await lifecycle.abandon_silent(conn, silence_margin, heard_since)
                 await compact_backlog(conn)
             for failed in (expired, abandoned):  # no durations: the platform ended them
                 for service, count in failed.items():

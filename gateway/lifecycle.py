@@ -496,10 +496,12 @@ _ABANDON = """
                    || ' (taskTimeout times maxAttempts, plus ' || %(margin)s || ' s).',
                notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END
          WHERE t.status = 'IN_PROGRESS'
-           AND t.updated_at < now() - make_interval(secs => %(margin)s + COALESCE(
-                 t.time_limit,
-                 (SELECT s.task_timeout * s.max_attempts FROM services s WHERE s.name = t.service),
-                 %(default_limit)s))
+           AND GREATEST(t.updated_at, %(heard_since)s) < now() - make_interval(
+                 secs => %(margin)s + COALESCE(
+                   t.time_limit,
+                   (SELECT s.task_timeout * s.max_attempts FROM services s
+                     WHERE s.name = t.service),
+                   %(default_limit)s))
         RETURNING t.task_id, t.service
     ), history AS (
         UPDATE task_attempts a SET end_date = now(), outcome = 'abandoned'
@@ -509,10 +511,13 @@ _ABANDON = """
     """
 
 
-async def abandon_silent(conn: psycopg.AsyncConnection[Any], margin: float) -> dict[str, int]:
+async def abandon_silent(
+    conn: psycopg.AsyncConnection[Any], margin: float, heard_since: datetime
+) -> dict[str, int]:
     """The watchdog's transition: IN_PROGRESS with no word for too long becomes FAILURE.
-    How many tasks per service."""
-    params = {"margin": margin, "default_limit": DEFAULT_TIME_LIMIT}
+    The silence counts from `heard_since` at the earliest (gateway.hearing). How many tasks
+    per service."""
+    params = {"margin": margin, "default_limit": DEFAULT_TIME_LIMIT, "heard_since": heard_since}
     return await _per_service(conn, _ABANDON, params)
 
 

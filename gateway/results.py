@@ -42,7 +42,7 @@ from aio_pika.abc import (
     AbstractRobustChannel,
 )
 from psycopg.types.json import Jsonb
-from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 from conveyor import headers as h
 from conveyor import topology, tracing
@@ -57,6 +57,7 @@ from conveyor.events import (
 )
 from gateway import catalog, lifecycle, metrics
 from gateway.broker import Broker
+from gateway.hearing import Hearing
 from gateway.pgpool import CONNECTION_ERRORS, Pool
 
 log = logging.getLogger("conveyor.gateway.results")
@@ -146,8 +147,10 @@ class ResultConsumer:
         delivery_limit: int,
         refresh_interval: float = 5.0,
         on_finished: Callable[[], None] = lambda: None,
+        hearing: Hearing | None = None,
     ) -> None:
         self.pool = pool  # raw psycopg: events are applied pipelined
+        self.hearing = hearing or Hearing(lambda: True)  # told when results cannot be written
         self.broker = broker
         self.delivery_limit = delivery_limit
         self.refresh_interval = refresh_interval
@@ -345,10 +348,7 @@ class ResultConsumer:
             retrying = AsyncRetrying(
                 retry=retry_if_exception(_transient),
                 wait=wait_exponential(multiplier=0.5, max=10.0),
-                before_sleep=lambda state: log.warning(
-                    "database unavailable; batch retried",
-                    extra={"error": repr(state.outcome.exception() if state.outcome else None)},
-                ),
+                before_sleep=self._unavailable,
             )
             async for attempt in retrying:
                 with attempt:
@@ -363,12 +363,20 @@ class ResultConsumer:
                 await _settle(delivery.message.nack, requeue=True)
             return
         applied = time.time_ns()
+        self.hearing.heard()
         for message in last_per_channel(batch):
             await _settle(message.ack, multiple=True)
         if self._ended:
             self._trace_results(started, applied)
         if callbacks:
             self.on_finished()
+
+    def _unavailable(self, state: RetryCallState) -> None:
+        self.hearing.lost()  # the watchdog waits: what silence there is proves nothing
+        log.warning(
+            "database unavailable; batch retried",
+            extra={"error": repr(state.outcome.exception() if state.outcome else None)},
+        )
 
     def _note(self, change: lifecycle.Transition, outcome: lifecycle.Outcome) -> None:
         finished = outcome.finished

@@ -19,6 +19,7 @@ from gateway.auth import Authenticator
 from gateway.broker import Broker
 from gateway.callbacks import CallbackPolicy
 from gateway.catalog import SchemaCache
+from gateway.hearing import Hearing
 from gateway.housekeeping import reaper_loop
 from gateway.intake import Intake
 from gateway.listener import Listener
@@ -86,12 +87,15 @@ class Runtime:
             per_target=settings.callback_per_target,
             lease=settings.callback_lease,
         )
+        self.hearing = Hearing(lambda: self.broker.connected)  # what the watchdog trusts
+        self.broker.on_reconnect(self.hearing.restarted)
         self.results = ResultConsumer(
             self.pool,
             self.broker,
             delivery_limit=settings.delivery_limit,
             refresh_interval=settings.service_refresh_interval,
             on_finished=self.notifier.wake,
+            hearing=self.hearing,
         )
         self.loops = Supervisor()
         self.background = False
@@ -131,6 +135,7 @@ class Runtime:
                     s.pending_ttl,
                     s.reaper_interval,
                     self.notifier.wake,
+                    self.hearing,
                     s.silence_margin,
                 ),
                 "planner-statistics": lambda: analyze_loop(self.pool, s.analyze_interval),

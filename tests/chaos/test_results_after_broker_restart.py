@@ -171,3 +171,66 @@ def _result_applied(gateway: GatewayProcess, amqp_url: str, service: Service, qu
             return http.get(url).json()["data"]["status"] == "SUCCESS"
 
         _eventually(finished, 20, f"SUCCESS applied from {topology.out_queue(queue)}")
+
+
+def _status(platform: Platform, task_id: str) -> str:
+    return str(platform.sql("SELECT status FROM tasks WHERE task_id = %(t)s", {"t": task_id})[0][0])
+
+
+def test_the_watchdog_waits_while_results_cannot_be_heard(
+    procs: Processes,
+    platform: Platform,
+    database_url: str,
+    private_rabbit: RabbitNode,
+) -> None:
+    """Found by a sweep: with the broker away for longer than a task's time limit, the
+    watchdog failed the tasks in flight ("No result from the worker") although their
+    dispatchers held the results, unable to publish them; the results were then ignored.
+    While results cannot be heard (the broker connection down, or the database refusing
+    their writes), silence proves nothing: it counts again once they can (gateway/hearing.py)."""
+    amqp_url = private_rabbit.url
+    service = platform.service(taskTimeout=1, maxAttempts=1)  # silent for 1 + 1 s: abandoned
+    env = gateway_env(
+        database_url,
+        amqp_url,
+        CONVEYOR_SILENCE_MARGIN="1",
+        CONVEYOR_REAPER_INTERVAL="0.3",
+    )
+    gateway = GatewayProcess(procs, env)
+    out = topology.out_queue(service.queue_name)
+    _eventually(lambda: _consumers(amqp_url, out) == 1, 20, "consuming -out")
+    with gateway.http(service.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(service.name), json={"body": {}})
+    assert answer.status_code == 201, answer.text
+    task_id = answer.json()["data"]["taskId"]
+    asyncio.run(_publish(amqp_url, service.name, out, TaskEvent(EventKind.STARTED, task_id)))
+    _eventually(lambda: _status(platform, task_id) == "IN_PROGRESS", 10, "started")
+
+    private_rabbit.ctl("stop_app")  # every connection drops
+    try:
+        time.sleep(5)  # two and a half times the task's limit and margin
+        assert _status(platform, task_id) == "IN_PROGRESS"
+    finally:
+        private_rabbit.ctl("start_app")
+    _eventually(lambda: _consumers(amqp_url, out) == 1, 60, "consuming -out again")
+    done = TaskEvent(EventKind.SUCCEEDED, task_id, response={"held": "through the outage"})
+    asyncio.run(_publish(amqp_url, service.name, out, done))
+    _eventually(lambda: _status(platform, task_id) != "IN_PROGRESS", 20, "finished")
+    assert _status(platform, task_id) == "SUCCESS"
+    # Silence still ends a task once results can be heard: the watchdog is not off for good.
+    with gateway.http(service.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(service.name), json={"body": {}})
+    silent = answer.json()["data"]["taskId"]
+    asyncio.run(_publish(amqp_url, service.name, out, TaskEvent(EventKind.STARTED, silent)))
+    _eventually(lambda: _status(platform, silent) == "FAILURE", 20, "abandoned")
+
+
+async def _publish(amqp_url: str, service: str, queue: str, event: TaskEvent) -> None:
+    wire = encode_event(event, service)
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.default_exchange.publish(
+            aio_pika.Message(wire.body, headers=wire.headers, content_type=wire.content_type),
+            routing_key=queue,
+        )

@@ -145,3 +145,34 @@ async def test_a_batch_is_acked_with_one_frame_per_channel_and_nothing_beyond_it
     await consumer.process([results.Delivery("svc-out", False, later)])  # type: ignore[arg-type]
 
     assert later.settled == ["ack"] and first.outstanding == {}
+
+
+async def test_the_watchdog_is_told_while_results_cannot_be_written() -> None:
+    """While the database refuses the writes of results, the watchdog's silence proves
+    nothing (gateway/hearing.py): hearing stops at the first failed attempt, and begins
+    again, later than before, once the batch is written."""
+    from gateway.hearing import Hearing
+
+    hearing = Hearing(lambda: True)
+    before = hearing.since()
+    seen_while_retrying: list[object] = []
+
+    class Outage(Database):
+        async def execute(self, sql: str, params: dict[str, Any]) -> Cursor:
+            if self.outage == 1:  # the second failure: the first was noted
+                seen_while_retrying.append(hearing.since())
+            return await super().execute(sql, params)
+
+    consumer = results.ResultConsumer(
+        Outage(2),
+        broker=None,  # type: ignore[arg-type]
+        delivery_limit=5,
+        hearing=hearing,
+    )
+    batch = [results.Delivery("svc-out", False, Message(str(uuid.uuid4())))]  # type: ignore[arg-type]
+
+    await consumer.process(batch)
+
+    assert seen_while_retrying == [None]
+    after = hearing.since()
+    assert before is not None and after is not None and after > before

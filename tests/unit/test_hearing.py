@@ -1,0 +1,39 @@
+"""What the watchdog's silence counts from (gateway/hearing.py)."""
+
+from __future__ import annotations
+
+from gateway.hearing import Hearing
+
+
+def test_hearing_stops_while_the_broker_is_away_and_begins_again_after() -> None:
+    connected = [True]
+    hearing = Hearing(lambda: connected[0])
+    first = hearing.since()
+    assert first is not None
+    connected[0] = False
+    assert hearing.since() is None
+    connected[0] = True
+    again = hearing.since()
+    assert again is not None and again > first  # counted from when it was seen back
+    assert hearing.since() == again  # and not moved by every look
+
+
+def test_a_reconnection_between_two_looks_still_restarts_the_count() -> None:
+    hearing = Hearing(lambda: True)
+    first = hearing.since()
+    hearing.restarted()  # the broker connection's reconnect callback
+    later = hearing.since()
+    assert first is not None and later is not None and later > first
+
+
+def test_writes_refused_stop_hearing_until_one_goes_through() -> None:
+    hearing = Hearing(lambda: True)
+    first = hearing.since()
+    hearing.lost()
+    assert hearing.since() is None
+    hearing.lost()
+    hearing.heard()
+    later = hearing.since()
+    assert first is not None and later is not None and later > first
+    hearing.heard()  # an ordinary batch moves nothing
+    assert hearing.since() == later

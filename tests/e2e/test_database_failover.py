@@ -18,10 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conveyor import topology
-from conveyor.events import EventKind, TaskEvent, encode_event
 from tests.e2e.conftest import Stack
-from tests.support.amqp import publish, wait_for_queues, wait_until
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import REPO, Processes
 from tests.support.servers import PostgresServer, postgres_available
@@ -177,74 +174,3 @@ def test_a_frozen_database_is_answered_503_not_waited_for(
         assert _submit(http, tasks_url, timeout=30) is not None  # thawed: accepted again
     logs = gateway.proc.logs()
     assert "Exception in ASGI application" not in logs and "unexpected error" not in logs
-
-
-@pytest.mark.timeout(180)
-def test_results_waiting_through_a_database_outage_are_not_judged_silent(
-    server: PostgresServer, procs: Processes, amqp_url: str
-) -> None:
-    """Found by a sweep: when the database came back from an outage longer than a task's
-    time limit, the watchdog ran before the results waiting on `-out` were applied, and
-    failed tasks that had succeeded ("No result from the worker"). The silence now counts
-    only from when results could be written again (gateway/hearing.py). Which of the reaper
-    and the results consumer reaches the thawed server first is a race, so this does not
-    fail on every run of the old code; tests/unit/test_results_batches.py pins the
-    mechanism, and the broker's case is tests/chaos/test_results_after_broker_restart.py."""
-    url = f"postgresql://postgres@127.0.0.1:{server.port}/conveyor?connect_timeout=3"
-    upgrade = subprocess.run(
-        [sys.executable, "-m", "conveyor", "db", "upgrade"],
-        cwd=REPO,
-        env={**os.environ, "CONVEYOR_DATABASE_URL": url},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
-    platform = Platform(url)
-    service = platform.service(taskTimeout=1, maxAttempts=1)  # silent for 1 + 1 s: abandoned
-    gateway = GatewayProcess(
-        procs,
-        gateway_env(
-            url,
-            amqp_url,
-            CONVEYOR_DB_TIMEOUT="1",
-            CONVEYOR_SILENCE_MARGIN="1",
-            CONVEYOR_REAPER_INTERVAL="0.3",
-        ),
-        "gateway-silence",
-    )
-    wait_for_queues(amqp_url, [topology.out_queue(service.queue_name)])
-    with gateway.http(service.clients[0]) as http:
-        answer = http.post(gateway.tasks_url(service.name), json={"body": {}})
-        assert answer.status_code == 201, answer.text
-        task_id = answer.json()["data"]["taskId"]
-        out = topology.out_queue(service.queue_name)
-        started = TaskEvent(kind=EventKind.STARTED, task_id=task_id, host="w", attempt="a")
-        publish(amqp_url, out, [encode_event(started, service.name)])
-        wait_until(
-            lambda: (
-                platform.sql("SELECT status FROM tasks WHERE task_id = %(t)s", {"t": task_id})[0][0]
-                == "IN_PROGRESS"
-            ),
-            10,
-            what="the task started",
-        )
-        assert server.pid is not None
-        frozen = _family(server.pid)
-        _signal(frozen, signal.SIGSTOP)
-        try:
-            done = TaskEvent(kind=EventKind.SUCCEEDED, task_id=task_id, response=1, attempt="a")
-            publish(amqp_url, out, [encode_event(done, service.name)])  # waits on -out
-            time.sleep(6)  # three times the task's limit and margin
-        finally:
-            _signal(frozen, signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        status = None
-        while time.monotonic() < deadline:
-            polled = http.get(f"{gateway.tasks_url(service.name)}/{task_id}")
-            if polled.status_code == 200:
-                status = polled.json()["data"]["status"]
-                if status in ("SUCCESS", "FAILURE"):
-                    break
-            time.sleep(0.2)
-    assert status == "SUCCESS", polled.json()

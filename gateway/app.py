@@ -75,7 +75,8 @@ def create_app(
 
 def _openapi_without_422(app: FastAPI) -> dict:
     """FastAPI documents a 422 on every route with parameters; this API answers 400002
-    instead and never sends a 422, so the documented responses are the real ones."""
+    instead and never sends a 422, so the documented responses are the real ones. And the
+    security scheme every `/v1/` call takes."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
@@ -87,6 +88,19 @@ def _openapi_without_422(app: FastAPI) -> dict:
                 operation.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
+        # Every API call takes HTTP Basic (checked in the routes, not by a FastAPI security
+        # dependency, so that every failure is the one 403): said here for generated clients.
+        schema.setdefault("components", {})["securitySchemes"] = {
+            "basic": {
+                "type": "http",
+                "scheme": "basic",
+                "description": "a client id and secret; an operator's on /v1/admin",
+            }
+        }
+        for route, item in schema.get("paths", {}).items():
+            if route.startswith("/v1/"):
+                for operation in item.values():
+                    operation["security"] = [{"basic": []}]
         app.openapi_schema = schema
     return app.openapi_schema
 

@@ -43,14 +43,7 @@ def _consumers(amqp_url: str, queue: str) -> int | None:
 
 async def _publish_result(amqp_url: str, service: str, queue: str, task_id: str) -> None:
     event = TaskEvent(EventKind.SUCCEEDED, task_id, response={"after": "restart"})
-    wire = encode_event(event, service)
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        await channel.default_exchange.publish(
-            aio_pika.Message(wire.body, headers=wire.headers, content_type=wire.content_type),
-            routing_key=topology.out_queue(queue),
-        )
+    await _publish(amqp_url, service, topology.out_queue(queue), event)
 
 
 def test_results_are_consumed_again_after_a_broker_restart(

@@ -26,7 +26,7 @@ from starlette.responses import Response
 
 from conveyor import envelope, strict_json, tracing
 from conveyor import headers as h
-from gateway import api_models, catalog, errors, metrics, pgpool
+from gateway import api_models, catalog, errors, metrics
 from gateway.auth import Authenticator
 from gateway.callbacks import CallbackRefused, check_callback
 from gateway.cancel import cancel_task
@@ -499,7 +499,3 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
         shutdown_event=stopping,
         shutdown_grace_period=STREAM_STOP_GRACE,
     )
-
-
-def database_down(exc: Exception) -> bool:
-    return isinstance(exc, pgpool.CONNECTION_ERRORS)

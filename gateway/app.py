@@ -165,11 +165,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Json:
-        if api.database_down(exc):
-            log.warning("database unavailable", extra={"error": exc.__class__.__name__})
-            return _error_response(
-                errors.ApiError(errors.UNAVAILABLE, headers={"Retry-After": "1"})
-            )
         log.exception("unexpected error")
         return _error_response(errors.ApiError(errors.INTERNAL))
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -19,8 +17,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Stack
-from tests.support.gateway import GatewayProcess, Platform, gateway_env
-from tests.support.processes import REPO, Processes
+from tests.support.gateway import GatewayProcess, Platform, gateway_env, upgrade_database
+from tests.support.processes import Processes
 from tests.support.servers import PostgresServer, postgres_available
 
 
@@ -34,19 +32,6 @@ def pair() -> Iterator[tuple[PostgresServer, PostgresServer]]:
     yield primary, standby
     standby.stop()
     primary.stop()
-
-
-def _upgrade(url: str) -> None:
-    """`conveyor db upgrade` on the test's own server."""
-    upgrade = subprocess.run(
-        [sys.executable, "-m", "conveyor", "db", "upgrade"],
-        cwd=REPO,
-        env={**os.environ, "CONVEYOR_DATABASE_URL": url},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
 
 
 def _submit(http: httpx.Client, url: str, timeout: float = 60) -> str | None:
@@ -76,7 +61,7 @@ def test_a_primary_failover_loses_no_task(
         "postgresql://postgres@/conveyor?host=127.0.0.1,127.0.0.1"
         f"&port={primary.port},{standby.port}&target_session_attrs=read-write&connect_timeout=3"
     )
-    _upgrade(url)
+    upgrade_database(url)
     service = Platform(url).service(
         jsonSchema={"type": "object", "required": ["sleep"]}, taskTimeout=60, maxAttempts=3
     )
@@ -147,7 +132,7 @@ def test_a_frozen_database_is_answered_503_not_waited_for(
     lent for CONVEYOR_DB_TIMEOUT at most: the submission is answered 503 503001 with
     Retry-After, no traceback is logged, and it goes through once the server thaws."""
     url = f"postgresql://postgres@127.0.0.1:{server.port}/conveyor?connect_timeout=3"
-    _upgrade(url)
+    upgrade_database(url)
     service = Platform(url).service()
     gateway = GatewayProcess(
         procs, gateway_env(url, amqp_url, CONVEYOR_DB_TIMEOUT="2"), "gateway-frozen-db"

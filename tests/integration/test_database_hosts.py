@@ -3,10 +3,7 @@ honours the list, and the first host being down is not an outage."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import uuid
 
 import httpx
@@ -14,8 +11,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 from gateway.database_url import database_name, libpq, with_database
 from gateway.migrate import drop_database
-from tests.support.gateway import GatewayProcess, Platform, gateway_env
-from tests.support.processes import REPO, Processes
+from tests.support.gateway import GatewayProcess, Platform, gateway_env, upgrade_database
+from tests.support.processes import Processes
 
 
 def _dead_port() -> int:
@@ -52,15 +49,7 @@ def test_db_upgrade_and_the_gateway_take_a_host_list(
 ) -> None:
     url = _host_list(database_url, f"conveyor_hosts_{uuid.uuid4().hex[:8]}")
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "conveyor", "db", "upgrade"],
-            cwd=REPO,
-            env={**os.environ, "CONVEYOR_DATABASE_URL": url},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
+        upgrade_database(url)
 
         service = Platform(url).service()
         gateway = GatewayProcess(procs, gateway_env(url, amqp_url))

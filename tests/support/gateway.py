@@ -8,6 +8,9 @@ cost to keep the suite fast; the verification path is the production one.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -20,7 +23,7 @@ from gateway import admin
 from gateway.auth import hash_secret
 from gateway.pgpool import connect
 from gateway.platform_file import PlatformSpec
-from tests.support.processes import Proc, Processes, free_port, wait_http
+from tests.support.processes import REPO, Proc, Processes, free_port, wait_http
 
 T = TypeVar("T")
 
@@ -47,6 +50,19 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 # claim and send a callback, so a test cannot choose which one signs it. Unique per run, so
 # that a test can still look for it in logs.
 SIGNING_SECRET = f"test-signing-{uuid.uuid4().hex}"
+
+
+def upgrade_database(url: str) -> None:
+    """`conveyor db upgrade`, as an operator runs it, on a database of the test's own."""
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "db", "upgrade"],
+        cwd=REPO,
+        env={**os.environ, "CONVEYOR_DATABASE_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def fast_hash(secret: str) -> str:

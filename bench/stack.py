@@ -183,13 +183,20 @@ async def declare_queues(queue_name: str) -> None:
 
 
 async def delete_queues(queue_name: str, url: str = AMQP_URL) -> None:
-    """A run's service topology: its three queues and the control exchange the gateway
-    declared for cancels (left behind, they piled up on the broker run after run)."""
-    from conveyor.topology import control_exchange, dead_letter_queue, in_queue, out_queue
+    """A run's service topology: its three queues, and the control exchange and cancel log
+    the gateway declared for cancels (left behind, they piled up on the broker run after run)."""
+    from conveyor.topology import (
+        cancel_log,
+        control_exchange,
+        dead_letter_queue,
+        in_queue,
+        out_queue,
+    )
 
     connection = await amqp.connect(url, name="conveyor bench", timeout=10)
     try:
-        for name in (in_queue(queue_name), out_queue(queue_name), dead_letter_queue(queue_name)):
+        names = (in_queue(queue_name), out_queue(queue_name), dead_letter_queue(queue_name))
+        for name in (*names, cancel_log(queue_name)):
             channel = await connection.channel()
             with contextlib.suppress(Exception):
                 await channel.queue_delete(name)

@@ -6,6 +6,10 @@
 * `<q>-dlq`: durable quorum queue the gateway drains into FAILURE rows.
 * `<q>-control`: a fanout exchange of cancels (SPEC §11.1); each dispatcher binds an
   exclusive, auto-delete queue of its own, so every dispatcher hears every cancel.
+* `<q>-cancels`: a stream bound to `<q>-control`, declared with the service's first cancel.
+  A dispatcher started later (scaled from zero, a Job, a restart) reads it from
+  CANCEL_MEMORY_SECONDS ago before it takes any submission, so it knows the cancels it was not
+  there to hear; a fanout drops what no queue is bound to.
 
 Quorum queues on one node too (SPEC §11.7): on a cluster no single node holds a
 service's submissions, results or dead letters alone, and a single node grows into
@@ -44,6 +48,10 @@ def control_exchange(queue_name: str) -> str:
     return f"{queue_name}-control"
 
 
+def cancel_log(queue_name: str) -> str:
+    return f"{queue_name}-cancels"
+
+
 def queue_name_of(queue: str) -> str:
     """The service's queue name, from the name of one of its queues."""
     for suffix in ("-in", "-out", "-dlq"):
@@ -59,6 +67,14 @@ class QueueSpec:
 
 
 QUORUM: dict[str, Any] = {"x-queue-type": "quorum"}
+# A cancel is a few hundred bytes: small segments let a day's retention drop old ones, and
+# the size cap bounds the disk a flood of cancels can take.
+CANCEL_LOG: dict[str, Any] = {
+    "x-queue-type": "stream",
+    "x-max-age": "1D",  # the dispatchers' default CANCEL_MEMORY_SECONDS
+    "x-stream-max-segment-size-bytes": 1_000_000,
+    "x-max-length-bytes": 100_000_000,
+}
 
 
 def service_queues(
@@ -103,3 +119,10 @@ async def declare_control(channel: aio_pika.abc.AbstractChannel, queue_name: str
     return await channel.declare_exchange(
         control_exchange(queue_name), aio_pika.ExchangeType.FANOUT, durable=True
     )
+
+
+async def declare_cancel_log(channel: aio_pika.abc.AbstractChannel, queue_name: str) -> None:
+    """The service's cancel exchange and the stream that keeps what it broadcast (idempotent)."""
+    exchange = await declare_control(channel, queue_name)
+    log = await channel.declare_queue(cancel_log(queue_name), durable=True, arguments=CANCEL_LOG)
+    await log.bind(exchange)

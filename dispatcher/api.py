@@ -74,9 +74,11 @@ def parse_progress(raw: bytes) -> float | str:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return "progress must be a number"
     value = float(value)
-    if not math.isfinite(value) or not 0.0 <= value <= 100.0:
-        return "progress must be between 0 and 100"
-    return value
+    if not math.isfinite(value):
+        return "progress must be a finite number"
+    # Clamped as the task's lifecycle clamps it (SPEC §6.4): a function that overshoots by
+    # rounding (100.4, -0.0001) keeps its update.
+    return min(100.0, max(0.0, value))
 
 
 class Endpoints:

@@ -8,13 +8,19 @@ already FAILURE in the database, and a later result would be ignored there (term
 A message of a cancelled task that arrives afterwards (it was queued, or requeued by another
 dispatcher's shutdown) is acked without a call.
 
+A dispatcher that was not there for a broadcast (started after it, or reconnecting after an
+outage) reads the cancels the service's `<queue>-cancels` stream kept (`main.py`); while it
+does, deliveries wait for it before they are called (`up_to_date`).
+
 The memory is bounded in time (`CANCEL_MEMORY_SECONDS`, longer than a task may wait in the
-queue and run) and in size: a dispatcher forgets, and a dispatcher started after the broadcast
-never knew. Either may call the function for a cancelled task; its result is then ignored.
+queue and run) and in size: a dispatcher forgets, and may then call the function for a
+cancelled task; its result is then ignored.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 
@@ -29,6 +35,8 @@ class Cancels:
         self.max_remembered = max_remembered
         self._until: OrderedDict[str, float] = OrderedDict()  # task id -> forget after
         self._running: dict[str, set[AbortToken]] = {}
+        self._current = asyncio.Event()  # cleared while cancels missed are being read
+        self._current.set()
 
     def __len__(self) -> int:
         self._forget_old()
@@ -43,6 +51,21 @@ class Cancels:
         for token in tokens:
             token.abort()
         return len(tokens)
+
+    def recalling(self) -> None:
+        """Cancels may have been missed (an outage): deliveries wait until `recalled`."""
+        self._current.clear()
+
+    def recalled(self) -> None:
+        self._current.set()
+
+    async def up_to_date(self, patience: float = 10.0) -> None:
+        """Bounded: a connection that does not come back leaves its deliveries invalid anyway,
+        and a shutdown must not wait on them."""
+        if not self._current.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(patience):
+                    await self._current.wait()
 
     def cancelled(self, task_id: str) -> bool:
         self._forget_old()

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import aio_pika
@@ -37,12 +38,15 @@ from conveyor import headers as h
 from conveyor.amqp import from_amqp
 from conveyor.connection import ConfirmingChannel
 from conveyor.events import WireMessage
-from conveyor.topology import control_exchange, declare_control
+from conveyor.topology import cancel_log, control_exchange, declare_control
 
 log = logging.getLogger(__name__)
 
 # What a broker outage looks like to a caller (ChannelInvalidStateError is a RuntimeError).
 BROKER_ERRORS = (*aio_pika.exceptions.CONNECTION_EXCEPTIONS, TimeoutError)
+# The `type` of the message a dispatcher appends to the cancel log to know it has read it all.
+RECALL_MARKER = "io.conveyor.dispatcher.recalled"
+RECALL_PREFETCH = 1000
 
 
 def _int_header(headers: dict[str, Any], name: str) -> int:
@@ -274,6 +278,58 @@ class Broker:
         queue = await channel.declare_queue(name, exclusive=True, auto_delete=True)
         await queue.bind(exchange)
         await queue.consume(callback, no_ack=True)
+
+    async def recall_cancels(
+        self,
+        queue_name: str,
+        since: datetime,
+        heard: Callable[[AbstractIncomingMessage], None],
+        patience: float,
+    ) -> int | None:
+        """The cancels the service's `<q>-cancels` stream kept since `since`, each handed to
+        `heard`; how many, or None when it could not be read all within `patience`.
+
+        A stream has no end to wait for: a marker of this dispatcher's own is appended, and
+        everything before it has been read when it comes back. No stream yet: no cancel yet.
+        """
+        assert self.connection is not None and self.publishing is not None
+        name = cancel_log(queue_name)
+        marker = uuid.uuid4().hex
+        read = 0
+        came_back = asyncio.Event()
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            nonlocal read
+            if message.message_id == marker:
+                came_back.set()
+            elif message.type != RECALL_MARKER:
+                heard(message)
+                read += 1
+            await message.ack()  # a stream's acks are credit, and only credit
+
+        channel = await self.connection.channel(publisher_confirms=False)
+        try:
+            async with asyncio.timeout(patience):
+                try:
+                    stream = await channel.declare_queue(name, passive=True)
+                except aio_pika.exceptions.ChannelNotFoundEntity:
+                    return 0
+                await channel.set_qos(prefetch_count=RECALL_PREFETCH)
+                await stream.consume(on_message, arguments={"x-stream-offset": since})
+                await self.publishing.publish(
+                    aio_pika.Message(b"", message_id=marker, type=RECALL_MARKER), name
+                )
+                await came_back.wait()
+        except BROKER_ERRORS as exc:
+            log.warning(
+                "cancel log not read in time; cancels from before this start may be missed",
+                extra={"error": repr(exc), "read": read},
+            )
+            return None
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        return read
 
     async def stop_consuming(self) -> None:
         """basic.cancel: the broker sends nothing more; deliveries in flight stay ours."""

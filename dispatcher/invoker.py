@@ -71,6 +71,7 @@ class Failure:
     retryable: bool
     retry_after: str | None = None  # the raw Retry-After header; see retry.py
     timed_out: bool = False  # no whole answer in time: told apart from a refusal in metrics
+    unreachable: bool = False  # no connection: the function never saw the call (see retry.py)
 
     @property
     def label(self) -> str:
@@ -148,6 +149,7 @@ def network_failure(exc: aiohttp.ClientError) -> Failure:
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, aiohttp.ClientConnectorError):
         detail = f"cannot connect to the function: {detail}"
+        return Failure(truncate(detail), retryable=True, unreachable=True)
     return Failure(truncate(detail), retryable=True)
 
 

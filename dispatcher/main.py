@@ -3,6 +3,8 @@
     bind the local API           (a busy port is exit code 1, at once)
     connect + wait for the function, concurrently
                                  (consume nothing before the function answers)
+    hear cancels                 live on `<q>-control`, and those kept by `<q>-cancels`
+                                 from before this start (consume nothing before either)
     consume `<q>-in`             each delivery -> its own task (worker.py)
     wait for                     SIGTERM/SIGINT, or in ONE_SHOT mode the one
                                  task done, or IDLE_EXIT_SECONDS without one
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -40,6 +43,11 @@ from dispatcher.shutdown import Shutdown, settle
 from dispatcher.worker import Worker
 
 log = logging.getLogger("dispatcher")
+
+# How long a start may spend reading the cancels kept from before it (a day of them is a few
+# thousand messages at most); past it, the dispatcher starts without them, as it used to.
+RECALL_PATIENCE = 5.0
+RECALL_OVERLAP = timedelta(minutes=1)
 
 
 def run(settings: DispatcherSettings) -> int:
@@ -79,6 +87,7 @@ class Dispatcher:
         self.accepting = False
         self.taken = asyncio.Event()  # ONE_SHOT: the one message has arrived
         self._background: set[asyncio.Task[None]] = set()
+        self._lost_at: datetime | None = None  # the broker connection was lost then
 
     async def run(self) -> int:
         self.shutdown.install()
@@ -128,6 +137,8 @@ class Dispatcher:
         await self.broker.listen_for_cancels(
             self.settings.queue, self.settings.hostname, self._on_cancel
         )
+        await self._recall_cancels(self._since(datetime.now(UTC)))
+        self._watch_reconnections()
         frozen = heap.serve(self.metrics.gc_pauses)  # before the first message: none in flight
         await self.broker.consume(self._on_message)
         log.info(
@@ -179,13 +190,53 @@ class Dispatcher:
 
     def _on_cancel(self, message: AbstractIncomingMessage) -> None:
         """A cancel broadcast by the gateway (SPEC §11.1): remembered, its call aborted."""
+        task_id = _cancelled_task(message)
+        if task_id is not None:
+            aborted = self.cancels.heard(task_id)
+            log.info("cancel heard", extra={"task_id": task_id, "calls_aborted": aborted})
+
+    def _on_recalled(self, message: AbstractIncomingMessage) -> None:
+        if (task_id := _cancelled_task(message)) is not None:
+            self.cancels.heard(task_id)
+
+    def _since(self, missed_from: datetime) -> datetime:
+        """Where to read the cancel log from: nothing older than the memory holds, and a
+        minute before the first cancel that may have been missed (clocks differ)."""
+        memory = datetime.now(UTC) - timedelta(seconds=self.settings.cancel_memory_seconds)
+        return max(memory, min(missed_from - RECALL_OVERLAP, datetime.now(UTC)))
+
+    async def _recall_cancels(self, since: datetime) -> None:
+        """The cancels broadcast when no queue of ours was there to hear them: before this
+        start (scaled from zero, a Job, a restart) or during an outage. Their messages are
+        acked without a call; deliveries meanwhile wait for this to end."""
+        self.cancels.recalling()
         try:
-            task_id = decode_cancel(from_amqp(message))
-        except WireError as exc:
-            log.warning("unreadable control message ignored", extra={"reason": str(exc)})
-            return
-        aborted = self.cancels.heard(task_id)
-        log.info("cancel heard", extra={"task_id": task_id, "calls_aborted": aborted})
+            read = await self.broker.recall_cancels(
+                self.settings.queue, since, self._on_recalled, RECALL_PATIENCE
+            )
+        finally:
+            self.cancels.recalled()
+        if read:
+            log.info("cancels recalled", extra={"cancels": read, "remembered": len(self.cancels)})
+
+    def _watch_reconnections(self) -> None:
+        """The exclusive cancel queue is gone with a lost connection, and what was broadcast
+        until the new one is bound was heard by no queue of ours: read it from the log."""
+        connection = self.broker.connection
+        assert connection is not None
+
+        def lost(*_: Any) -> None:
+            if self._lost_at is None:
+                self._lost_at = datetime.now(UTC)
+                self.cancels.recalling()  # no delivery is called before the log is read
+
+        def back(*_: Any) -> None:
+            since = self._since(self._lost_at or datetime.now(UTC))
+            self._lost_at = None
+            self._run_in_background(self._recall_cancels(since))
+
+        connection.close_callbacks.add(lost)
+        connection.reconnect_callbacks.add(back)
 
     async def readiness(self) -> dict[str, bool]:
         return {
@@ -228,3 +279,11 @@ class Dispatcher:
         if tracing.enabled:
             await asyncio.to_thread(tracing.shutdown)  # the last spans are exported
         log.info("stopped")
+
+
+def _cancelled_task(message: AbstractIncomingMessage) -> str | None:
+    try:
+        return decode_cancel(from_amqp(message))
+    except WireError as exc:
+        log.warning("unreadable control message ignored", extra={"reason": str(exc)})
+        return None

@@ -2,6 +2,10 @@
 
 A delivery gets `maxAttempts` calls at most, all within the task timeout (one
 deadline per delivery, also sent to the function as `X-Conveyor-Deadline`).
+A call that could not connect is not one of them: the function never saw it, and
+one that is restarting (a crash, an OOM kill of its container) must not turn the
+tasks of that moment into failures (SPEC §7). It is tried again, every second at
+most, until the function answers or the deadline passes.
 A `Retry-After` answer header is honoured: the pause is never shorter than what
 the function asked for, and when that pause would cross the deadline the task
 fails now with the last cause instead of sleeping for nothing.
@@ -75,6 +79,10 @@ class Budget:
         return self.deadline - time.monotonic()
 
 
+# The longest pause between calls that could not connect: a restarted function is called
+# within a second of listening again.
+UNREACHED_PAUSE = 1.0
+
 Call = Callable[[int, float], Awaitable[Outcome]]
 """One function call: (call number from 1, seconds left) -> outcome."""
 
@@ -93,7 +101,9 @@ async def call_with_retries(
     Raises `Aborted` (from the token) when the dispatcher shuts down meanwhile.
     """
     outcome: Outcome = Failure("task timeout before the function was called", retryable=False)
-    for number in range(1, budget.max_attempts + 1):
+    number = 1
+    unreached = 0  # calls in a row that could not connect
+    while True:
         left = budget.remaining()
         if left <= 0:
             return _timed_out(outcome)
@@ -102,15 +112,22 @@ async def call_with_retries(
             return outcome
         if budget.remaining() <= 0:
             return _timed_out(outcome)
-        if number == budget.max_attempts:
-            break
-        pause = policy.delay(number, parse_retry_after(outcome.retry_after))
-        if pause >= budget.remaining():
-            return Failure(f"{outcome.error} (no time left to retry)", retryable=False)
+        if outcome.unreachable:
+            unreached += 1
+            pause = min(UNREACHED_PAUSE, policy.delay(unreached))
+            if pause >= budget.remaining():
+                return _timed_out(outcome)
+        elif number == budget.max_attempts:
+            return Failure(outcome.error, retryable=False)
+        else:
+            unreached = 0
+            pause = policy.delay(number, parse_retry_after(outcome.retry_after))
+            if pause >= budget.remaining():
+                return Failure(f"{outcome.error} (no time left to retry)", retryable=False)
+            number += 1
         if on_retry is not None:
             on_retry(outcome, pause)
         await abort.sleep(pause)
-    return Failure(outcome.error, retryable=False) if isinstance(outcome, Failure) else outcome
 
 
 def _timed_out(last: Outcome) -> Failure:

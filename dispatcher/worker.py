@@ -158,6 +158,9 @@ class Worker:
             await delivery.nack_requeue()
 
     async def _handle(self, delivery: Delivery, submission: Submission) -> None:
+        await self.cancels.up_to_date()  # after an outage: the cancels missed, read first
+        if not delivery.valid:
+            return  # its channel closed meanwhile: the broker delivers it again, elsewhere
         if await self.orphans.finished_here(submission.task_id):
             await self._ack_finished_redelivery(delivery)
             return

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
@@ -32,6 +32,7 @@ class Broker:
         self._publishing: ConfirmingChannel | None = None
         self._connect_lock = asyncio.Lock()
         self._on_reconnect: list[Callable[[], None]] = []
+        self._declared: set[str] = set()
 
     def on_reconnect(self, callback: Callable[[], None]) -> None:
         """`callback()` after the connection was lost and made again."""
@@ -69,6 +70,25 @@ class Broker:
         if prefetch:
             await channel.set_qos(prefetch_count=prefetch)
         return channel
+
+    async def declare_once(
+        self, key: str, declare: Callable[[AbstractChannel], Awaitable[None]]
+    ) -> None:
+        """`declare(channel)` the first time `key` is asked for by this process, within
+        `publish_timeout`, or PublishError (asked again next time)."""
+        if key in self._declared:
+            return
+        try:
+            async with asyncio.timeout(self.publish_timeout):
+                channel = await self.channel()
+                try:
+                    await declare(channel)
+                finally:
+                    if not channel.is_closed:
+                        await channel.close()
+        except Exception as exc:
+            raise PublishError(f"{key} not declared: {exc!r}") from None
+        self._declared.add(key)
 
     async def publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:
         """Confirmed within `publish_timeout` in all, connecting included, or PublishError.

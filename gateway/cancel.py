@@ -6,9 +6,11 @@ guarded statement (`lifecycle.failure`), so a result that arrives later changes 
 (terminal wins), whether a dispatcher heard the cancel or not. The broadcast on the service's
 `<queue>-control` exchange only spares the function's work: a dispatcher running the task
 aborts the call (the function sees its connection closed) and acks the message; one that
-receives it later acks it without a call. If the broadcast cannot be sent (the broker is
-down), the cancel still stands; the function may then run to its end, and its result is
-ignored.
+receives it later acks it without a call, and so does one started later (scaled from zero, a
+Job), which reads the service's `<queue>-cancels` stream, bound to the exchange with the
+service's first cancel, before it takes any submission. If the broadcast cannot be sent (the
+broker is down), the cancel still stands; the function may then run to its end, and its
+result is ignored.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ async def cancel_task(
 
 
 async def _tell_dispatchers(broker: Broker, queue_name: str, task_id: str) -> None:
+    try:
+        if broker.connected:  # else the publish below reports the outage, in its own time
+            await broker.declare_once(
+                topology.cancel_log(queue_name),
+                lambda channel: topology.declare_cancel_log(channel, queue_name),
+            )
+    except PublishError as exc:
+        log.warning(
+            "cancel log not declared; a dispatcher started later would not know this cancel",
+            extra={"task_id": task_id, "error": str(exc)},
+        )
     try:
         await broker.publish(
             encode_cancel(task_id, queue_name), "", topology.control_exchange(queue_name)

@@ -25,18 +25,21 @@ import aio_pika
 import httpx
 import pytest
 
-from conveyor.amqp import from_amqp
+from conveyor.amqp import from_amqp, to_amqp
 from conveyor.events import (
     EventKind,
     MessageFormat,
     Submission,
     TaskEvent,
     decode_event,
+    encode_cancel,
     encode_submission,
 )
 from conveyor.topology import (
+    cancel_log,
     control_exchange,
     dead_letter_queue,
+    declare_cancel_log,
     declare_service,
     in_queue,
     out_queue,
@@ -110,7 +113,7 @@ class Rabbit:
 
     async def close(self) -> None:
         assert self.channel is not None and self.connection is not None
-        for name in (self.in_q, self.out_q, self.dlq):
+        for name in (self.in_q, self.out_q, self.dlq, cancel_log(self.queue)):
             await self.channel.queue_delete(name)
         await self.channel.exchange_delete(control_exchange(self.queue))
         await self.connection.close()
@@ -126,6 +129,13 @@ class Rabbit:
         )
         await self.publish_raw(wire.body, wire.headers, wire.message_id)
         return task_id
+
+    async def cancel(self, task_id: str) -> None:
+        """What the gateway does on a cancel: the broadcast, kept by the cancel log."""
+        assert self.channel is not None
+        await declare_cancel_log(self.channel, self.queue)
+        exchange = await self.channel.get_exchange(control_exchange(self.queue))
+        await exchange.publish(to_amqp(encode_cancel(task_id, self.queue)), "")
 
     async def publish_raw(
         self, body: bytes, headers: dict[str, Any] | None = None, message_id: str | None = None

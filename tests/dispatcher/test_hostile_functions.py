@@ -3,12 +3,15 @@ function's failure, on its first delivery, and nothing else in flight is disturb
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
 from conveyor.events import EventKind
-from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit, eventually
+from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit, eventually, start_function
+from tests.support.processes import Processes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,3 +132,21 @@ async def test_a_header_with_a_line_break_is_refused_not_sent_nor_retried(
     assert "could not be sent to the function" in (done.error_message or "")
     assert function.calls(task_id) == []
     assert await rabbit.depth(rabbit.in_q) == 0  # acked, not handed back for another try
+
+
+async def test_a_function_restarting_under_a_running_dispatcher_fails_no_task(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch, procs: Processes, tmp_path: Path
+) -> None:
+    """SPEC §7: a function that is still starting must not turn tasks into failures; a
+    sidecar restarted after a crash is one (its calls were refused, 3 tasks failed in 3 s)."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    procs.stop(function.proc)  # the container crashed: its port refuses connections
+    tasks = [await rabbit.submit({"sleep": 0.1}, timeout=30, max_attempts=2) for _ in range(3)]
+    await asyncio.sleep(3)
+    assert all(rabbit.terminal(task_id) is None for task_id in tasks)
+    again = start_function(procs, tmp_path, name="function-restarted", port=function.port)
+
+    for task_id in tasks:
+        assert (await rabbit.wait_terminal(task_id, timeout=20)).kind is EventKind.SUCCEEDED
+        assert len(again.calls(task_id)) == 1

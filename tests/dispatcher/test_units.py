@@ -156,6 +156,25 @@ async def test_gives_up_after_max_attempts_with_the_last_cause() -> None:
     assert outcome == Failure("HTTP 502: two", retryable=False)
 
 
+UNREACHED = Failure("cannot connect to the function: refused", retryable=True, unreachable=True)
+
+
+async def test_a_function_that_cannot_be_reached_spends_no_attempt() -> None:
+    script = Script(UNREACHED, UNREACHED, UNREACHED, BUSY, UNREACHED, Success({"ok": 1}))
+    outcome = await call_with_retries(script, FAST, Budget(2, time.monotonic() + 10), AbortToken())
+    assert outcome == Success({"ok": 1})
+    assert [n for n, _ in script.calls] == [1, 1, 1, 1, 2, 2]  # the function saw two calls
+
+
+async def test_a_function_never_reached_fails_its_task_at_the_deadline() -> None:
+    script = Script(UNREACHED)
+    began = time.monotonic()
+    outcome = await call_with_retries(script, FAST, Budget(2, time.monotonic() + 1), AbortToken())
+    assert isinstance(outcome, Failure) and not outcome.retryable
+    assert outcome.error == "task timeout: cannot connect to the function: refused"
+    assert 0.8 < time.monotonic() - began < 3 and len(script.calls) > 2
+
+
 async def test_final_failure_is_not_retried() -> None:
     script = Script(Failure("bad input", retryable=False), Success(None))
     outcome = await call_with_retries(script, FAST, Budget(5, time.monotonic() + 10), AbortToken())
@@ -288,8 +307,8 @@ async def test_board_routes_reports_to_the_task_in_flight() -> None:
         (b'{"progress": 42.5}', 42.5),
         (b'{"progress": 0}', 0.0),
         (b'{"progress": 100}', 100.0),
-        (b'{"progress": 250}', str),
-        (b'{"progress": -0.1}', str),
+        (b'{"progress": 250}', 100.0),  # clamped, as the lifecycle clamps it
+        (b'{"progress": -0.1}', 0.0),
         (b'{"progress": "abc"}', str),
         (b'{"progress": true}', str),
         (b'{"progress": NaN}', str),

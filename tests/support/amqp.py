@@ -299,15 +299,16 @@ def remove_due_topologies() -> None:
 
 
 def delete_topologies(url: str, queue_names: Iterable[str], timeout: float = 30) -> None:
-    """Every queue and the control exchange of each service's `queue_name`, on one
-    connection; a queue the broker refuses to delete is left to the next sweep."""
+    """Every queue (the cancel log too) and the control exchange of each service's
+    `queue_name`, on one connection; a queue the broker refuses to delete is left to the next
+    sweep."""
 
     async def delete() -> None:
         connection = await aio_pika.connect(url, timeout=10)
         async with connection:
             channel = await connection.channel()
             for queue_name in queue_names:
-                for name in queues_of(queue_name):
+                for name in [*queues_of(queue_name), topology.cancel_log(queue_name)]:
                     try:
                         await channel.queue_delete(name)
                     except aiormq.exceptions.AMQPError:

@@ -57,10 +57,13 @@ _PAGE = """
       AND (%(status)s::text IS NULL OR status = %(status)s::text)
     ORDER BY id DESC LIMIT %(limit)s
     """
+# Every column of the row (SPEC §11.6: "everything the row ... holds").
 _TASK = """
     SELECT id, task_id, client_id, service, status, request, response, error_message, progress,
            callback, submission_date, start_date, end_date, notification_status,
-           notification_attempts, worker_host, attempts, idempotency_key, not_before
+           notification_attempts, notify_claimed_until, worker_host, attempt_id, attempts,
+           idempotency_key, idempotency_fingerprint, not_before, traceparent, publish_at,
+           publish_attempts, publish_error, time_limit, expires_at, updated_at
     FROM tasks WHERE task_id = %(task_id)s
     """
 _ATTEMPTS = """
@@ -135,12 +138,24 @@ async def task(task_id: str, request: Request) -> Json:
             raise errors.ApiError(errors.TASK_NOT_FOUND)
         attempts = await (await conn.execute(_ATTEMPTS, {"task_id": parsed})).fetchall()
     detail = _summary(row) | {
+        "rowId": row.id,
         "service": row.service,
         "request": row.request,
         "response": row.response,
         "notBefore": iso(row.not_before),
         "idempotencyKey": row.idempotency_key,
+        "idempotencyFingerprint": _hex(row.idempotency_fingerprint),
         "deliveries": row.attempts,
+        "attemptId": row.attempt_id,
+        "traceparent": row.traceparent,
+        # the row as the outbox: when the relay may publish it (null once published), how
+        # many times it tried, and the last broker error
+        "publishAt": iso(row.publish_at),
+        "publishAttempts": row.publish_attempts,
+        "publishError": row.publish_error,
+        "timeLimit": row.time_limit,
+        "expiresAt": iso(row.expires_at),
+        "updatedAt": iso(row.updated_at),
         "callback": None,
         "attempts": [
             {
@@ -156,9 +171,13 @@ async def task(task_id: str, request: Request) -> Json:
     }
     if row.callback is not None:
         detail["callback"] = {
+            "type": row.callback.get("type"),
             "url": row.callback.get("url"),
             "status": row.notification_status,
-            "attempts": row.notification_attempts,
+            # Claims of the delivery by a notifier (`notification_attempts`), each up to
+            # CONVEYOR_CALLBACK_ATTEMPTS HTTP calls: the calls themselves are not recorded.
+            "rounds": row.notification_attempts,
+            "claimedUntil": iso(row.notify_claimed_until),
         }
     return _ok(detail)
 
@@ -175,6 +194,10 @@ def _summary(row: Any) -> dict[str, Any]:
         "errorMessage": row.error_message,
         "workerHost": row.worker_host,
     }
+
+
+def _hex(value: bytes | None) -> str | None:
+    return None if value is None else value.hex()
 
 
 def _limit(raw: str | None) -> int:

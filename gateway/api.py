@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 from fastapi import APIRouter, Request
@@ -26,7 +27,7 @@ from starlette.responses import Response
 
 from conveyor import envelope, strict_json, tracing
 from conveyor import headers as h
-from gateway import api_models, catalog, errors, metrics
+from gateway import api_models, catalog, errors, metrics, store
 from gateway.auth import Authenticator
 from gateway.callbacks import CallbackRefused, check_callback
 from gateway.cancel import cancel_task
@@ -195,15 +196,19 @@ _POLL_LINK = {
     "operationId": "poll",
     "parameters": {"service": "$request.path.service", "task_id": "$response.body#/data/taskId"},
 }
+_LOCATION = {
+    "Location": {"description": "The task's poll URL (a path)", "schema": {"type": "string"}}
+}
 _CREATE_DOC: dict[str, Any] = {
     "status_code": 201,
     "response_model": api_models.CreatedEnvelope,
     "responses": {
-        201: {"links": {"poll": _POLL_LINK}},
+        201: {"links": {"poll": _POLL_LINK}, "headers": _LOCATION},
         200: {
             "model": api_models.CreatedEnvelope,
             "description": "Idempotent repeat",
             "links": {"poll": _POLL_LINK},
+            "headers": _LOCATION,
         },
         **api_models.error_responses(400, 403, 404, 413, 429, 431, 503),
     },
@@ -261,7 +266,8 @@ async def create(service: str, request: Request) -> Json:
             )
         )
         key = _idempotency_key(request)
-        new = await _new_task(rt, client_id, access, payload, key, trace)
+        fingerprint = store.fingerprint(["task", _request_of(payload)]) if key else None
+        new = await _new_task(rt, client_id, access, payload, key, trace, fingerprint=fingerprint)
         stored = time.perf_counter()
         accepted = await create_task(rt.pool, new, rt.intake.insert, rt.settings.outbox_grace)
         metrics.child(metrics.SUBMIT_PHASES, "store").observe(time.perf_counter() - stored)
@@ -269,7 +275,10 @@ async def create(service: str, request: Request) -> Json:
         task_id = str(accepted.task_id)
         tracing.annotate("conveyor.task_id", task_id)
         data = {"taskId": task_id, "taskPosition": accepted.position}
-        return _ok(data, 201 if accepted.created else 200)
+        answer = _ok(data, 201 if accepted.created else 200)
+        # Where the task is polled (RFC 9110 §15.3.2), on a repeat as on the first answer.
+        answer.headers["location"] = f"/v1/services/{quote(service, safe='')}/tasks/{task_id}"
+        return answer
 
 
 @router.post("/v1/services/{service}/tasks/batch", summary="Create many tasks", **_BATCH_DOC)
@@ -297,10 +306,21 @@ async def _create_batch(service: str, request: Request, rt: Runtime, trace: str 
     if len(raw) > rt.settings.max_body_bytes:  # else no item can be over it
         _check_item_sizes(items, rt.settings.max_body_bytes)
     key = _idempotency_key(request)
+    # the key is the whole batch's, as is its fingerprint
+    fingerprint = (
+        store.fingerprint(["batch", [_request_of(item) for item in items]]) if key else None
+    )
     checked = await asyncio.gather(
         *(
             _new_task(
-                rt, client_id, access, item, key and f"{key}\n{i}", trace, where=f"tasks/{i}/"
+                rt,
+                client_id,
+                access,
+                item,
+                key and f"{key}\n{i}",
+                trace,
+                where=f"tasks/{i}/",
+                fingerprint=fingerprint,
             )
             for i, item in enumerate(items)
         ),
@@ -350,6 +370,7 @@ async def _new_task(
     key: str | None,
     traceparent: str | None,
     where: str = "",
+    fingerprint: bytes | None = None,
 ) -> NewTask:
     """One task checked: its shape, its callback (SSRF guard) and the service's JSON Schema."""
     item = _check_item(item, where)
@@ -366,7 +387,17 @@ async def _new_task(
             error["path"] = where + error["path"]
         raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
     ttl = time_to_live(access.service, rt.settings.pending_ttl)
-    return NewTask(client_id, access, item["body"], callback, key, ttl, not_before, traceparent)
+    return NewTask(
+        client_id, access, item["body"], callback, key, ttl, not_before, traceparent, fingerprint
+    )
+
+
+def _request_of(item: Any) -> Any:
+    """What a task's part of a request asks for, as its Idempotency-Key's fingerprint takes it:
+    a field given as `null` is the field left out."""
+    if not isinstance(item, dict):
+        return item
+    return {name: value for name, value in item.items() if value is not None}
 
 
 def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime | None:
@@ -382,7 +413,7 @@ def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime 
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
             raise errors.invalid(where + "delaySeconds", "must be a whole number of seconds >= 0")
         if delay > max_delay:
-            raise errors.invalid(where + "delaySeconds", f"at most {max_delay:g} seconds")
+            raise errors.invalid(where + "delaySeconds", f"at most {max_delay:.0f} seconds")
         return now + timedelta(seconds=delay)
     field = where + "notBefore"
     try:
@@ -394,7 +425,7 @@ def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime 
             field, "must be an RFC 3339 date and time with its offset (Z or +hh:mm)"
         ) from None
     if when > now + timedelta(seconds=max_delay):
-        raise errors.invalid(field, f"at most {max_delay:g} seconds ahead")
+        raise errors.invalid(field, f"at most {max_delay:.0f} seconds ahead")
     return when
 
 
@@ -493,7 +524,9 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
 
     stopping = anyio.Event()  # set by sse_starlette once the server shuts down
     return EventSourceResponse(
-        rt.task_events.stream(str(parsed), read, stopping),
+        rt.task_events.stream(
+            str(parsed), read, stopping, rt.pool, request.headers.get("last-event-id")
+        ),
         ping=rt.settings.stream_heartbeat,
         headers={"Cache-Control": "no-store"},
         shutdown_event=stopping,

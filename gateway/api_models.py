@@ -215,8 +215,13 @@ class Attempt(BaseModel):
 
 class CallbackOutcome(BaseModel):
     url: str
+    type: str | None = None
     status: str | None = Field(None, description="PENDING, SUCCESS or FAILURE of the delivery")
-    attempts: int
+    rounds: int = Field(
+        description="Claims of the delivery by a notifier, each up to CONVEYOR_CALLBACK_ATTEMPTS "
+        "HTTP calls"
+    )
+    claimedUntil: str | None = None
 
 
 class TaskDetail(TaskSummary):
@@ -228,6 +233,18 @@ class TaskDetail(TaskSummary):
     deliveries: int = Field(description="Times the function was called")
     callback: CallbackOutcome | None = None
     attempts: list[Attempt]
+    rowId: int
+    idempotencyFingerprint: str | None = Field(None, description="SHA-256 of the request, hex")
+    attemptId: str | None = None
+    traceparent: str | None = None
+    publishAt: str | None = Field(
+        None, description="When the relay may publish the task; null once published"
+    )
+    publishAttempts: int
+    publishError: str | None = Field(None, description="The broker's last refusal")
+    timeLimit: int | None = None
+    expiresAt: str | None = None
+    updatedAt: str
 
 
 class TaskDetailEnvelope(BaseModel):

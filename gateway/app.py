@@ -152,7 +152,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         by class so that Starlette does not re-raise it, as it does what the catch-all
         handler answers (uvicorn then logged each one as an error in the application)."""
         log.warning("database unavailable", extra={"error": exc.__class__.__name__})
-        return _error_response(errors.ApiError(errors.UNAVAILABLE, headers={"Retry-After": "1"}))
+        return _error_response(errors.ApiError(errors.UNAVAILABLE, headers=dict(errors.RETRY_SOON)))
 
     for kind in pgpool.CONNECTION_ERRORS:
         app.add_exception_handler(kind, database_away)

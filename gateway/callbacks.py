@@ -67,12 +67,16 @@ def check_shape(callback: object, policy: CallbackPolicy) -> tuple[str, str]:
     url = callback.get("url")
     if not isinstance(url, str) or len(url) > 2048:
         raise CallbackRefused("callback url must be a string of at most 2048 characters")
+    if url != url.strip():  # urlsplit would drop the blanks that httpx then refuses to send
+        raise CallbackRefused("callback url is not a valid URL")
     try:
         parts = urlsplit(url)
-        _ = parts.port  # raises on a malformed port
+        port = parts.port  # raises on a malformed port
         _ = httpx.URL(url).host  # what will send it: control characters, names IDNA refuses
     except (ValueError, httpx.InvalidURL):
         raise CallbackRefused("callback url is not a valid URL") from None
+    if port == 0:  # nothing listens there: every delivery would fail
+        raise CallbackRefused("callback url port must be 1-65535")
     # `type` names the mechanism (an HTTP call); the URL's scheme says whether it is TLS.
     if parts.scheme not in allowed_types:
         raise CallbackRefused(f"callback url scheme must be one of {sorted(allowed_types)}")

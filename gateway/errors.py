@@ -35,6 +35,11 @@ UNAVAILABLE = ErrorKind(503, 503001, "Service temporarily unavailable.")
 INTERNAL = ErrorKind(500, 500001, "Internal error.")
 
 
+# What a client told "not now" (429, 503) is told to wait before it tries again: a backlog
+# drains, a database comes back, within about that.
+RETRY_SOON = {"Retry-After": "1"}
+
+
 @dataclass(slots=True)
 class ApiError(Exception):
     kind: ErrorKind

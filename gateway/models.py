@@ -134,6 +134,8 @@ tasks = Table(
     Column("attempt_id", Text),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("idempotency_key", Text),
+    # SHA-256 of the request the key was used for (0013); NULL without a key, or from before
+    Column("idempotency_fingerprint", LargeBinary),
     Column("not_before", DateTime(timezone=True)),  # run later (SPEC §11.4)
     Column("traceparent", Text),  # W3C trace context: the task's trace (SPEC §11.6)
     # The task row is the outbox: when the relay may publish it; NULL once published.

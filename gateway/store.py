@@ -19,12 +19,15 @@ round trip (`insert_in_turn`); the others run their statements in an explicit tr
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 import psycopg
 from psycopg import AsyncConnection
 
@@ -46,6 +49,9 @@ class NewTask:
     time_to_live: float  # seconds a PENDING task lives from its due time (`time_to_live`)
     not_before: datetime | None = None  # run later: published once due (SPEC §11.4)
     traceparent: str | None = None  # the task's trace, for the gateway's later spans
+    # with an Idempotency-Key: the request's `fingerprint`, kept with the key, so that the key
+    # answers only a repeat of the same request (a batch: the whole batch's, on each of its rows)
+    fingerprint: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,26 +72,34 @@ class Accepted:
 # The service is a scalar, not grouped out of the rows: with it, PostgreSQL's generic plan
 # costs no more than a custom one, so the prepared statement stops being planned again at
 # every execution (its planning took ~0.4 ms, more than its execution; bench/README.md).
-_INSERT = """
+def _insert(fingerprints: bool) -> str:
+    """The insert; with `fingerprints`, each row also keeps its request's fingerprint
+    (`%(fingerprints)s`: the Idempotency-Key's request, see `fingerprint`)."""
+    fingerprint_in, fingerprint_col, fingerprint = (
+        (", CAST(%(fingerprints)s AS bytea[])", ", idempotency_fingerprint", ", fingerprint")
+        if fingerprints
+        else ("", "", "")
+    )
+    return f"""
     WITH input AS (
         SELECT * FROM unnest(CAST(%(task_ids)s AS uuid[]), CAST(%(client_ids)s AS text[]),
                              CAST(%(requests)s AS jsonb[]), CAST(%(callbacks)s AS jsonb[]),
                              CAST(%(keys)s AS text[]), CAST(%(not_befores)s AS timestamptz[]),
-                             CAST(%(traceparents)s AS text[]))
+                             CAST(%(traceparents)s AS text[]){fingerprint_in})
                WITH ORDINALITY AS i(task_id, client_id, request, callback, key, not_before,
-                                    traceparent, n)
+                                    traceparent{fingerprint}, n)
     ), ins AS (
         -- the row is its own outbox entry: the relay may take it after the fast path's grace,
         -- or at its time (a past notBefore is published at once)
         INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key,
-                           not_before, traceparent, publish_at, time_limit, expires_at)
+                           not_before, traceparent, publish_at, time_limit, expires_at{fingerprint_col})
         SELECT task_id, client_id, %(service)s, request, callback, key,
                -- a time already past means now: the time to live counts from the submission
                CASE WHEN not_before < now() THEN now() ELSE not_before END, traceparent,
                CASE WHEN not_before > now() THEN not_before
                     ELSE now() + make_interval(secs => %(grace)s) END,
                %(time_limit)s,
-               GREATEST(not_before, now()) + make_interval(secs => %(time_to_live)s)
+               GREATEST(not_before, now()) + make_interval(secs => %(time_to_live)s){fingerprint}
           FROM input ORDER BY n
         RETURNING id, task_id, not_before, COALESCE(not_before > now(), false) AS delayed,
                   expires_at
@@ -101,23 +115,52 @@ _INSERT = """
            END AS position
       FROM ins
     """
+
+
+_INSERT = _insert(fingerprints=False)  # the intake's: no Idempotency-Key
+_INSERT_KEYED = _insert(fingerprints=True)
 BLOCK_BITS = 10  # `task_backlog_blocks` counts by blocks of 1,024 row ids (migration 0008)
 
 
-def _position(row_id: str) -> str:
-    """The place of the PENDING task `row_id` (an SQL expression) among the service's due
-    tasks: the blocks before its own, then the rows of its own block up to it, then the
-    run-later tasks already due (counted live; only due tasks are in the queue, SPEC §11.4).
-    A few hundred rows at most, not every PENDING task ahead."""
+def _place(task: str) -> str:
+    """A lateral join (`k`) saying where the PENDING task `task` (a row of `tasks`) entered the
+    service's queue, for `_PLACE_OF`: `entry`, when it became due (its submission, or its
+    `notBefore`), and `bound`, the last row id submitted by then. A task that was due when
+    submitted entered at its own row; a task that waited for its time entered behind every row
+    submitted before it became due: the newest row submitted by then, found on
+    `ix_tasks_submission_date` (two probes, whatever the service; ids and submission times
+    follow each other, each service's rows being written one transaction at a time)."""
     return f"""
+    CROSS JOIN LATERAL (
+        SELECT {task}.id, COALESCE({task}.not_before, {task}.submission_date) AS entry,
+               CASE WHEN {task}.not_before IS NULL OR {task}.not_before <= {task}.submission_date
+                    THEN {task}.id
+                    ELSE GREATEST({task}.id, (
+                        SELECT max(g.id) FROM tasks g
+                         WHERE g.submission_date = (
+                             SELECT max(h.submission_date) FROM tasks h
+                              WHERE h.submission_date <= {task}.not_before)))
+               END AS bound
+        OFFSET 0  -- computed once, not once for each use of `bound`
+    ) k"""
+
+
+# The place of a PENDING, due task in its service's queue (`k`: where it entered, `_place`),
+# in the order tasks entered the queue (SPEC §3.1, §11.4): a run-later task joins its tail when
+# due, behind the tasks submitted before then, whatever their row ids; no one already in the
+# queue is moved back. The tasks without a `notBefore` up to `bound`: the blocks before its
+# own, then the rows of its own block up to it (a few hundred rows at most, not every PENDING
+# task ahead); then the run-later tasks that became due before it (counted live on
+# `ix_tasks_pending_later`: no trigger sees a time pass), itself included.
+_PLACE_OF = f"""
     (SELECT COALESCE(sum(b.pending), 0)::bigint FROM task_backlog_blocks b
-      WHERE b.service = %(service)s AND b.block < {row_id} >> {BLOCK_BITS})
+      WHERE b.service = %(service)s AND b.block < k.bound >> {BLOCK_BITS})
     + (SELECT count(*) FROM tasks p
         WHERE p.service = %(service)s AND p.status = 'PENDING' AND p.not_before IS NULL
-          AND p.id >= ({row_id} >> {BLOCK_BITS}) << {BLOCK_BITS} AND p.id <= {row_id})
+          AND p.id >= (k.bound >> {BLOCK_BITS}) << {BLOCK_BITS} AND p.id <= k.bound)
     + (SELECT count(*) FROM tasks p
         WHERE p.service = %(service)s AND p.status = 'PENDING' AND p.not_before IS NOT NULL
-          AND p.not_before <= now() AND p.id <= {row_id})"""
+          AND p.not_before <= k.entry AND (p.not_before, p.id) <= (k.entry, k.id))"""
 
 
 # One writer of a service's tasks at a time (see the module's docstring); the statement after
@@ -132,20 +175,31 @@ _PENDING_CLIENT = (
     " WHERE service = %(service)s AND client_id = %(client_id)s"
 )
 _BY_KEY = """
-    SELECT id, task_id, status, submission_date, not_before FROM tasks
+    SELECT id, task_id, status, submission_date, not_before, idempotency_fingerprint FROM tasks
     WHERE client_id = %(client_id)s AND service = %(service)s AND idempotency_key = %(key)s
     """
 _FORGET_KEY = "UPDATE tasks SET idempotency_key = NULL WHERE id = %(id)s"
 _BY_KEYS = f"""
-    SELECT t.id, t.task_id, t.submission_date, t.idempotency_key,
+    SELECT t.id, t.task_id, t.submission_date, t.idempotency_key, t.idempotency_fingerprint,
            CASE WHEN t.status = 'PENDING' AND (t.not_before IS NULL OR t.not_before <= now())
-                THEN {_position("t.id")} ELSE 0 END AS position
-      FROM tasks t
+                THEN {_PLACE_OF} ELSE 0 END AS position
+      FROM tasks t {_place("t")}
      WHERE t.client_id = %(client_id)s AND t.service = %(service)s
        AND t.idempotency_key >= %(key)s || E'\\n' AND t.idempotency_key < %(key)s || E'\\x0b'
     """
 _FORGET_KEYS = "UPDATE tasks SET idempotency_key = NULL WHERE id = ANY(%(ids)s)"
-_POSITION = f"SELECT {_position('CAST(%(id)s AS bigint)')}"
+# Whether a batch used the key within the window (a single submission's key then is refused).
+_BATCH_KEY_USED = """
+    SELECT EXISTS (
+        SELECT FROM tasks t
+         WHERE t.client_id = %(client_id)s AND t.service = %(service)s
+           AND t.idempotency_key >= %(key)s || E'\\n' AND t.idempotency_key < %(key)s || E'\\x0b'
+           AND t.submission_date >= %(since)s)
+    """
+# A PENDING, due task's place, by its row id (0 if the row is gone).
+_POSITION = f"""
+    SELECT COALESCE((SELECT {_PLACE_OF} FROM tasks r {_place("r")}
+                      WHERE r.id = CAST(%(id)s AS bigint)), 0)"""
 
 
 Repeat = Callable[[AsyncConnection[Any], list[NewTask]], Awaitable[list[Accepted] | None]]
@@ -204,31 +258,74 @@ async def _create(
 
 
 async def _single_repeat(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted] | None:
-    found = await _idempotent_repeat(conn, tasks[0])
-    return None if found is None else [found]
+    """The task submitted earlier under the same key; None if there is none. A key is one
+    request: one used for a batch, or for another request, is refused."""
+    new = tasks[0]
+    found = await _idempotent_repeat(conn, new)
+    if found is not None:
+        return [found]
+    if await _count(conn, _BATCH_KEY_USED, {**_key_params(new), "since": _window_start()}):
+        raise key_reused()
+    return None
 
 
 async def _batch_repeat(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted] | None:
-    """The batch submitted earlier under the same key, in its order; None if there is none."""
+    """The batch submitted earlier under the same key, in its order; None if there is none.
+    A key is one request: one used for a single task, or for another batch, is refused."""
     first = tasks[0]
-    params = {
-        "client_id": first.client_id,
-        "service": first.access.service.name,
-        "key": (first.idempotency_key or "").rpartition("\n")[0],  # every task of the batch
-    }
+    key = (first.idempotency_key or "").rpartition("\n")[0]  # every task of the batch
+    params = {**_key_params(first), "key": key}
     rows = await (await conn.execute(_BY_KEYS, params)).fetchall()
-    if not rows:
-        return None
-    if rows[0].submission_date < datetime.now(UTC) - IDEMPOTENCY_WINDOW:
+    if rows and rows[0].submission_date < _window_start():
         await conn.execute(_FORGET_KEYS, {"ids": [row.id for row in rows]})
+        rows = []
+    if not rows:
+        single = await (await conn.execute(_BY_KEY, params)).fetchone()
+        if single is not None and single.submission_date >= _window_start():
+            raise key_reused()
         return None
-    if len(rows) != len(tasks):  # the key was used for a batch of another size
-        raise errors.invalid("Idempotency-Key", "already used for a different batch")
+    # another size, or (rows from before migration 0013 have no fingerprint) another request
+    if len(rows) != len(tasks) or not all(_same(row, first) for row in rows):
+        raise key_reused()
     by_key = {row.idempotency_key: row for row in rows}
     return [
         Accepted(row.task_id, row.position, False, None)
         for row in (by_key[t.idempotency_key] for t in tasks)
     ]
+
+
+def key_reused() -> errors.ApiError:
+    return errors.invalid("Idempotency-Key", "already used for a different request")
+
+
+def fingerprint(request: Any) -> bytes:
+    """What an Idempotency-Key is kept with: a hash of `request` (what the submission asked
+    for, as JSON) in canonical JSON, its keys sorted. The same request gives the same bytes,
+    whatever the order of its keys or its spacing."""
+    try:
+        canonical = orjson.dumps(request, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:  # integers beyond 64 bits, deep nesting: the stdlib's
+        canonical = json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).digest()
+
+
+def _same(row: Any, new: NewTask) -> bool:
+    """Whether the row's key was used for `new`'s request; a row from before the fingerprints
+    (migration 0013) has none, and is taken as the same, as before."""
+    stored = row.idempotency_fingerprint
+    return stored is None or new.fingerprint is None or bytes(stored) == new.fingerprint
+
+
+def _key_params(new: NewTask) -> dict[str, Any]:
+    return {
+        "client_id": new.client_id,
+        "service": new.access.service.name,
+        "key": new.idempotency_key,
+    }
+
+
+def _window_start() -> datetime:
+    return datetime.now(UTC) - IDEMPOTENCY_WINDOW
 
 
 def _single_statement(new: NewTask) -> bool:
@@ -246,7 +343,8 @@ async def insert_many(
     """Inserts tasks of one service, to be published, in one statement, in a transaction
     that holds the service's `_LOCK`; answers in input order."""
     ids, params = _insert_params(tasks, grace)
-    return _accepted(ids, await (await conn.execute(_INSERT, params)).fetchall())
+    params["fingerprints"] = [t.fingerprint for t in tasks]
+    return _accepted(ids, await (await conn.execute(_INSERT_KEYED, params)).fetchall())
 
 
 async def insert_in_turn(pool: Pool, tasks: list[NewTask], grace: float) -> list[Accepted]:
@@ -315,24 +413,21 @@ async def _check_capacity(conn: AsyncConnection[Any], new: NewTask, count: int =
     params = {"service": service.name, "client_id": new.client_id}
     if service.capacity is not None:
         if await _count(conn, _PENDING_SERVICE, params) + count > service.capacity:
-            raise errors.ApiError(errors.SERVICE_CAPACITY)
+            raise errors.ApiError(errors.SERVICE_CAPACITY, headers=dict(errors.RETRY_SOON))
     if new.access.client_capacity is not None:
         if await _count(conn, _PENDING_CLIENT, params) + count > new.access.client_capacity:
-            raise errors.ApiError(errors.CLIENT_CAPACITY)
+            raise errors.ApiError(errors.CLIENT_CAPACITY, headers=dict(errors.RETRY_SOON))
 
 
 async def _idempotent_repeat(conn: AsyncConnection[Any], new: NewTask) -> Accepted | None:
-    params = {
-        "client_id": new.client_id,
-        "service": new.access.service.name,
-        "key": new.idempotency_key,
-    }
-    row = await (await conn.execute(_BY_KEY, params)).fetchone()
+    row = await (await conn.execute(_BY_KEY, _key_params(new))).fetchone()
     if row is None:
         return None
-    if row.submission_date < datetime.now(UTC) - IDEMPOTENCY_WINDOW:
+    if row.submission_date < _window_start():
         await conn.execute(_FORGET_KEY, {"id": row.id})
         return None
+    if not _same(row, new):
+        raise key_reused()
     position = 0
     if row.status == TaskStatus.PENDING and _due(row.not_before):
         position = await _position_of(conn, new.access.service.name, row.id)

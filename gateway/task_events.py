@@ -10,6 +10,20 @@ instead, and all of them re-read once it is back. A client that goes away ends i
 which unregisters it: nothing is kept per closed stream. A gateway that stops (a deploy, a
 scale-in) ends each stream properly after a `retry` line, rather than cutting it mid-answer:
 an EventSource then reconnects, to another replica, and the SDK polls.
+
+Event ids come from the task row, not from the connection, so that they go on increasing when a
+client reconnects (SPEC §11.3): twice the row's `updated_at` in microseconds since the epoch
+(every change of status or progress sets it), plus 1 for a terminal state. A reconnecting
+client's `Last-Event-ID` then says which state it saw last: the current state is not sent again
+when its id is not above that one, and a terminal state already seen (an odd id) ends the stream
+at once. The last bit keeps a terminal state from being taken for seen when its `updated_at`
+is not above an earlier change's (it is the start of the transaction that wrote it, which may
+have waited for the row behind a later one). The ids a client receives always increase, within
+a stream and from one connection to the next (an id not above the previous one is raised past
+it). The row's version is read before the poll's read, so an event's id never belongs to a later
+state than its data (at worst a state is sent twice across a reconnection, never skipped), and
+once more after a terminal one, which is final: its id is exact. A Last-Event-ID that is not a
+decimal integer is ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +32,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
@@ -27,7 +42,7 @@ from sse_starlette import ServerSentEvent
 from conveyor import strict_json
 from gateway import errors, metrics
 from gateway.listener import Listener
-from gateway.pgpool import CONNECTION_ERRORS
+from gateway.pgpool import CONNECTION_ERRORS, Pool
 
 log = logging.getLogger("conveyor.gateway.task_events")
 
@@ -35,6 +50,11 @@ CHANNEL = "conveyor_task"
 TERMINAL = ("SUCCESS", "FAILURE")
 UNHEARD_POLL = 1.0  # seconds between re-reads while notifications cannot be heard
 RECONNECT_MS = 1000  # the `retry` a stopping gateway leaves its streams with
+# The row's version, for the events' ids: every change of status or progress sets `updated_at`.
+_VERSION = "SELECT updated_at FROM tasks WHERE task_id = CAST(%(task_id)s AS uuid)"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+_MAX_ID_DIGITS = 19  # a Last-Event-ID longer than any id this module gives is not one of them
 
 Read = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -75,17 +95,40 @@ class TaskEvents:
                     del self._following[task_id]
 
     async def stream(
-        self, task_id: str, read: Read, stopping: anyio.Event
+        self,
+        task_id: str,
+        read: Read,
+        stopping: anyio.Event,
+        pool: Pool,
+        last_event_id: str | None = None,
     ) -> AsyncIterator[dict[str, str] | ServerSentEvent]:
-        """The events of one task until it ends: the current state first, then each change
-        of status or progress, with increasing ids; or until `stopping` (the server shuts
-        down), with a last line that tells the client when to reconnect."""
+        """The events of one task until it ends: the current state first (unless the client's
+        `last_event_id` says it has it), then each change of status or progress, with ids
+        that increase across connections; or until `stopping` (the server shuts down), with
+        a last line that tells the client when to reconnect."""
+
+        async def current() -> tuple[int, dict[str, Any]]:
+            before = await _version(pool, task_id)  # the data is this state or a later one
+            data = await read()
+            terminal = data["status"] in TERMINAL
+            if terminal:  # final: its version is exact once read after it
+                before = await _version(pool, task_id) or before
+            return _id(before, terminal), data
+
         with self.following(task_id) as changed:
             waking = asyncio.create_task(_set_when(stopping, changed))
             try:
-                data = await read()
-                number = 1
-                yield _event(number, data)
+                number, data = await current()
+                seen = _last_event_id(last_event_id)
+                if seen is None:
+                    yield _event(number, data)
+                elif not _already_seen(number, seen):
+                    number = _above(seen, number)  # increasing as the client sees them too
+                    yield _event(number, data)
+                elif data["status"] in TERMINAL:
+                    return  # the client has the end already
+                else:
+                    number = max(number, seen)
                 while data["status"] not in TERMINAL:
                     wait = None if self.listener.listening else UNHEARD_POLL
                     await _wait(changed, wait)
@@ -94,7 +137,7 @@ class TaskEvents:
                         yield ServerSentEvent(retry=RECONNECT_MS, comment="the gateway stops")
                         return
                     try:
-                        fresh = await read()
+                        fresh_id, fresh = await current()
                     except errors.ApiError:
                         return  # purged, or access revoked meanwhile: the stream just ends
                     except CONNECTION_ERRORS as exc:  # the database is away: retry, slowly
@@ -103,10 +146,48 @@ class TaskEvents:
                         continue
                     if (fresh["status"], fresh["progress"]) != (data["status"], data["progress"]):
                         data = fresh
-                        number += 1
+                        number = _above(number, fresh_id)
                         yield _event(number, data)
             finally:
                 waking.cancel()
+
+
+async def _version(pool: Pool, task_id: str) -> datetime | None:
+    async with pool.connection() as conn:
+        row = await (await conn.execute(_VERSION, {"task_id": task_id})).fetchone()
+    return None if row is None else row.updated_at
+
+
+def _id(version: datetime | None, terminal: bool) -> int:
+    """Twice the version in microseconds since the epoch (about 3.5e15 today: an integer
+    that JavaScript holds exactly until 2112), plus 1 for a terminal state."""
+    micros = 0 if version is None else (version - _EPOCH) // _MICROSECOND
+    return 2 * micros + int(terminal)
+
+
+def _above(previous: int, wanted: int) -> int:
+    """`wanted`, or if it is not above `previous`, the next id above it that says the same
+    (terminal or not, by its last bit)."""
+    if wanted > previous:
+        return wanted
+    following = previous + 1
+    return following if following % 2 == wanted % 2 else following + 1
+
+
+def _already_seen(number: int, seen: int) -> bool:
+    """Whether a client whose last event had id `seen` has the state of id `number`: a
+    terminal state only if what it saw was terminal too (one per task, the last)."""
+    return number <= seen and (number % 2 == 0 or seen % 2 == 1)
+
+
+def _last_event_id(raw: str | None) -> int | None:
+    """The client's `Last-Event-ID` as one of our ids; None when absent or unparsable."""
+    if raw is None:
+        return None
+    text = raw.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > _MAX_ID_DIGITS:
+        return None
+    return int(text)
 
 
 async def _wait(changed: asyncio.Event, seconds: float | None) -> None:

@@ -203,7 +203,7 @@ async function task(id) {
       ["Worker", t.workerHost || "—"],
       ["Calls", String(t.deliveries)],
       ["Error", el("span", { class: "error", id: "error-message", text: t.errorMessage || "—" })],
-      ["Callback", t.callback ? `${t.callback.url} — ${t.callback.status || "not due"} after ${t.callback.attempts} attempt(s)` : "—"],
+      ["Callback", t.callback ? `${t.callback.url} — ${t.callback.status || "not due"} after ${t.callback.rounds} round(s)` : "—"],
     ]),
     el("h2", { text: "Attempts" }),
     attempts.length

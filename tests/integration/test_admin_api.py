@@ -3,13 +3,18 @@ pages, figures from PostgreSQL and the broker."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
 
+from gateway.models import tasks
+from gateway.store import iso
 from tests.support.gateway import Client, GatewayProcess, Platform
 
 ADMIN = "/v1/admin"
@@ -206,7 +211,157 @@ def test_a_task_detail_holds_its_callback(
     task_id = _submit(gateway, svc.clients[0], svc.name, callback={"type": "http", "url": hook})
     with gateway.http(operator) as http:
         detail = http.get(f"{ADMIN}/tasks/{task_id}").json()["data"]
-    assert detail["callback"] == {"url": hook, "status": None, "attempts": 0}
+    assert detail["callback"] == {
+        "type": "http",
+        "url": hook,
+        "status": None,
+        "rounds": 0,
+        "claimedUntil": None,
+    }
+
+
+# Where each column of `tasks` shows in a task's detail: its camelCase name, unless listed here.
+_SHOWN_AS = {
+    "id": "rowId",
+    "submission_date": "submitionDate",  # the seed's spelling, as in the poll
+    "attempts": "deliveries",
+    "notification_status": "callback.status",
+    "notification_attempts": "callback.rounds",
+    "notify_claimed_until": "callback.claimedUntil",
+}
+
+
+def _camel(column: str) -> str:
+    head, *rest = column.split("_")
+    return head + "".join(word.title() for word in rest)
+
+
+def test_a_task_detail_shows_every_column_of_its_row(
+    gateway: GatewayProcess, platform: Platform, operator: Client
+) -> None:
+    """SPEC §11.6: "everything the row ... holds". A task stuck in PENDING showed neither its
+    publish attempts nor its publish error, its expiry nor its last change."""
+    svc = platform.service()
+    task_id = _submit(
+        gateway, svc.clients[0], svc.name, callback={"type": "http", "url": "http://localhost:9/"}
+    )
+    with gateway.http(operator) as http:
+        detail = http.get(f"{ADMIN}/tasks/{task_id}").json()["data"]
+    missing = []
+    for column in tasks.c.keys():
+        where, _, key = _SHOWN_AS.get(column, _camel(column)).rpartition(".")
+        if key not in (detail[where] if where else detail):
+            missing.append(column)
+    assert missing == [], f"columns of the row the detail does not show: {missing}"
+
+
+def test_a_pending_task_detail_says_why_it_is_not_published(
+    gateway: GatewayProcess, platform: Platform, operator: Client
+) -> None:
+    svc = platform.service()
+    task_id = _submit(gateway, svc.clients[0], svc.name)
+    # What a relay leaves on a row the broker keeps refusing; a retry an hour away, so that
+    # this gateway's relay leaves it alone meanwhile.
+    ((row_id, publish_at, expires_at, updated_at, time_limit, traceparent),) = platform.sql(
+        """
+        UPDATE tasks SET publish_attempts = 7, publish_error = 'NOT_FOUND - no queue',
+               publish_at = now() + interval '1 hour', updated_at = now()
+         WHERE task_id = %(t)s
+        RETURNING id, publish_at, expires_at, updated_at, time_limit, traceparent
+        """,
+        {"t": task_id},
+    )
+    with gateway.http(operator) as http:
+        detail = http.get(f"{ADMIN}/tasks/{task_id}").json()["data"]
+    assert detail["status"] == "PENDING"
+    shown = {
+        key: detail.get(key)
+        for key in (
+            "rowId",
+            "publishAttempts",
+            "publishError",
+            "publishAt",
+            "expiresAt",
+            "updatedAt",
+            "timeLimit",
+            "traceparent",
+            "attemptId",
+        )
+    }
+    assert shown == {
+        "rowId": row_id,
+        "publishAttempts": 7,
+        "publishError": "NOT_FOUND - no queue",
+        "publishAt": iso(publish_at),
+        "expiresAt": iso(expires_at),
+        "updatedAt": iso(updated_at),
+        "timeLimit": time_limit,
+        "traceparent": traceparent,
+        "attemptId": None,
+    }
+    assert expires_at is not None and time_limit is not None  # set at submission
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    """A callback endpoint that answers 500 to every POST, and counts them."""
+
+    calls = 0
+
+    def do_POST(self) -> None:
+        type(self).calls += 1
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(500)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def refusing() -> Iterator[tuple[type[_Refusing], int]]:
+    handler = type("Refusing", (_Refusing,), {"calls": 0})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield handler, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_callback_called_three_times_in_one_round_says_one_round(
+    gateway: GatewayProcess,
+    platform: Platform,
+    operator: Client,
+    refusing: tuple[type[_Refusing], int],
+) -> None:
+    """The callback's count is `notification_attempts`, which counts a notifier's claims, each
+    up to CONVEYOR_CALLBACK_ATTEMPTS (3) HTTP calls: it showed `attempts: 1` for a callback
+    POSTed 3 times. It is shown for what it is, `rounds`."""
+    handler, port = refusing
+    hook = f"http://localhost:{port}/hook"
+    svc = platform.service()
+    task_id = _submit(gateway, svc.clients[0], svc.name, callback={"type": "http", "url": hook})
+    platform.sql(
+        "UPDATE tasks SET status = 'FAILURE', end_date = now(), error_message = 'boom',"
+        " notification_status = 'PENDING', updated_at = now() WHERE task_id = %(t)s",
+        {"t": task_id},
+    )
+
+    def recorded() -> dict[str, Any]:
+        with gateway.http(operator) as http:
+            callback = http.get(f"{ADMIN}/tasks/{task_id}").json()["data"]["callback"]
+        assert callback["status"] == "FAILURE", callback
+        return callback
+
+    callback = _eventually(recorded)
+    assert handler.calls == 3
+    assert callback == {
+        "type": "http",
+        "url": hook,
+        "status": "FAILURE",
+        "rounds": 1,
+        "claimedUntil": None,
+    }, f"POSTed {handler.calls} times"
 
 
 def test_the_admin_routes_are_in_the_openapi_document(gateway: GatewayProcess) -> None:

@@ -38,6 +38,8 @@ def test_create_returns_task_id_and_position(gateway: GatewayProcess, svc) -> No
         assert answer.json()["status"] == "success"
         uuid.UUID(data["taskId"])
         assert isinstance(data["taskPosition"], int) and data["taskPosition"] >= 1
+        polled = http.get(answer.headers["location"])  # where the task is, as 201 says
+        assert polled.status_code == 200 and polled.json()["data"]["taskId"] == data["taskId"]
         second = http.post(gateway.tasks_url(svc.name) + "/", json={"body": {"sleep": 1}})
         assert second.status_code == 201  # the trailing-slash spelling of the seed
         assert second.json()["data"]["taskPosition"] == data["taskPosition"] + 1
@@ -248,6 +250,7 @@ def test_service_capacity_is_429001(gateway: GatewayProcess, platform: Platform)
     assert codes == [201, 201, 429]
     assert error_of(answer) == (429, 429001)
     assert answer.json()["error"]["description"] == "Too many service requests"
+    assert answer.headers["retry-after"] == "1"  # when to try again, as a 503 says
 
 
 def test_client_capacity_is_429002(gateway: GatewayProcess, platform: Platform) -> None:
@@ -258,6 +261,7 @@ def test_client_capacity_is_429002(gateway: GatewayProcess, platform: Platform) 
         answer = http.post(gateway.tasks_url(svc.name), json={"body": {}})
     assert error_of(answer) == (429, 429002)
     assert answer.json()["error"]["description"] == "Too many service requests for the clientId."
+    assert answer.headers["retry-after"] == "1"
     with gateway.http(second) as http:  # the other client's own capacity is untouched
         assert http.post(gateway.tasks_url(svc.name), json={"body": {}}).status_code == 201
 

@@ -8,6 +8,7 @@ made none of them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import threading
@@ -37,18 +38,34 @@ def _submit(gateway: GatewayProcess, svc: Service) -> str:
 
 
 def _set(platform: Platform, task_id: str, **columns: Any) -> None:
+    """Changes the row as the gateway's writers do (`gateway.lifecycle`): `updated_at` moves."""
+    columns.setdefault("updated_at", "now()")
     assignments = ", ".join(f"{name} = %({name})s" for name in columns)
     platform.sql(f"UPDATE tasks SET {assignments} WHERE task_id = %(t)s", {**columns, "t": task_id})
+
+
+def _increasing(ids: list[str]) -> bool:
+    numbers = [int(i) for i in ids]
+    return all(a < b for a, b in itertools.pairwise(numbers))
 
 
 class Reader:
     """Reads one stream in a thread; `events` fills as they come."""
 
-    def __init__(self, gateway: GatewayProcess, client: Client, path: str) -> None:
+    def __init__(
+        self,
+        gateway: GatewayProcess,
+        client: Client,
+        path: str,
+        last_event_id: str | None = None,
+    ) -> None:
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.comments = 0
         self.ended = threading.Event()
-        self.http = httpx.Client(base_url=gateway.url, auth=client.auth, timeout=60)
+        headers = {} if last_event_id is None else {"Last-Event-ID": last_event_id}
+        self.http = httpx.Client(
+            base_url=gateway.url, auth=client.auth, timeout=60, headers=headers
+        )
         self._thread = threading.Thread(target=self._read, args=(path,), daemon=True)
         self._thread.start()
 
@@ -100,7 +117,7 @@ def test_first_state_then_each_change_then_the_end(
     task_id = _submit(gateway, svc)
     reader = Reader(reader_gateway, svc.clients[0], _events_url(reader_gateway, svc.name, task_id))
     first = reader.wait_for(1)[0]
-    assert first[0] == "1" and first[1]["status"] == "PENDING" and first[1]["taskId"] == task_id
+    assert first[1]["status"] == "PENDING" and first[1]["taskId"] == task_id
     _set(platform, task_id, status="IN_PROGRESS", start_date=time.strftime("%Y-%m-%d %H:%M:%SZ"))
     reader.wait_for(2)
     _set(platform, task_id, progress=42.5)
@@ -109,7 +126,7 @@ def test_first_state_then_each_change_then_the_end(
     _set(platform, task_id, status="SUCCESS", progress=100, response='{"ok": 1}', end_date="now()")
     events = reader.wait_for(4)
     assert reader.ended.wait(5), "the stream goes on after a terminal state"
-    assert [e[0] for e in events] == ["1", "2", "3", "4"]
+    assert _increasing([e[0] for e in events]), events
     assert [(e[1]["status"], e[1]["progress"]) for e in events] == [
         ("PENDING", 0.0),
         ("IN_PROGRESS", 0.0),
@@ -130,9 +147,132 @@ def test_a_finished_task_gives_one_event_and_the_end(
     _set(platform, task_id, status="FAILURE", error_message="Argh!", end_date="now()")
     reader = Reader(gateway, svc.clients[0], _events_url(gateway, svc.name, task_id))
     assert reader.ended.wait(5)
-    assert [(e[0], e[1]["status"], e[1]["errorMessage"]) for e in reader.events] == [
-        ("1", "FAILURE", "Argh!")
+    assert [(e[1]["status"], e[1]["errorMessage"]) for e in reader.events] == [("FAILURE", "Argh!")]
+    reader.close()
+
+
+def _follow(gateway: GatewayProcess, svc: Service, task_id: str, **kwargs: Any) -> Reader:
+    return Reader(gateway, svc.clients[0], _events_url(gateway, svc.name, task_id), **kwargs)
+
+
+def test_ids_go_on_increasing_when_the_client_reconnects(
+    gateway: GatewayProcess, reader_gateway: GatewayProcess, platform: Platform
+) -> None:
+    """SPEC §11.3's "increasing `id`" holds across connections: ids used to count 1, 2, 3
+    per connection, so a client that reconnected (as EventSource does, on its own or after
+    a stopping gateway's `retry`) saw them start again at 1."""
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    first = _follow(gateway, svc, task_id)
+    first.wait_for(1)
+    _set(platform, task_id, status="IN_PROGRESS", start_date="now()")
+    before = [e[0] for e in first.wait_for(2)]
+    first.close()
+    again = _follow(reader_gateway, svc, task_id)  # another replica, as after a deploy
+    again.wait_for(1)
+    _set(platform, task_id, progress=20)
+    after = again.wait_for(2)
+    again.close()
+    assert [(e[1]["status"], e[1]["progress"]) for e in after] == [
+        ("IN_PROGRESS", 0.0),
+        ("IN_PROGRESS", 20.0),
     ]
+    # The same state has the same id on any connection; each change a greater one.
+    assert after[0][0] == before[-1], (before, after)
+    assert _increasing([*before, after[1][0]]), (before, after)
+
+
+def test_a_reconnection_with_last_event_id_gets_no_duplicate_and_the_next_change(
+    gateway: GatewayProcess, reader_gateway: GatewayProcess, platform: Platform
+) -> None:
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    first = _follow(gateway, svc, task_id)
+    first.wait_for(1)
+    _set(platform, task_id, status="IN_PROGRESS", start_date="now()", progress=10)
+    seen = first.wait_for(2)
+    first.close()
+    last_id = seen[-1][0]
+    again = _follow(reader_gateway, svc, task_id, last_event_id=last_id)
+    time.sleep(1.0)  # the current state comes at once when it is sent at all
+    assert again.events == [], f"the state of id {last_id} was sent again: {again.events}"
+    _set(platform, task_id, progress=55)
+    (next_id, data), *_ = again.wait_for(1)
+    assert data["progress"] == 55.0
+    assert int(next_id) > int(last_id)
+    _set(platform, task_id, status="SUCCESS", progress=100, response="{}", end_date="now()")
+    assert again.ended.wait(5)
+    assert [e[1]["status"] for e in again.events] == ["IN_PROGRESS", "SUCCESS"]
+    assert _increasing([last_id, *(e[0] for e in again.events)])
+    again.close()
+
+
+def test_the_terminal_event_comes_once_across_reconnections(
+    gateway: GatewayProcess, reader_gateway: GatewayProcess, platform: Platform
+) -> None:
+    """A client that has the end and reconnects (EventSource does, whenever a stream ends)
+    gets no event and the end; one that lost the stream before the end gets it, once."""
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    first = _follow(gateway, svc, task_id)
+    ((pending_id, _),) = first.wait_for(1)
+    _set(platform, task_id, status="FAILURE", error_message="Argh!", end_date="now()")
+    assert first.ended.wait(5)
+    first.close()
+    ((end_id, end),) = first.events[1:]
+    assert end["status"] == "FAILURE"
+    terminals = [end_id]
+    for gw in (gateway, reader_gateway):
+        done = _follow(gw, svc, task_id, last_event_id=end_id)
+        assert done.ended.wait(5), "a stream whose end the client has goes on"
+        assert done.events == [], f"the terminal event came again: {done.events}"
+        done.close()
+        late = _follow(gw, svc, task_id, last_event_id=pending_id)  # missed the end
+        assert late.ended.wait(5)
+        assert [(i, e["status"]) for i, e in late.events] == [(end_id, "FAILURE")]
+        terminals += [i for i, _ in late.events]
+        late.close()
+    assert len(set(terminals)) == 1  # one terminal event, whichever connection carried it
+
+
+def test_a_terminal_state_written_with_an_older_time_is_still_delivered(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """`updated_at` is the start of the writing transaction: a result whose statement began
+    before a progress that committed first is stamped earlier than it. Its id is still above
+    the progress's in the stream, and a client that last saw the progress still gets it."""
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    _set(platform, task_id, status="IN_PROGRESS", start_date="now()", progress=30)
+    first = _follow(gateway, svc, task_id)
+    ((progress_id, _),) = first.wait_for(1)
+    first.close()
+    platform.sql(
+        "UPDATE tasks SET status = 'SUCCESS', progress = 100, response = '{}', end_date = now(),"
+        " updated_at = updated_at - interval '1 second' WHERE task_id = %(t)s",
+        {"t": task_id},
+    )
+    late = _follow(gateway, svc, task_id, last_event_id=progress_id)
+    assert late.ended.wait(5)
+    assert [e[1]["status"] for e in late.events] == ["SUCCESS"]
+    end_id = late.events[0][0]
+    assert int(end_id) > int(progress_id)
+    late.close()
+    done = _follow(gateway, svc, task_id, last_event_id=end_id)
+    assert done.ended.wait(5)
+    assert done.events == []
+    done.close()
+
+
+@pytest.mark.parametrize("last_event_id", ["", "nope", "-5", "1e9", "9" * 40])
+def test_an_unparsable_last_event_id_is_ignored(
+    gateway: GatewayProcess, platform: Platform, last_event_id: str
+) -> None:
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    reader = _follow(gateway, svc, task_id, last_event_id=last_event_id)
+    ((_, data),) = reader.wait_for(1)
+    assert data["status"] == "PENDING"
     reader.close()
 
 

@@ -273,3 +273,43 @@ def test_the_sdk_schedules_tasks(gateway: GatewayProcess, platform: Platform) ->
         assert abs((task.not_before - at).total_seconds()) < 0.01
         later = client.get(svc.name, delayed.task_id).not_before
         assert later is not None and later > datetime.now(UTC) + timedelta(seconds=590)
+
+
+def test_a_task_once_due_joins_the_queue_behind_those_already_in_it(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    """Found by an audit: A (`delaySeconds` 2), then B and C, answered 0, 1, 2; once A was due
+    the polls said A=1, B=2, C=3, while A went out behind B and C (a dispatcher ran B, C, A)
+    and B was moved back. A task's place counts from when it became due: B=1, C=2, A=3, and a
+    delayed batch item after A is 4; a task submitted then is 5 (SPEC §3.1, §11.4)."""
+    svc = _service(platform, amqp_url)
+    url = gateway.tasks_url(svc.name)
+    later = {"body": {}, "delaySeconds": 2}
+    with gateway.http(svc.clients[0]) as http:
+        a = http.post(url, json=later, headers={"Idempotency-Key": "a"}).json()["data"]
+        batch = http.post(f"{url}/batch", json={"tasks": [later]}, headers={"Idempotency-Key": "d"})
+        d = batch.json()["data"]["tasks"][0]
+        b = http.post(url, json={"body": {}}).json()["data"]
+        c = http.post(url, json={"body": {}}).json()["data"]
+        assert [t["taskPosition"] for t in (a, d, b, c)] == [0, 0, 1, 2]
+        # B and C go out at once, A and D once due, behind them
+        published = [_id(m) for m in _published(amqp_url, svc.queue_name, 4, timeout=8)]
+        assert published[:2] == [b["taskId"], c["taskId"]], published
+        assert sorted(published[2:]) == sorted([a["taskId"], d["taskId"]]), published
+
+        def place(task: dict[str, Any]) -> int:
+            polled = http.get(f"{url}/{task['taskId']}").json()["data"]
+            assert polled["status"] == "PENDING", polled
+            return polled["taskPosition"]
+
+        assert [place(t) for t in (b, c, a, d)] == [1, 2, 3, 4]
+        again = http.post(url, json=later, headers={"Idempotency-Key": "a"})
+        assert (again.status_code, again.json()["data"]["taskPosition"]) == (200, 3)
+        batch_again = http.post(
+            f"{url}/batch", json={"tasks": [later]}, headers={"Idempotency-Key": "d"}
+        )
+        assert batch_again.status_code == 200
+        assert batch_again.json()["data"]["tasks"][0]["taskPosition"] == 4
+        e = http.post(url, json={"body": {}}).json()["data"]
+        assert e["taskPosition"] == 5
+        assert [place(t) for t in (b, c, a, d, e)] == [1, 2, 3, 4, 5]

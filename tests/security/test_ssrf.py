@@ -129,6 +129,21 @@ async def test_names_idna_cannot_read_are_refused_not_a_crash(host: str) -> None
         await check_destination(f"https://{host}/hook", STRICT)
 
 
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        (f"https://{PUBLIC_IP}:0/hook", "port must be 1-65535"),
+        (f" https://{PUBLIC_IP}/hook", "not a valid URL"),
+        (f"https://{PUBLIC_IP}/hook\t", "not a valid URL"),
+    ],
+)
+async def test_urls_no_delivery_could_reach_are_refused(url: str, why: str) -> None:
+    """Found by an audit: a port 0 and blanks around the URL were accepted, and every
+    delivery of those callbacks would then have failed."""
+    with pytest.raises(CallbackRefused, match=why):
+        await check_callback({"type": "https", "url": url}, STRICT)
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]", "10.0.0.1", "2130706433"])
 async def test_forbidden_addresses_are_refused_over_http_too(host: str) -> None:
     policy = CallbackPolicy(allow_http=True)

@@ -18,6 +18,7 @@ from conveyor.inject.documents import (
     object_key,
     workload_name,
 )
+from conveyor.inject.function import harden_function
 from conveyor.inject.keda import (
     Companions,
     dispatcher_labels,
@@ -226,8 +227,13 @@ def _inject_knative(
     doc: Doc, name: str, options: InjectOptions, companions: Companions, warnings: list[str]
 ) -> list[Doc]:
     pod = _knative_pod_spec(doc)
-    if not [c for c in pod.get("containers") or [] if isinstance(c, dict)]:
+    containers = [c for c in pod.get("containers") or [] if isinstance(c, dict)]
+    if not containers:
         raise InjectError(f"{name_of(doc)} has no containers: nothing to send tasks to")
+    # The serving container: the only one, or the one with ports (Knative allows one).
+    serving = containers if len(containers) == 1 else [c for c in containers if c.get("ports")]
+    for function in serving[:1]:
+        harden_function(function, pod, None, knative=True)
     # Tasks come through the queue: the function needs no public route.
     doc["metadata"].setdefault("labels", {}).setdefault(KNATIVE_VISIBILITY_LABEL, "cluster-local")
     namespace = doc["metadata"].get("namespace")
@@ -251,7 +257,8 @@ def _inject_knative(
 def _progress_policy(name: str, namespace: str | None, existing: Doc | None) -> Doc:
     """The dispatcher's pods take traffic on the progress port only from the function's pods
     (SPEC §11.5; each report carries its attempt's token as well). The probes are exec probes
-    inside the pod; rules of the user's own (e.g. Prometheus on a METRICS_PORT) are kept."""
+    inside the pod, or the kubelet's httpGet on a METRICS_PORT (traffic from the pod's own node,
+    which CNIs let through); rules of the user's own (e.g. Prometheus on that port) are kept."""
     policy = existing or {
         "apiVersion": NETWORK_API,
         "kind": "NetworkPolicy",

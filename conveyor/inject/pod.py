@@ -6,6 +6,7 @@ from typing import Any
 
 from conveyor.dispatcher_settings import DispatcherSettings
 from conveyor.inject.documents import Doc, InjectError
+from conveyor.inject.function import harden_function, restrict_pod
 from conveyor.inject.wiring import (
     AMQP_URL,
     CONCURRENCY,
@@ -14,6 +15,8 @@ from conveyor.inject.wiring import (
     FUNCTION_URL,
     HOSTNAME,
     IDLE_EXIT_SECONDS,
+    METRICS_PORT,
+    METRICS_PORT_PREFIXED,
     ONE_SHOT,
     POD_IP,
     PROGRESS_PORT,
@@ -154,9 +157,18 @@ def _make_native_sidecar(pod: Doc, function: Doc, port: int) -> None:
     )
 
 
-def _probe(port: int, path: str, period: int) -> Doc:
-    # The local API listens on 127.0.0.1 only: an httpGet probe from the kubelet
-    # (which connects to the pod IP) cannot reach it, so probe from inside.
+def _probe(port: int, metrics_port: int | None, path: str, period: int) -> Doc:
+    """httpGet on METRICS_PORT when the dispatcher serves /healthz and /readyz there (on all
+    interfaces); else an exec probe, since the local API listens on 127.0.0.1 only, out of
+    reach of the kubelet (which connects to the pod IP). Each exec run starts a Python
+    interpreter: measured 0.13-0.15 s wall, ~120 ms CPU and ~19.5 MB RSS."""
+    if metrics_port is not None:
+        return {
+            "httpGet": {"path": path, "port": metrics_port},
+            "periodSeconds": period,
+            "timeoutSeconds": 3,
+            "failureThreshold": 3,
+        }
     code = (
         f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=2)"
     )
@@ -166,6 +178,15 @@ def _probe(port: int, path: str, period: int) -> Doc:
         "timeoutSeconds": 5,
         "failureThreshold": 3,
     }
+
+
+def metrics_port(container: Doc) -> int | None:
+    """The dispatcher's METRICS_PORT (CONVEYOR_ first, as the dispatcher reads it), if set."""
+    for name in (METRICS_PORT_PREFIXED, METRICS_PORT):
+        value = env_literal(container, name)
+        if value is not None:
+            return int_or_none(value, name) or None
+    return None
 
 
 def container_security_context() -> Doc:
@@ -252,8 +273,9 @@ def upsert_dispatcher(pod: Doc, wiring: Wiring, function_url: str, port: int) ->
         ports = container.setdefault("ports", [])
         if not any(p.get("name") == "progress" for p in ports):
             ports.append({"name": "progress", "containerPort": KNATIVE_PROGRESS_PORT})
-    container["readinessProbe"] = _probe(port, "/readyz", 10)
-    container["livenessProbe"] = _probe(port, "/healthz", 20)
+    metrics = metrics_port(container)
+    container["readinessProbe"] = _probe(port, metrics, "/readyz", 10)
+    container["livenessProbe"] = _probe(port, metrics, "/healthz", 20)
     mounts = container.setdefault("volumeMounts", [])
     if not any(m.get("mountPath") == "/tmp" for m in mounts):
         mounts.append({"name": TMP_VOLUME, "mountPath": "/tmp"})
@@ -296,7 +318,9 @@ def wire_pod(
     wiring = resolve(mode, name, options, existing)
     dispatcher_port = choose_dispatcher_port(pod, existing, port)
     _make_native_sidecar(pod, function, port)
-    upsert_dispatcher(pod, wiring, f"http://127.0.0.1:{port}/", dispatcher_port)
+    harden_function(function, pod, port, knative=False)
+    dispatcher = upsert_dispatcher(pod, wiring, f"http://127.0.0.1:{port}/", dispatcher_port)
+    restrict_pod(pod, {id(function), id(dispatcher)})
     _annotate_function(template, str(function.get("name")))
     ensure_grace(pod, wiring, owner, warnings)
     return wiring

@@ -24,6 +24,9 @@ IDLE_EXIT_SECONDS = dispatcher_variable("idle_exit_seconds")
 HOSTNAME = dispatcher_variable("hostname")
 PROGRESS_PORT = dispatcher_variable("progress_port")
 POD_IP = dispatcher_variable("pod_ip")
+# Not managed: an operator sets it to serve /healthz, /readyz and /metrics on all interfaces.
+METRICS_PORT = dispatcher_variable("metrics_port")
+METRICS_PORT_PREFIXED = dispatcher_variable("metrics_port", prefixed=True)
 
 DEFAULT_IMAGE = f"conveyor/dispatcher:{__version__}"
 DEFAULT_AMQP_SECRET = "conveyor-rabbitmq"

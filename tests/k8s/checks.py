@@ -229,10 +229,20 @@ def check_dispatcher(d: Dispatcher) -> None:
     assert e["HOSTNAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}, where
     assert d.container["command"] == ["conveyor", "dispatcher"], where
     port = e["DISPATCHER_PORT"]
-    # Loopback-only API: kubelet httpGet probes cannot reach it, exec probes can.
+    metrics = e.get("CONVEYOR_METRICS_PORT", e.get("METRICS_PORT"))
+    named = {p.get("name"): p["containerPort"] for p in d.container.get("ports") or []}
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
-        command = d.container[probe]["exec"]["command"]
-        assert f"http://127.0.0.1:{port}{path}" in command[-1], (where, probe)
+        if metrics:
+            # /healthz and /readyz on all interfaces: the kubelet's httpGet, no interpreter
+            # started per probe as an exec probe would.
+            get = d.container[probe].get("httpGet")
+            assert get, f"{where}: {probe} must be httpGet on METRICS_PORT {metrics}"
+            assert get["path"] == path, (where, probe)
+            assert named.get(get["port"], get["port"]) == int(metrics), (where, probe)
+        else:
+            # Loopback-only API: kubelet httpGet probes cannot reach it, exec probes can.
+            command = d.container[probe]["exec"]["command"]
+            assert f"http://127.0.0.1:{port}{path}" in command[-1], (where, probe)
     grace = d.pod.spec.get("terminationGracePeriodSeconds", 30)
     assert grace > int(e["DRAIN_TIMEOUT"]), f"{where}: grace {grace} <= DRAIN_TIMEOUT"
     if d.pod.owner["kind"] == "Deployment":

@@ -353,12 +353,23 @@ def test_multi_container_round_trip_preserves_everything_else() -> None:
     assert pod["initContainers"][0] == old_pod["initContainers"][0]
     fn = pod["initContainers"][1]
     old_fn = old_pod["containers"][1]
-    assert {k: v for k, v in fn.items() if k not in {"restartPolicy", "startupProbe"}} == old_fn
+    # What the author wrote is kept; SPEC §8's resources, securityContext and probes are
+    # added around it, and a writable /tmp under the read-only root.
+    added = {"restartPolicy", "startupProbe", *HARDENING}
+    assert {k: v for k, v in fn.items() if k not in added} == {
+        **old_fn, "volumeMounts": fn["volumeMounts"],
+    }  # fmt: skip
+    assert fn["volumeMounts"] == [*old_fn["volumeMounts"], FUNCTION_TMP]
     assert fn["startupProbe"]["tcpSocket"] == {"port": 8000}  # the port named http
+    assert fn["readinessProbe"]["tcpSocket"] == {"port": 8000}
     assert [c["name"] for c in pod["containers"]] == ["conveyor-dispatcher", "log-shipper"]
     assert pod["containers"][1] == old_pod["containers"][0]
+    # Other containers of the author's run as written: no pod-level context imposed on them.
+    assert "securityContext" not in pod
     assert pod["volumes"][:2] == old_pod["volumes"]
-    assert [v["name"] for v in pod["volumes"]] == ["cache", "logs", "conveyor-tmp"]
+    assert [v["name"] for v in pod["volumes"]] == [
+        "cache", "logs", "conveyor-function-tmp", "conveyor-tmp",
+    ]  # fmt: skip
     for generated in docs[2:]:
         assert generated["metadata"]["namespace"] == "media"
     (d,) = checks.dispatchers(docs)
@@ -418,6 +429,242 @@ def test_cli_reads_a_file_like_stdin(tmp_path: Path) -> None:
     from_stdin = run_cli("-f", "-", stdin=DEPLOYMENT)
     assert from_file.returncode == 0 and from_file.stdout == from_stdin.stdout
     assert from_file.stdout == inject_yaml(DEPLOYMENT)[0]
+
+
+# ------------------------------------- the function's container: SPEC §8 for the author
+
+# What a function author writes (SPEC §1): the image and the port, nothing else.
+BARE_DEPLOYMENT = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: fn}
+spec:
+  selector: {matchLabels: {app: fn}}
+  template:
+    metadata: {labels: {app: fn}}
+    spec:
+      containers:
+        - name: fn
+          image: example/fn:1
+          ports: [{containerPort: 8080}]
+"""
+BARE_JOB = """\
+apiVersion: batch/v1
+kind: Job
+metadata: {name: batch}
+spec:
+  template:
+    spec:
+      containers:
+        - {name: batch, image: example/batch:1, env: [{name: PORT, value: "9000"}]}
+"""
+BARE_KSVC = """\
+apiVersion: serving.knative.dev/v1
+kind: Service
+metadata: {name: echo}
+spec:
+  template:
+    spec:
+      containers:
+        - image: example/echo:1
+"""
+BARE = {
+    "sidecar": (BARE_DEPLOYMENT, [], 8080),
+    "job-from-deployment": (BARE_DEPLOYMENT, ["--mode", "job"], 8080),
+    "job": (BARE_JOB, [], 9000),
+    "knative": (BARE_KSVC, [], None),
+}
+HARDENING = {"resources", "securityContext", "readinessProbe", "livenessProbe"}
+FUNCTION_TMP = {"name": "conveyor-function-tmp", "mountPath": "/tmp"}
+RESTRICTED = {
+    "allowPrivilegeEscalation": False,
+    "runAsNonRoot": True,
+    "runAsUser": 10001,
+    "runAsGroup": 10001,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def function_of(docs: list[dict]) -> tuple[dict, dict]:
+    """The function's container and its pod spec, in any mode's output."""
+    for doc in docs:
+        if doc["apiVersion"] == "serving.knative.dev/v1":
+            pod = doc["spec"]["template"]["spec"]
+            (fn,) = pod["containers"]
+            return fn, pod
+    (d,) = checks.dispatchers(docs)
+    return checks.function_container(d), d.pod.spec
+
+
+@pytest.fixture(scope="module", params=sorted(BARE))
+def bare_output(request: pytest.FixtureRequest) -> tuple[str, list[str], str]:
+    text, args, _ = BARE[request.param]
+    done = run_cli(*args, stdin=text)
+    assert done.returncode == 0, done.stderr
+    return request.param, args, done.stdout
+
+
+def test_a_bare_function_gets_resources_security_and_probes(
+    bare_output: tuple[str, list[str], str],
+) -> None:
+    """`conveyor inject -f dep.yaml` on an image and a port gives the function's container
+    what SPEC §8 asks of every container."""
+    mode, _, out = bare_output
+    docs = load_documents(out)
+    fn, pod = function_of(docs)
+    assert fn["resources"] == {
+        "requests": {"cpu": "50m", "memory": "64Mi"},
+        "limits": {"cpu": "500m", "memory": "256Mi"},
+    }
+    context = fn["securityContext"]
+    assert {k: context[k] for k in RESTRICTED} == RESTRICTED
+    port = BARE[mode][2]
+    if port is None:
+        # Knative: no port (it probes the serving port, and rejects any other), no pod-level
+        # context (behind a feature flag), no emptyDir (behind another): a writable root.
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert fn[probe]["tcpSocket"] == {}, probe
+        assert "periodSeconds" not in fn["readinessProbe"]  # Knative's fast cold-start probing
+        assert "readOnlyRootFilesystem" not in context
+        assert {"securityContext", "volumes"}.isdisjoint(pod)
+        assert "volumeMounts" not in fn and "startupProbe" not in fn
+        return
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert fn[probe]["tcpSocket"] == {"port": port}, probe
+    assert fn["readinessProbe"]["periodSeconds"] < fn["livenessProbe"]["periodSeconds"]
+    assert context["readOnlyRootFilesystem"] is True
+    assert fn["volumeMounts"] == [FUNCTION_TMP]
+    assert {"name": "conveyor-function-tmp", "emptyDir": {}} in pod["volumes"]
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def test_a_bare_function_s_output_validates_and_obeys_spec_8(
+    bare_output: tuple[str, list[str], str], crd_dir: Path
+) -> None:
+    mode, _, out = bare_output
+    docs = load_documents(out)
+    checks.validate_all(docs, crd_dir)
+    if mode == "knative":  # a writable root (see above): the other rules
+        assert checks.check_scaling(docs) == 1
+        checks.check_knative(docs)
+        (ksvc,) = [d for d in docs if d["kind"] == "Service"]
+        (fn,) = ksvc["spec"]["template"]["spec"]["containers"]
+        assert "PORT" not in checks.env(fn) and "ports" not in fn
+    else:
+        assert checks.check_semantics(docs) == 1
+
+
+def test_a_bare_function_s_injection_is_idempotent(
+    bare_output: tuple[str, list[str], str],
+) -> None:
+    _, args, out = bare_output
+    again = run_cli(*args, stdin=out)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == out
+
+
+# The author's own choices, some of them partial: each is kept, only what is missing is added.
+OPINIONATED = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: fn}
+spec:
+  selector: {matchLabels: {app: fn}}
+  template:
+    metadata: {labels: {app: fn}}
+    spec:
+      securityContext:
+        seccompProfile: {type: Localhost, localhostProfile: profiles/fn.json}
+      containers:
+        - name: fn
+          image: example/fn:1
+          ports: [{containerPort: 8080}]
+          resources:
+            requests: {memory: 512Mi}
+            limits: {cpu: "2"}
+          securityContext:
+            runAsUser: 2000
+            readOnlyRootFilesystem: false
+            capabilities: {add: [NET_BIND_SERVICE]}
+          readinessProbe:
+            httpGet: {path: /ready, port: 8080}
+            periodSeconds: 3
+"""
+
+
+def test_the_authors_own_settings_are_kept() -> None:
+    docs = inject(OPINIONATED)
+    fn, pod = function_of(docs)
+    assert fn["resources"] == {
+        # a limit alone: the request is that limit, as Kubernetes itself would make it
+        # a request alone: a limit never below it
+        "requests": {"memory": "512Mi", "cpu": "2"},
+        "limits": {"cpu": "2", "memory": "512Mi"},
+    }
+    assert fn["securityContext"] == {
+        "runAsUser": 2000,
+        "readOnlyRootFilesystem": False,
+        "capabilities": {"add": ["NET_BIND_SERVICE"], "drop": ["ALL"]},
+        "allowPrivilegeEscalation": False,
+        "runAsNonRoot": True,  # consistent with the author's non-zero user
+        # no seccompProfile: the pod's own Localhost profile applies
+    }
+    assert "volumeMounts" not in fn  # a writable root needs no /tmp volume
+    assert fn["readinessProbe"] == {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 3}
+    assert fn["livenessProbe"]["tcpSocket"] == {"port": 8080}  # the one missing probe
+    assert pod["securityContext"] == {
+        "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/fn.json"},
+        "runAsNonRoot": True,
+    }
+    checks.validate_all(docs, crd_dir=None)
+    assert inject(dump_documents(docs)) == docs
+
+
+def test_a_function_the_author_runs_as_root_is_not_made_non_root() -> None:
+    text = BARE_DEPLOYMENT.replace(
+        "ports: [{containerPort: 8080}]",
+        "ports: [{containerPort: 8080}]\n          securityContext: {runAsUser: 0}",
+    )
+    fn, pod = function_of(inject(text))
+    assert "runAsNonRoot" not in fn["securityContext"]
+    assert "runAsNonRoot" not in pod["securityContext"]  # the kubelet would refuse to start it
+    assert fn["securityContext"]["runAsUser"] == 0
+
+
+def test_a_knative_functions_own_settings_are_kept() -> None:
+    docs = inject(KSVC)
+    original = load_documents(KSVC)[0]["spec"]["template"]["spec"]["containers"][0]
+    fn, pod = function_of(docs)
+    assert fn["resources"] == original["resources"]
+    assert fn["readinessProbe"] == original["readinessProbe"] == {"httpGet": {"path": "/"}}
+    assert fn["livenessProbe"] == original["livenessProbe"]
+    # runAsNonRoot was the author's: the image's own (non-root) user stays, no uid imposed.
+    assert fn["securityContext"] == original["securityContext"]
+    assert "securityContext" not in pod
+
+
+# ------------------------------------------------ the dispatcher's probes on METRICS_PORT
+
+
+@pytest.mark.parametrize("variable", ["METRICS_PORT", "CONVEYOR_METRICS_PORT"])
+def test_dispatcher_probes_use_httpget_on_metrics_port(variable: str) -> None:
+    """With METRICS_PORT, /healthz and /readyz are served on all interfaces: the kubelet's
+    httpGet reaches them, and no Python interpreter starts for every probe."""
+    docs = inject(BARE_DEPLOYMENT)
+    (d,) = checks.dispatchers(docs)
+    assert "exec" in d.container["readinessProbe"]  # loopback only: probed from inside
+    d.container["env"].append({"name": variable, "value": "9090"})
+    again = inject(dump_documents(docs))
+    (d,) = checks.dispatchers(again)
+    assert d.container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 9090}
+    assert d.container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 9090}
+    assert "exec" not in d.container["readinessProbe"]
+    checks.check_dispatcher(d)
+    assert inject(dump_documents(again)) == again
 
 
 # -------------------------------------------------------------------- errors

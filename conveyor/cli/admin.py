@@ -268,6 +268,7 @@ def grant(client_id: str, service: str, capacity: int | None = typer.Option(None
 
 @app.command()
 def revoke(client_id: str, service: str) -> None:
+    """Take a client's grant on a service away (its cached secret stops working too)."""
     from gateway import admin
 
     if not _run(lambda conn: admin.revoke(conn, client_id, service)):

@@ -28,9 +28,9 @@ def gateway(
     workers: int = typer.Option(
         1, min=1, max=64, help="API processes on the port; one of them runs the loops"
     ),
-    no_background: bool = typer.Option(False, help="Serve the API only"),
+    no_background: bool = typer.Option(False, "--no-background", help="Serve the API only"),
     only_background: bool = typer.Option(
-        False, help="Run relay, result consumer, notifier and reaper only"
+        False, "--only-background", help="Run relay, result consumer, notifier and reaper only"
     ),
 ) -> None:
     """The consumer API and its background loops."""

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
 
 from tests.e2e.conftest import Stack
 from tests.support.gateway import Client, Platform
@@ -102,3 +102,24 @@ def test_an_operator_watches_tasks_finish_and_reads_a_failure(
     expect(page.locator('[data-field="Client"]')).to_have_text(stack.client.client_id)
     expect(page.locator("#attempts tbody tr")).to_have_count(1)
     _shot(page, "dashboard-task.png", tmp_path)
+
+
+def test_the_api_docs_render_with_no_way_out(stack: Stack, page: Page) -> None:
+    """SPEC §3.4, OpenAPI at /docs: the page loaded Swagger UI from a CDN, so it stayed blank
+    in a cluster (or on a machine) without the internet. Its files are the gateway's own now:
+    with every request elsewhere refused, the operations still render."""
+    base = stack.gateway.url
+    elsewhere: list[str] = []
+
+    def only_the_gateway(route: Route) -> None:
+        if route.request.url.startswith(base):
+            route.continue_()
+        else:
+            elsewhere.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_the_gateway)
+    page.goto(f"{base}/docs")
+    expect(page.locator(".opblock").first).to_be_visible()
+    expect(page.get_by_text("Create a task").first).to_be_visible()
+    assert elsewhere == []

@@ -15,6 +15,7 @@ import pytest
 
 from gateway.models import tasks
 from gateway.store import iso
+from tests.support.amqp import wait_until
 from tests.support.gateway import Client, GatewayProcess, Platform
 
 ADMIN = "/v1/admin"
@@ -260,8 +261,11 @@ def test_a_pending_task_detail_says_why_it_is_not_published(
 ) -> None:
     svc = platform.service()
     task_id = _submit(gateway, svc.clients[0], svc.name)
-    # What a relay leaves on a row the broker keeps refusing; a retry an hour away, so that
-    # this gateway's relay leaves it alone meanwhile.
+    # Once the submission's own publish is marked (it would clear what is set below), what a
+    # relay leaves on a row the broker keeps refusing; a retry an hour away, so that this
+    # gateway's relay leaves it alone meanwhile.
+    published = "SELECT publish_at IS NULL FROM tasks WHERE task_id = %(t)s"
+    assert wait_until(lambda: platform.sql(published, {"t": task_id})[0][0], 10)
     ((row_id, publish_at, expires_at, updated_at, time_limit, traceparent),) = platform.sql(
         """
         UPDATE tasks SET publish_attempts = 7, publish_error = 'NOT_FOUND - no queue',

@@ -2,7 +2,8 @@
 
 Checks run in the order the SPEC gives, cheapest first, and stop at the first
 failure: credentials (403001), service (404001), grant (403001), size
-(413001), shape (400002), JSON Schema (400001), capacity (429001/429002).
+(413001), shape (400002: JSON, a `body` object), JSON Schema (400001), callback
+and time (400002), capacity (429001/429002).
 The body is read by hand so that a huge or hostile body is refused before it
 is parsed, and so that every refusal carries the seed's error envelope.
 """
@@ -372,8 +373,14 @@ async def _new_task(
     where: str = "",
     fingerprint: bytes | None = None,
 ) -> NewTask:
-    """One task checked: its shape, its callback (SSRF guard) and the service's JSON Schema."""
+    """One task checked in SPEC §3.1's order: its shape (a `body` object), the service's JSON
+    Schema (400001), then its callback (the SSRF guard) and its time (400002)."""
     item = _check_item(item, where)
+    schema_errors = rt.schemas.errors(access.service, item["body"])
+    if schema_errors:
+        for error in schema_errors:
+            error["path"] = where + error["path"]
+        raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
     callback = None
     if item.get("callback") is not None:
         try:
@@ -381,11 +388,6 @@ async def _new_task(
         except CallbackRefused as exc:
             raise errors.invalid(where + exc.path, str(exc)) from None
     not_before = _not_before(item, where, rt.settings.max_delay)
-    schema_errors = rt.schemas.errors(access.service, item["body"])
-    if schema_errors:
-        for error in schema_errors:
-            error["path"] = where + error["path"]
-        raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
     ttl = time_to_live(access.service, rt.settings.pending_ttl)
     return NewTask(
         client_id, access, item["body"], callback, key, ttl, not_before, traceparent, fingerprint

@@ -162,6 +162,26 @@ def test_schema_failure_is_400001_with_errors(gateway: GatewayProcess, svc) -> N
     assert error["errors"] == [{"path": "body/sleep", "message": "'long' is not of type 'number'"}]
 
 
+def test_the_schema_is_checked_before_the_callback_and_the_time(
+    gateway: GatewayProcess, svc
+) -> None:
+    """SPEC §3.1's order: 400001 before 400002 (a bad callback), for a body both refuse."""
+    bad_body = {"sleep": "long"}
+    with gateway.http(svc.clients[0]) as http:
+        for extra in (
+            {"callback": {"type": "ftp", "url": "ftp://x"}},
+            {"delaySeconds": -1},
+            {"notBefore": "tomorrow"},
+        ):
+            answer = http.post(gateway.tasks_url(svc.name), json={"body": bad_body, **extra})
+            assert error_of(answer) == (400, 400001), extra
+            batch = http.post(
+                gateway.tasks_url(svc.name) + "/batch",
+                json={"tasks": [{"body": bad_body, **extra}]},
+            )
+            assert error_of(batch) == (400, 400001), extra
+
+
 @pytest.mark.parametrize(
     ("content", "field"),
     [

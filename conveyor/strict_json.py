@@ -64,18 +64,20 @@ def loads(raw: bytes | str) -> Any:
         raise NotJson(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
 
 
-def dumps(value: Any, *, allow_nan: bool = False) -> bytes:
+def dumps(value: Any, *, allow_nan: bool = False, sort_keys: bool = False) -> bytes:
     """Compact JSON. NaN and Infinity raise ValueError unless `allow_nan` (then they are
     written as the stdlib writes them, which no reader here accepts); what is not JSON
-    raises TypeError, as json.dumps does."""
+    raises TypeError, as json.dumps does. `sort_keys` gives canonical bytes (for hashing)."""
     try:
-        fast = orjson.dumps(value)
+        fast = orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else None)
     except orjson.JSONEncodeError:
         pass
     else:
         if b"null" not in fast or _finite(value):
             return fast
-    return json.dumps(value, separators=(",", ":"), allow_nan=allow_nan).encode()
+    return json.dumps(
+        value, separators=(",", ":"), allow_nan=allow_nan, sort_keys=sort_keys
+    ).encode()
 
 
 def _orjson_reads(raw: bytes) -> bool:

@@ -20,17 +20,16 @@ round trip (`insert_in_turn`); the others run their statements in an explicit tr
 from __future__ import annotations
 
 import hashlib
-import json
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import orjson
 import psycopg
 from psycopg import AsyncConnection
 
+from conveyor import strict_json
 from gateway import errors
 from gateway.catalog import Access, Service
 from gateway.models import TaskStatus
@@ -302,11 +301,7 @@ def fingerprint(request: Any) -> bytes:
     """What an Idempotency-Key is kept with: a hash of `request` (what the submission asked
     for, as JSON) in canonical JSON, its keys sorted. The same request gives the same bytes,
     whatever the order of its keys or its spacing."""
-    try:
-        canonical = orjson.dumps(request, option=orjson.OPT_SORT_KEYS)
-    except orjson.JSONEncodeError:  # integers beyond 64 bits, deep nesting: the stdlib's
-        canonical = json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(canonical).digest()
+    return hashlib.sha256(strict_json.dumps(request, sort_keys=True)).digest()
 
 
 def _same(row: Any, new: NewTask) -> bool:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from conveyor.events import EventKind
-from tests.dispatcher.conftest import DispatcherProc, FakeFunction, Launch, Rabbit
+from tests.dispatcher.conftest import DispatcherProc, FakeFunction, Launch, Rabbit, eventually
 from tests.support.metrics import Key, samples
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,7 +45,17 @@ async def test_calls_are_counted_by_outcome(
     ):
         assert (await rabbit.wait_terminal(task_id)).kind is kind
 
-    after = await _samples(dispatcher)
+    # A terminal event reaches -out's consumer as the dispatcher gets its confirm: the task
+    # is counted once that confirm is read, and leaves the in-flight gauge after its ack.
+    async def settled() -> dict[Key, float] | None:
+        found = await _samples(dispatcher)
+        ended = found.get(("conveyor_dispatcher_tasks_succeeded_total", ()), 0) + found.get(
+            ("conveyor_dispatcher_tasks_failed_total", ()), 0
+        )
+        idle = found.get(("conveyor_dispatcher_tasks_in_flight", ()), -1) == 0
+        return found if ended >= 4 and idle else None
+
+    after = await eventually(settled, 10, "the four tasks counted and out of flight")
     assert _calls(after, "success") == 2  # ok, and flaky's second call
     assert _calls(after, "failure") == 1  # the 422: final, not retried
     assert _calls(after, "retryable") == 1  # flaky's 503

@@ -188,12 +188,13 @@ async def test_function_slow_to_start_loses_no_task(
 async def test_a_short_call_sends_its_terminal_event_alone_carrying_host_and_start(
     rabbit: Rabbit, function: FakeFunction, launch: Launch
 ) -> None:
-    """STARTED_DELAY_MS (default 100): a call that answers sooner sends no `started`."""
-    dispatcher = launch(function.url)
+    """STARTED_DELAY_MS (100 by default): a call that answers sooner sends no `started`.
+    A whole second here, so that the quick call is sooner on a loaded machine too."""
+    dispatcher = launch(function.url, started_delay_ms=1000)
     await dispatcher.wait_ready()
     before = datetime.now(UTC)
     quick = await rabbit.submit({"response": {"n": 1}})
-    slow = await rabbit.submit({"sleep": 0.6})
+    slow = await rabbit.submit({"sleep": 1.6})
     reporting = await rabbit.submit({"progress": [30]})  # short, but it reports progress
 
     done = await rabbit.wait_terminal(quick)

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from conveyor.client import AsyncConveyorClient, ConveyorClient, Task, TaskWaitTimeout
+from tests.support.amqp import wait_until
 from tests.support.gateway import Client, GatewayProcess, Platform, Service, gateway_env
 from tests.support.processes import Processes
 from tests.support.tcpproxy import TcpProxy
@@ -335,12 +336,16 @@ def test_the_sdk_follows_the_stream(gateway: GatewayProcess, platform: Platform)
     seen: list[tuple[str, float]] = []
 
     def change() -> None:
-        time.sleep(0.5)
-        _set(platform, task_id, status="IN_PROGRESS", progress=10)
-        time.sleep(0.3)
-        _set(platform, task_id, progress=60)
-        time.sleep(0.3)
-        _set(platform, task_id, status="SUCCESS", progress=100, response="{}", end_date="now()")
+        # Each change once the one before was followed: a stream sends the state it reads
+        # when notified, so changes closer together than its reads may come as one.
+        steps: list[dict[str, Any]] = [
+            {"status": "IN_PROGRESS", "progress": 10},
+            {"progress": 60},
+            {"status": "SUCCESS", "progress": 100, "response": "{}", "end_date": "now()"},
+        ]
+        for followed, columns in enumerate(steps, start=1):
+            wait_until(lambda n=followed: len(seen) >= n, 15, what=f"{followed} states followed")
+            _set(platform, task_id, **columns)
 
     changer = threading.Thread(target=change)
     changer.start()

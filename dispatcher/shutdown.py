@@ -48,31 +48,50 @@ class Aborted(Exception):
 
 
 class AbortToken:
-    """Interrupts one delivery's function call or backoff pause, on request."""
+    """Interrupts one delivery's function call or backoff pause, on request.
+
+    The guarded work runs in the caller's own task, and an abort cancels that task, as
+    `asyncio.timeout` does: no task of its own per call, no wait on two futures, and a
+    cancellation from anyone else still propagates as one."""
 
     def __init__(self) -> None:
-        self._future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._aborted = False
+        self._guarded: asyncio.Task[object] | None = None  # the task inside `guard`, if any
+        self._cancelled_it = False
 
     @property
     def aborted(self) -> bool:
-        return self._future.done()
+        return self._aborted
 
     def abort(self) -> None:
-        if not self._future.done():
-            self._future.set_result(None)
+        if self._aborted:
+            return
+        self._aborted = True
+        if self._guarded is not None:
+            self._cancelled_it = True
+            self._guarded.cancel()
 
     async def guard(self, work: Awaitable[T]) -> T:
         """Runs `work` unless aborted first; an abort cancels it and raises `Aborted`."""
-        if self.aborted:
+        if self._aborted:
             _discard(work)
             raise Aborted
-        task = asyncio.ensure_future(work)
-        await asyncio.wait((task, self._future), return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise Aborted
+        task = asyncio.current_task()
+        assert task is not None, "guard runs in a task"
+        cancelling = task.cancelling()
+        self._guarded = task
+        try:
+            result = await work
+        except asyncio.CancelledError:
+            if self._cancelled_it and task.uncancel() <= cancelling:
+                raise Aborted from None
+            raise  # someone else's cancellation (ours is counted off)
+        finally:
+            self._guarded = None
+        if self._cancelled_it:  # aborted as it ended, and the work swallowed the cancel
+            task.uncancel()
+            raise Aborted
+        return result
 
     async def sleep(self, seconds: float) -> None:
         await self.guard(asyncio.sleep(seconds))

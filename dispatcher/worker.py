@@ -85,14 +85,18 @@ class Attempt:
     progress_token: str | None = None  # knative mode: what the progress URL must carry
     traceparent: str | None = None  # its events': the `consume` span's, or the submission's
     confirmed: bool = False  # its terminal event was confirmed by the broker
-    started_sent: bool = False  # `started` went (or is going) out: the task is IN_PROGRESS
+    started: asyncio.Task[None] | None = None  # its `started` going out: the task is IN_PROGRESS
+    started_timer: asyncio.TimerHandle | None = None  # until STARTED_DELAY_MS have passed
     holds_slot: bool = True  # one of the CONCURRENCY slots, until the function has answered
-    start_now: asyncio.Event = field(default_factory=asyncio.Event)  # progress: skip the delay
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def task_id(self) -> str:
         return self.submission.task_id
+
+    @property
+    def started_sent(self) -> bool:
+        return self.started is not None
 
     def event(self, kind: EventKind, **fields: Any) -> TaskEvent:
         return TaskEvent(
@@ -205,9 +209,16 @@ class Worker:
             self.slots.release()
 
     async def _run(self, attempt: Attempt) -> None:
-        started = asyncio.create_task(self._publish_started(attempt))
+        self._schedule_started(attempt)
+        try:
+            await self._call_and_finish(attempt)
+        finally:  # an unexpected error too: no `started` may go out after the attempt
+            if attempt.started_timer is not None:
+                attempt.started_timer.cancel()
+
+    async def _call_and_finish(self, attempt: Attempt) -> None:
         reporter = ProgressReporter(
-            partial(self._publish_progress, attempt, started), self.settings.progress_interval
+            partial(self._publish_progress, attempt), self.settings.progress_interval
         )
         self.board.open(attempt.task_id, reporter, attempt.progress_token)
         try:
@@ -220,7 +231,7 @@ class Worker:
             )
         except Aborted:
             await reporter.close(flush=False)
-            await self._settle_started(attempt, started)
+            await self._settle_started(attempt)
             if self.cancels.cancelled(attempt.task_id):
                 await self._ack_cancelled(attempt.delivery, attempt.task_id, called=True)
             else:
@@ -235,15 +246,16 @@ class Worker:
         self._free_slot(attempt)
         # Progress still waiting to go out only matters if `started` did: otherwise the
         # terminal event, next, says it all.
-        await self._settle_started(attempt, started)
+        await self._settle_started(attempt)
         await reporter.close(flush=attempt.started_sent)
         await self._finish(attempt, outcome)
 
-    async def _settle_started(self, attempt: Attempt, started: asyncio.Task[None]) -> None:
+    async def _settle_started(self, attempt: Attempt) -> None:
         """A `started` still in its delay is not sent at all; one going out is waited for."""
-        if not attempt.started_sent:
-            started.cancel()
-        await asyncio.wait((started,))
+        if attempt.started_timer is not None:
+            attempt.started_timer.cancel()
+        if attempt.started is not None:
+            await asyncio.wait((attempt.started,))
 
     async def _call(self, attempt: Attempt, number: int, time_left: float) -> Outcome:
         began = time.perf_counter()
@@ -352,15 +364,25 @@ class Worker:
 
     # -- events ---------------------------------------------------------------
 
-    async def _publish_started(self, attempt: Attempt) -> None:
+    def _schedule_started(self, attempt: Attempt) -> None:
+        """`started` once the call has run STARTED_DELAY_MS. A timer, not a task that sleeps:
+        most calls end sooner, and a cancelled timer costs the event loop nothing more."""
         delay = self.settings.started_delay_ms / 1000
+        # A legacy event cannot carry the stand-in fields: legacy tasks always get one.
         if delay > 0 and attempt.submission.message_format is MessageFormat.CLOUDEVENTS:
-            # A legacy event cannot carry the stand-in fields: legacy tasks always get one.
-            try:
-                await asyncio.wait_for(attempt.start_now.wait(), delay)
-            except TimeoutError:
-                pass
-        attempt.started_sent = True
+            loop = asyncio.get_running_loop()
+            attempt.started_timer = loop.call_later(delay, self._start, attempt)
+        else:
+            self._start(attempt)
+
+    def _start(self, attempt: Attempt) -> None:
+        """Sends `started` now, once: its delay is over, or the task reported progress."""
+        if attempt.started_timer is not None:
+            attempt.started_timer.cancel()
+        if attempt.started is None:
+            attempt.started = asyncio.create_task(self._publish_started(attempt))
+
+    async def _publish_started(self, attempt: Attempt) -> None:
         event = attempt.event(EventKind.STARTED, host=self.settings.hostname)
         try:
             await asyncio.wait_for(
@@ -373,11 +395,10 @@ class Worker:
                 extra={"task_id": attempt.task_id, "error": repr(exc)},
             )
 
-    async def _publish_progress(
-        self, attempt: Attempt, started: asyncio.Task[None], value: float
-    ) -> None:
-        attempt.start_now.set()  # a task that reports progress is running: say so now
-        await asyncio.wait((started,))  # `started` first, always
+    async def _publish_progress(self, attempt: Attempt, value: float) -> None:
+        self._start(attempt)  # a task that reports progress is running: say so now
+        assert attempt.started is not None
+        await asyncio.wait((attempt.started,))  # `started` first, always
         event = attempt.event(EventKind.PROGRESS, progress=value)
         await asyncio.wait_for(
             self.publisher.publish_event(event, attempt.submission.message_format), EVENT_TIMEOUT

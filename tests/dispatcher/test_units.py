@@ -207,6 +207,45 @@ async def test_abort_interrupts_the_backoff_pause() -> None:
     assert time.monotonic() - began < 1
 
 
+async def test_a_guarded_call_is_cancelled_by_an_abort_and_by_nothing_else() -> None:
+    """The guard runs the call in the caller's task and an abort cancels that task: an
+    abort ends in `Aborted`, someone else's cancellation stays a cancellation (also when an
+    abort comes with it), and a call that ends returns its result."""
+    token = AbortToken()
+    assert await token.guard(asyncio.sleep(0, result=7)) == 7
+
+    async def guarded(token: AbortToken) -> str:
+        try:
+            await token.guard(asyncio.sleep(30))
+        except Aborted:
+            return "aborted"
+        return "ended"
+
+    aborted = AbortToken()
+    call = asyncio.create_task(guarded(aborted))
+    await asyncio.sleep(0.01)
+    aborted.abort()
+    assert await asyncio.wait_for(call, 5) == "aborted"
+    assert call.cancelling() == 0  # nothing of the abort is left on the task
+
+    for also_aborted in (False, True):
+        token = AbortToken()
+        call = asyncio.create_task(guarded(token))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        if also_aborted:
+            token.abort()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, 5)
+
+    late = AbortToken()
+    late.abort()
+    work = asyncio.sleep(30)
+    with pytest.raises(Aborted):
+        await late.guard(work)
+    assert work.cr_frame is None  # closed, never run: no "never awaited" warning
+
+
 async def test_abort_cancels_the_call_in_progress() -> None:
     cancelled = asyncio.Event()
 

@@ -11,9 +11,7 @@ peers (total concurrency 4 each, by default):
 * `conveyor-4x1`: one gateway, four dispatchers with CONCURRENCY=1 (as many
   worker processes as Celery has);
 * `celery-prefork-4`: `celery worker --pool=prefork --concurrency=4`, late
-  acks, prefetch multiplier 1, SQLAlchemy result backend (`bench.celery_peer`);
-* `celery-solo-4x1`: four `celery worker --pool=solo`, the same settings: Celery
-  in conveyor-4x1's shape (four one-slot worker processes, as four pods would be).
+  acks, prefetch multiplier 1, SQLAlchemy result backend (`bench.celery_peer`).
 
 Throughput: N tasks submitted as fast as the client goes (Conveyor: 16
 concurrent HTTP clients against the gateway; Celery: `apply_async` in a loop),
@@ -95,7 +93,6 @@ def peers(concurrency: int, buffer: int = 0) -> list[Peer]:
         Peer(f"conveyor-{concurrency}x1", "conveyor", concurrency, 1),
         *([many] if buffer else []),
         Peer(f"celery-prefork-{concurrency}", "celery", 1, concurrency),
-        Peer(f"celery-solo-{concurrency}x1", "celery", concurrency, 1),
     ]
 
 
@@ -379,47 +376,41 @@ def run_celery(ctx: Context, peer: Peer) -> dict[str, Any]:
     options = ctx.options
     queue = unique("celery")
     env = celery_env(ctx, queue)
-    pool = "solo" if peer.processes > 1 else "prefork"
-    workers = [
-        ctx.procs.start(
-            f"{peer.name}-{n}",
-            [
-                PYTHON,
-                "-m",
-                "celery",
-                "-A",
-                "bench.celery_peer",
-                "worker",
-                f"--pool={pool}",
-                f"--concurrency={peer.concurrency}",
-                "-Q",
-                queue,
-                "-n",
-                f"{queue}-{n}@%h",
-                "--loglevel=WARNING",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-            ],
-            env=env,
-        )
-        for n in range(peer.processes)
-    ]
-    pids = [worker.pid for worker in workers]
+    worker = ctx.procs.start(
+        peer.name,
+        [
+            PYTHON,
+            "-m",
+            "celery",
+            "-A",
+            "bench.celery_peer",
+            "worker",
+            "--pool=prefork",
+            f"--concurrency={peer.concurrency}",
+            "-Q",
+            queue,
+            "-n",
+            f"{queue}@%h",
+            "--loglevel=WARNING",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ],
+        env=env,
+    )
     succeeded = celery_counter(ctx.database_url)
     failed = celery_counter(ctx.database_url, "FAILURE")
     try:
         before = succeeded()
         warm = _celery_client(env, "submit", "--count", str(WARMUP_TASKS), timeout=60)
         if wait_for_count(succeeded, before + warm["count"], 90) is None:
-            tails = "\n".join(worker.tail() for worker in workers)
-            raise RuntimeError(f"{peer.name}: warm-up tasks did not finish\n{tails}")
+            raise RuntimeError(f"{peer.name}: warm-up tasks did not finish\n{worker.tail()}")
         before = succeeded()
         failed_before = failed()
-        meter = CpuMeter(pids, tree=True)
+        meter = CpuMeter([worker.pid], tree=True)
         function_meter = CpuMeter([ctx.function.proc.pid])
         servers = ServerMeter(ctx.database_url)
-        worker_writes = WriteMeter(pids, tree=True)
+        worker_writes = WriteMeter([worker.pid], tree=True)
         for m in (meter, function_meter, servers, worker_writes):
             m.start()
         load = Background(
@@ -450,8 +441,7 @@ def run_celery(ctx: Context, peer: Peer) -> dict[str, Any]:
         result["latency"] = celery_latency(ctx, env)
         return result
     finally:
-        for worker in workers:
-            ctx.procs.stop(worker, timeout=20)
+        ctx.procs.stop(worker, timeout=20)
         ctx.queues.append(queue)
 
 
@@ -557,20 +547,12 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
 
 
 def _ratios(found: dict[str, Any], concurrency: int) -> dict[str, Any]:
-    """Each Conveyor peer against Celery prefork (SPEC §10's figure), and the one-slot
-    dispatchers against as many one-slot Celery workers too."""
     celery = found.get(f"celery-prefork-{concurrency}", {}).get("throughput_tps")
-    ratios = {
+    return {
         f"{name}/celery": ratio(peer["throughput_tps"], celery)
         for name, peer in found.items()
         if name.startswith("conveyor")
     }
-    solo, many = f"celery-solo-{concurrency}x1", f"conveyor-{concurrency}x1"
-    if solo in found and many in found:
-        ratios[f"{many}/{solo}"] = ratio(
-            found[many]["throughput_tps"], found[solo]["throughput_tps"]
-        )
-    return ratios
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from conveyor import envelope, strict_json
 from dispatcher.metrics import Metrics
@@ -73,7 +74,12 @@ def parse_progress(raw: bytes) -> float | str:
     value = payload["progress"]
     if isinstance(value, bool) or not isinstance(value, int | float):
         return "progress must be a number"
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        # JSON allows an integer of any length: one too big for a float is still a finite
+        # number, clamped as below (it answered 500).
+        return 100.0 if value > 0 else 0.0
     if not math.isfinite(value):
         return "progress must be a finite number"
     # Clamped as the task's lifecycle clamps it (SPEC §6.4): a function that overshoots by
@@ -109,10 +115,18 @@ class Endpoints:
 
     async def _report(self, request: web.Request, task_id: str) -> web.Response:
         raw = b""
-        async for chunk in request.content.iter_any():
-            raw += chunk
-            if len(raw) > MAX_PROGRESS_BODY:
-                return _error(413, 413001, "Request too large.")
+        try:
+            async for chunk in request.content.iter_any():
+                raw += chunk
+                if len(raw) > MAX_PROGRESS_BODY:
+                    return _error(413, 413001, "Request too large.")
+        except (ConnectionError, web.RequestPayloadError) as exc:
+            # The caller left mid-body, or its body's framing is not HTTP: its doing, not
+            # ours, so no ERROR with a traceback (aiohttp's log for a handler's exception).
+            log.info(
+                "progress report not received whole", extra={"task_id": task_id, "reason": str(exc)}
+            )
+            return _invalid("the body was not received whole")
         value = parse_progress(raw)
         if isinstance(value, str):
             return _invalid(value)
@@ -159,6 +173,20 @@ def _app(routes: list[web.RouteDef]) -> web.Application:
     return app
 
 
+class _ServerLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log, with a request it could not parse (it answers 400 itself)
+    said at debug without a traceback, like aiohttp's own non-HTTP bytes: a caller's
+    doing, and PROGRESS_PORT listens on the pod's IP. Any other exception, a handler's
+    bug, is still an ERROR with its traceback."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            reason = exc_info.message.partition("\n")[0] or type(exc_info).__name__
+            self.debug(f"{msg}: %s", *args, reason)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
 class ApiServer:
     """One aiohttp server on a socket bound up front, so a busy port fails clearly."""
 
@@ -167,7 +195,11 @@ class ApiServer:
         self.port = port
         self._socket = socket.create_server((host, port), backlog=128)
         self._runner = web.AppRunner(
-            app, handle_signals=False, access_log=None, shutdown_timeout=1.0
+            app,
+            handle_signals=False,
+            access_log=None,
+            shutdown_timeout=1.0,
+            logger=_ServerLog(logging.getLogger("aiohttp.server")),
         )
         self._started = False
 

@@ -16,7 +16,8 @@ kept, and only the deadline bounds a call (aiohttp's own timeouts are off).
 | 2xx                                  | Success(JSON body / string / None)|
 | 2xx, JSON nested too deep to carry   | Failure, final                   |
 | 4xx except 408, 429 (and 1xx, 3xx)   | Failure, final                   |
-| 408, 429, 5xx, network error         | Failure, retryable               |
+| 408, 429, 5xx, network error, an     | Failure, retryable               |
+| answer that is not valid HTTP        |                                  |
 | no whole answer by the deadline      | Failure, retryable (time allowing)|
 | an answer over MAX_RESPONSE_BYTES    | Failure, final                   |
 
@@ -29,6 +30,7 @@ U+FFFD.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +38,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from conveyor import headers as h
@@ -134,10 +138,18 @@ def classify(status: int, body: bytes, headers: Mapping[str, str] | None = None)
             return Success(response_value(body))
         except Unparseable as exc:
             return Failure(f"The function's answer could not be parsed: {exc}.", retryable=False)
-    cause = f"HTTP {status}"
     message = error_message(body)
+    if 400 <= status < 500 and status not in RETRYABLE_STATUS:
+        # The function's own refusal: its message is the task's errorMessage (SPEC §7).
+        return Failure(truncate(message or f"HTTP {status}"), retryable=False)
+    cause = f"HTTP {status}"
+    if 300 <= status < 400:
+        # Said, so that a 3xx body ("<html>moved</html>") does not read as the function's.
+        location = (headers or {}).get("location")
+        where = f"; Location: {location}" if location else ""
+        cause = f"{cause} (redirects are not followed{where})"
     if message:
-        cause = f"{cause}: {message}" if status >= 500 or status in RETRYABLE_STATUS else message
+        cause = f"{cause}: {message}"
     if status >= 500 or status in RETRYABLE_STATUS:
         retry_after = (headers or {}).get("retry-after")
         return Failure(truncate(cause), retryable=True, retry_after=retry_after)
@@ -146,11 +158,27 @@ def classify(status: int, body: bytes, headers: Mapping[str, str] | None = None)
 
 def network_failure(exc: aiohttp.ClientError) -> Failure:
     """Connection refused or reset, a malformed answer: the function may come back."""
+    if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError):
+        detail = f"The function's answer was not valid HTTP: {_parse_error(exc)}"
+        return Failure(truncate(detail), retryable=True)
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, aiohttp.ClientConnectorError):
         detail = f"cannot connect to the function: {detail}"
         return Failure(truncate(detail), retryable=True, unreachable=True)
     return Failure(truncate(detail), retryable=True)
+
+
+def _parse_error(exc: aiohttp.ClientError) -> str:
+    """aiohttp's words for what is wrong with an answer, without the 400 it gives every
+    parse error (it read as the function's status) nor the function's inner URL, and
+    without the lines of its caret drawing."""
+    cause = exc if isinstance(exc, aiohttp.ClientResponseError) else exc.__cause__
+    if isinstance(cause, aiohttp.ClientResponseError | HttpProcessingError):
+        text = cause.message
+    else:
+        text = str(exc)
+    lines = (line.strip() for line in text.splitlines())
+    return " ".join(line for line in lines if line.strip("^"))
 
 
 def response_value(body: bytes) -> Any:
@@ -216,6 +244,33 @@ def _text(body: bytes) -> str:
 # the call
 
 
+class _StrictResponseHandler(ResponseHandler):
+    """A pooled connection with bytes the function sent unasked is not reused.
+
+    aiohttp 3.14 reuses an idle pooled connection when `is_connected()` and keep-alive
+    allow, without looking at `should_close` (aio-libs/aiohttp#13656): a second answer
+    written after the first was queued there and taken as the next task's answer. The
+    connector consults `is_connected()` only for idle pooled connections (`_get`,
+    `_cleanup`), so a call in progress is not affected: an unfit idle one is closed
+    instead. (`Connection.closed` reads it too; nothing here or in aiohttp reads that.)
+    """
+
+    def is_connected(self) -> bool:
+        return super().is_connected() and not self.should_close
+
+
+class _Connector(aiohttp.TCPConnector):
+    """A TCPConnector whose connections use _StrictResponseHandler."""
+
+    def __init__(self, *, limit: int, keepalive_timeout: float) -> None:
+        super().__init__(limit=limit, keepalive_timeout=keepalive_timeout)
+        self._factory = functools.partial(self._protocol, loop=self._loop)
+
+    @staticmethod
+    def _protocol(loop: asyncio.AbstractEventLoop) -> ResponseHandler:
+        return _StrictResponseHandler(loop)
+
+
 class Invoker:
     """Calls FUNCTION_URL; one shared keep-alive session for the whole process."""
 
@@ -233,7 +288,7 @@ class Invoker:
             self._session = aiohttp.ClientSession(
                 # Idle connections are closed before the usual servers' 5 s (uvicorn, Node)
                 # would close them: a call never races a server's close of its connection.
-                connector=aiohttp.TCPConnector(limit=self.concurrency, keepalive_timeout=4.0),
+                connector=_Connector(limit=self.concurrency, keepalive_timeout=4.0),
                 timeout=aiohttp.ClientTimeout(total=None),
                 cookie_jar=aiohttp.DummyCookieJar(),
                 trust_env=False,

@@ -32,7 +32,9 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    # ASCII only (RFC 9110 delta-seconds): isdigit() alone also holds for "²" and "①",
+    # which float() refuses; other digits are ignored like any other garbage.
+    if value.isascii() and value.isdigit():
         return float(value)
     try:
         when = parsedate_to_datetime(value)

@@ -6,7 +6,7 @@ Each task's body says how the function behaves for it, so one process serves
 every scenario of a test:
 
     {"statuses": [503, 200],        # answer per call of this ce-id (last one repeats)
-     "retryAfter": "1",             # Retry-After header on non-2xx answers
+     "retryAfter": "1",             # Retry-After header on non-2xx answers (sent as UTF-8)
      "error": {...} | "text",       # body of non-2xx answers
      "sleep": 2.5,                  # seconds before answering ...
      "sleepOnAttempts": [1],        # ... only for these X-Conveyor-Attempt values
@@ -14,7 +14,7 @@ every scenario of a test:
      "progressPause": 0.1,
      "response": {...},             # 2xx JSON body (default: {"echo": <body>})
      "rawResponse": "text",         # 2xx raw body instead
-     "hostile": "deep" | "trickle" | "huge",  # a hostile 2xx answer, see `hostile()`
+     "hostile": "deep" | "trickle" | "huge" | "twice" | "garbage",  # see `_hostile()`
      "size": 1000000}               # bytes of a huge answer
 
 Every call is logged twice to the JSON-lines file: `"phase": "start"` with its
@@ -116,7 +116,8 @@ class Handler(BaseHTTPRequestHandler):
             error = spec.get("error", {"errorMessage": "failed on purpose"})
             payload = error.encode() if isinstance(error, str) else json.dumps(error).encode()
             if "retryAfter" in spec:
-                extra["Retry-After"] = str(spec["retryAfter"])
+                # http.server writes headers as latin-1: these bytes are the value's UTF-8.
+                extra["Retry-After"] = str(spec["retryAfter"]).encode().decode("latin-1")
         self.journal.write(
             {
                 "phase": "end",
@@ -130,13 +131,25 @@ class Handler(BaseHTTPRequestHandler):
 
     def _hostile(self, spec: dict[str, Any]) -> None:
         """Answers no dispatcher should trust: 100,000-deep JSON, a body trickled one byte
-        a second, or a body of `size` bytes."""
+        a second, a body of `size` bytes, (twice) a second, stray answer written on the
+        idle keep-alive connection 50 ms after the real one, logged as `"phase": "stray"`,
+        or (garbage) a status line that is not HTTP."""
         kind = spec["hostile"]
         try:
             if kind == "deep":
                 self._answer(200, b"[" * 100_000 + b"]" * 100_000, {})
             elif kind == "huge":
                 self._answer(200, b'"' + b"x" * int(spec.get("size", 1_000_000)) + b'"', {})
+            elif kind == "garbage":
+                self.wfile.write(b"hello there\r\n\r\n")
+                self.close_connection = True
+            elif kind == "twice":
+                self._answer(200, json.dumps({"answered": self.headers["ce-id"]}).encode(), {})
+                self.wfile.flush()
+                time.sleep(0.05)  # after the dispatcher has put the connection back
+                self._answer(200, b'{"stray": "an answer to no request"}', {})
+                self.wfile.flush()
+                self.journal.write({"phase": "stray", "id": self.headers["ce-id"]})
             elif kind == "trickle":
                 payload = b'{"slow": "' + b"x" * 120 + b'"}'
                 self.send_response(200)

@@ -150,3 +150,57 @@ async def test_a_function_restarting_under_a_running_dispatcher_fails_no_task(
     for task_id in tasks:
         assert (await rabbit.wait_terminal(task_id, timeout=20)).kind is EventKind.SUCCEEDED
         assert len(again.calls(task_id)) == 1
+
+
+async def test_a_stray_second_answer_is_never_taken_for_the_next_tasks(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """A function that writes a second answer on its idle keep-alive connection: the next
+    task sent on that connection ended SUCCESS with the stray answer (aiohttp reused the
+    pooled connection with the answer already buffered, aio-libs/aiohttp#13656)."""
+    dispatcher = launch(function.url, concurrency=1)
+    await dispatcher.wait_ready()
+    first = await rabbit.submit({"hostile": "twice"})
+    assert (await rabbit.wait_terminal(first)).response == {"answered": first}
+    # The stray answer is on the wire before the next task is even submitted.
+    await eventually(lambda: function.calls(first, phase="stray"), 10, "the stray answer")
+
+    second = await rabbit.submit({"response": {"real": "answer"}})
+    done = await rabbit.wait_terminal(second)
+
+    assert (done.kind, done.response) == (EventKind.SUCCEEDED, {"real": "answer"})
+    assert len(function.calls(second)) == 1
+
+
+async def test_a_retry_after_in_non_ascii_digits_is_ignored_and_the_503_kept(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """`Retry-After: ①` passed `isdigit()` and broke float(): the worker's unexpected error
+    requeued the task until the broker dead-lettered it, its real cause lost."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"statuses": [503], "retryAfter": "\u2460"}, max_attempts=2)
+
+    done = await rabbit.wait_terminal(task_id)
+
+    assert done.kind is EventKind.FAILED
+    assert (done.error_message or "").startswith("HTTP 503")
+    assert len(function.calls(task_id)) == 2
+
+
+async def test_an_answer_that_is_not_http_says_so_without_a_status_or_the_url(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """aiohttp's text for a parse error reads `400, message="Bad status line: …",
+    url='http://127.0.0.1:…/'`: like a 400 from the function, and with its inner URL."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"hostile": "garbage"}, max_attempts=1)
+
+    done = await rabbit.wait_terminal(task_id)
+
+    assert done.kind is EventKind.FAILED
+    message = done.error_message or ""
+    assert message.startswith("The function's answer was not valid HTTP: Bad status line"), message
+    assert "url=" not in message and str(function.port) not in message
+    assert "400" not in message

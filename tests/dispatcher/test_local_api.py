@@ -67,3 +67,66 @@ async def test_hostile_requests_get_the_specs_answers_and_break_nothing(
         10,
         "the progress taken after the hostile requests",
     )
+
+
+async def test_an_integer_too_big_for_a_float_is_clamped_not_a_500(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """`{"progress": <400 digits>}` is valid JSON that float() cannot hold (OverflowError):
+    it answered 500. It is clamped like 1e308 is."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"sleep": 2})
+    await function.wait_calls(task_id)
+    progress = f"{dispatcher.base}/tasks/{task_id}/progress"
+
+    async with httpx.AsyncClient(timeout=10) as http:
+        below = await http.post(progress, content=b'{"progress": -' + b"9" * 400 + b"}")
+        above = await http.post(progress, content=b'{"progress": ' + b"9" * 400 + b"}")
+
+    assert (below.status_code, above.status_code) == (204, 204)
+    await eventually(
+        lambda: 100.0 in [e.progress for e in rabbit.of(task_id) if e.kind is EventKind.PROGRESS],
+        10,
+        "the clamped progress",
+    )
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+
+
+async def test_a_client_gone_mid_body_or_sending_bad_http_is_no_error_in_the_log(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """A progress report cut mid-body, or HTTP the server cannot parse, was logged as ERROR
+    "Error handling request" with a traceback (and a bad chunked body answered 500): the
+    client's doing, not the dispatcher's, like a client gone mid-body at the gateway."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"sleep": 3})
+    await function.wait_calls(task_id)
+    path = f"/tasks/{task_id}/progress".encode()
+
+    with socket.create_connection(("127.0.0.1", dispatcher.port), timeout=5) as cut:
+        cut.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    for bad in (
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ):
+        with socket.create_connection(("127.0.0.1", dispatcher.port), timeout=5) as raw:
+            raw.sendall(bad)
+            assert raw.recv(64).split(b"\r\n")[0].endswith(b" 400 Bad Request"), bad
+    await eventually(
+        lambda: any(
+            r.get("message") == "progress report not received whole"
+            for r in dispatcher.log_records()
+        ),
+        10,
+        "the cut report's line",
+    )
+
+    async with httpx.AsyncClient(timeout=10) as http:
+        taken = await http.post(f"{dispatcher.base}/tasks/{task_id}/progress", json={"progress": 7})
+        assert taken.status_code == 204
+    logs = dispatcher.proc.logs()
+    assert "Error handling request" not in logs
+    assert "Traceback" not in logs
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED

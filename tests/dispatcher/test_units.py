@@ -7,10 +7,20 @@ import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
+import aiohttp
 import pytest
+from aiohttp.http_exceptions import ContentLengthError
 
 from dispatcher.api import parse_progress
-from dispatcher.invoker import ERROR_LIMIT, Failure, Outcome, Success, classify, truncate
+from dispatcher.invoker import (
+    ERROR_LIMIT,
+    Failure,
+    Outcome,
+    Success,
+    classify,
+    network_failure,
+    truncate,
+)
 from dispatcher.progress import ProgressBoard, ProgressReporter
 from dispatcher.retry import Budget, RetryPolicy, call_with_retries, parse_retry_after
 from dispatcher.shutdown import Aborted, AbortToken
@@ -97,6 +107,46 @@ def test_redirects_are_final_failures() -> None:
     assert isinstance(outcome, Failure) and not outcome.retryable
 
 
+@pytest.mark.parametrize(
+    ("status", "body", "headers", "error"),
+    [
+        (
+            301,
+            b"<html>moved</html>",
+            {"location": "http://x/"},
+            "HTTP 301 (redirects are not followed; Location: http://x/): <html>moved</html>",
+        ),
+        (304, b"", {}, "HTTP 304 (redirects are not followed)"),
+        (
+            300,
+            b'{"errorMessage": "pick one"}',
+            {},
+            "HTTP 300 (redirects are not followed): pick one",
+        ),
+        (99, b"below", {}, "HTTP 99: below"),
+        (199, b"", {}, "HTTP 199"),
+    ],
+)
+def test_other_final_answers_give_their_status(
+    status: int, body: bytes, headers: dict[str, str], error: str
+) -> None:
+    """A 3xx ended with its body alone ("<html>moved</html>"), like a function's own
+    4xx errorMessage: the status and why it was not followed were lost."""
+    assert classify(status, body, headers) == Failure(error, retryable=False)
+
+
+def test_a_cut_answer_says_what_is_missing_without_aiohttps_fake_400() -> None:
+    """aiohttp wraps a short body as `<ContentLengthError: 400, message=…>`: it read like a
+    400 from the function."""
+    exc = aiohttp.ClientPayloadError("Response payload is not completed: <ContentLengthError>")
+    exc.__cause__ = ContentLengthError("Not enough data (received 12 of 100 bytes).")
+
+    assert network_failure(exc) == Failure(
+        "The function's answer was not valid HTTP: Not enough data (received 12 of 100 bytes).",
+        retryable=True,
+    )
+
+
 # ---------------------------------------------------------------------------
 # backoff and Retry-After
 
@@ -112,6 +162,13 @@ def test_retry_after_seconds_and_http_date() -> None:
     assert parse_retry_after("soon", now) is None
     assert parse_retry_after("-5", now) is None
     assert parse_retry_after(None) is None
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u2460", "\u0663", "1\u00b2"])
+def test_retry_after_in_digits_that_are_not_ascii_is_ignored(value: str) -> None:
+    """`str.isdigit()` holds for `²` and `①`, which float() refuses: the ValueError escaped
+    the worker, and the task was requeued until it was dead-lettered."""
+    assert parse_retry_after(value) is None
 
 
 def test_backoff_is_exponential_capped_and_jittered() -> None:
@@ -352,6 +409,8 @@ async def test_board_routes_reports_to_the_task_in_flight() -> None:
         (b'{"progress": true}', str),
         (b'{"progress": NaN}', str),
         (b'{"progress": 1e999}', str),
+        (b'{"progress": ' + b"9" * 400 + b"}", 100.0),  # too big for a float, yet finite
+        (b'{"progress": -' + b"9" * 400 + b"}", 0.0),
         (b"[42]", str),
         (b"{", str),
         (b"", str),

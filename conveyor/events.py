@@ -36,6 +36,9 @@ TRACEPARENT = "traceparent"
 EXT_ATTEMPT = "conveyorattempt"  # identifies one delivery of a task to a function
 EXT_MAX_ATTEMPTS = "conveyormaxattempts"
 EXT_TIMEOUT = "conveyortimeout"  # seconds one attempt may run
+# When the task expires (RFC 3339): no dispatcher calls it later. The message's AMQP
+# `expiration` only bounds its wait in the queue, not in a dispatcher's prefetch buffer.
+EXT_EXPIRES = "conveyorexpires"
 # On a terminal event whose attempt sent no `started` (a call shorter than STARTED_DELAY_MS):
 # who ran it and when it began, so the task still gets its workerHost and startDate.
 EXT_HOST = "conveyorhost"
@@ -302,7 +305,14 @@ def _encode_submission(sub: Submission) -> WireMessage:
         attributes[EXT_MAX_ATTEMPTS] = str(sub.max_attempts)
     if sub.timeout is not None:
         attributes[EXT_TIMEOUT] = f"{sub.timeout:g}"
+    if sub.expires_at is not None:
+        attributes[EXT_EXPIRES] = expiry_text(sub.expires_at)
     return _to_wire(attributes, sub.body, sub.traceparent)
+
+
+def expiry_text(moment: datetime) -> str:
+    """`conveyorexpires`, as the gateway writes it and a dispatcher's requeue rewrites it."""
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _encode_legacy_submission(sub: Submission) -> WireMessage:
@@ -334,6 +344,7 @@ def decode_submission(message: WireMessage, service: str = "") -> Submission:
             max_attempts=_optional_int(ext(EXT_MAX_ATTEMPTS)),
             timeout=_optional_float(ext(EXT_TIMEOUT)),
             traceparent=_optional_str(ext(TRACEPARENT)),
+            expires_at=_optional_time(ext(EXT_EXPIRES)),
         )
     payload = _load_json(message.body)
     if not isinstance(payload, dict) or not isinstance(payload.get("data"), dict):
@@ -372,6 +383,17 @@ def _optional_float(value: Any) -> float | None:
     if not math.isfinite(number) or number <= 0:
         raise WireError("expected a positive number")
     return number
+
+
+def _optional_time(value: Any) -> datetime | None:
+    """An RFC 3339 time with its offset; anything else says nothing (no expiry known)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None else None
 
 
 def _optional_str(value: Any) -> str | None:

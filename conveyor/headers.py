@@ -21,6 +21,7 @@ DEADLINE = "x-conveyor-deadline"  # RFC 3339: the call is cut then
 PROGRESS_URL = "x-conveyor-progress-url"
 
 # -- AMQP headers on `<queue>-in` -------------------------------------------------------
+CE_EXPIRES = "ce-conveyorexpires"  # the `conveyorexpires` extension, as the binding spells it
 DELIVERY_COUNT = "x-delivery-count"  # RabbitMQ's, on quorum queues
 REQUEUES = "x-conveyor-requeues"  # deliveries a graceful requeue folded into a new message
 RETURNS = "x-conveyor-returns"  # times the gateway gave a submission the broker returned back

@@ -52,6 +52,11 @@ class Metrics:
             "Deliveries acked without a result because their task was cancelled.",
             registry=r,
         )
+        self.expired = Counter(
+            f"{_PREFIX}_tasks_expired",
+            "Deliveries acked without a call because their task's expiry had passed.",
+            registry=r,
+        )
         self.poison = Counter(
             f"{_PREFIX}_poison_messages", "Unreadable messages dead-lettered from -in.", registry=r
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import UTC, datetime, timedelta
 
 import aio_pika
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -25,7 +26,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from conveyor import headers as h
 from conveyor.amqp import to_amqp
 from conveyor.connection import SILENT_CHANNEL, ConfirmingChannel
-from conveyor.events import MessageFormat, TaskEvent, encode_event
+from conveyor.events import MessageFormat, TaskEvent, encode_event, expiry_text
 from dispatcher.consumer import BROKER_ERRORS, Delivery
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,10 @@ class Publisher:
         original = delivery.message
         headers = {k: v for k, v in (original.headers or {}).items() if k != h.DELIVERY_COUNT}
         headers[h.REQUEUES] = previous_deliveries
+        ttl = original.expiration  # seconds, as aio-pika decodes it
+        if isinstance(ttl, int | float) and h.CE_EXPIRES in headers:
+            # the task's expiry moves with its message's (the gateway moves the row's)
+            headers[h.CE_EXPIRES] = expiry_text(datetime.now(UTC) + timedelta(seconds=ttl))
         copy = aio_pika.Message(
             body=original.body,
             headers=headers,
@@ -113,8 +118,8 @@ class Publisher:
             type=original.type,
             app_id=original.app_id,
             priority=original.priority,
-            # The time to live starts again from here: a requeued task may outlive its
-            # expiry by that much, and the gateway (terminal wins) ignores its late result.
+            # The time to live starts again from here, and the task's own with it: the
+            # gateway moves its expiry as it applies the `requeued` event.
             expiration=original.expiration,
             delivery_mode=_PERSISTENT,
         )

@@ -168,13 +168,18 @@ class Worker:
         if await self.orphans.finished_here(submission.task_id):
             await self._ack_finished_redelivery(delivery)
             return
-        if self.cancels.cancelled(submission.task_id):
-            await self._ack_cancelled(delivery, submission.task_id, called=False)
+        if await self._ended_already(delivery, submission):
             return
         abort = self.in_flight.token()
         if not await self._take_slot(abort, delivery):
             self.in_flight.forget(abort)
             await self._requeue(delivery, attempted=False)  # nothing if its channel died
+            return
+        # A message may wait for a slot (PREFETCH_BUFFER): its task cancelled or expired
+        # meanwhile is not called.
+        if await self._ended_already(delivery, submission):
+            self.in_flight.forget(abort)
+            self.slots.release()
             return
         attempt = self._begin(submission, delivery, abort)
         self.orphans.started(attempt)
@@ -451,6 +456,23 @@ class Worker:
             },
         )
         await delivery.reject()
+
+    async def _ended_already(self, delivery: Delivery, submission: Submission) -> bool:
+        """Acks, without a call, a task the gateway has ended or is ending: cancelled, or past
+        its expiry (the reaper fails it; the queue's TTL only bounds its wait in the queue)."""
+        if self.cancels.cancelled(submission.task_id):
+            await self._ack_cancelled(delivery, submission.task_id, called=False)
+            return True
+        expires = submission.expires_at
+        if expires is not None and expires <= datetime.now(UTC):
+            self.metrics.expired.inc()
+            acked = await delivery.ack()
+            log.info(
+                "task expired before its call: not called",
+                extra={"task_id": submission.task_id, "acked": acked},
+            )
+            return True
+        return False
 
     async def _ack_cancelled(self, delivery: Delivery, task_id: str, called: bool) -> None:
         """The task is FAILURE already (the gateway cancelled it): no retry, no event."""

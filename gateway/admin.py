@@ -1,4 +1,4 @@
-"""Operator actions on services, clients and grants (SPEC §4).
+"""Operator actions on services, clients, grants and operators (SPEC §4, §11.6).
 
 `apply` is declarative and idempotent: applying the same file twice reports
 every entry unchanged and writes nothing. A plaintext secret in the file is
@@ -11,6 +11,7 @@ is refused as the other, here and in `create_client`.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -222,20 +223,60 @@ async def create_client(conn: AsyncConnection[Any], client_id: str) -> str:
 
 
 async def delete_client(conn: AsyncConnection[Any], client_id: str) -> bool:
-    cursor = await conn.execute("DELETE FROM clients WHERE client_id = %s", (client_id,))
+    return await _delete_principal(conn, client_id, "client")
+
+
+async def delete_operator(conn: AsyncConnection[Any], operator_id: str) -> bool:
+    """The operator's row: `apply` leaves operators missing from the file alone. A client of
+    that id is not one (SPEC §11.6). A gateway that verified the secret lately accepts it
+    until its cache entry expires (CONVEYOR_AUTH_CACHE_TTL)."""
+    return await _delete_principal(conn, operator_id, "operator")
+
+
+async def _delete_principal(conn: AsyncConnection[Any], ident: str, kind: str) -> bool:
+    table, column = _PRINCIPALS[kind]
+    cursor = await conn.execute(
+        f"DELETE FROM {table} WHERE {column} = %s",  # table and column: fixed names
+        (ident,),
+    )
     return bool(cursor.rowcount)
 
 
-async def delete_service(conn: AsyncConnection[Any], name: str) -> bool:
+async def operators(conn: AsyncConnection[Any]) -> list[dict[str, Any]]:
+    cursor = await conn.execute("SELECT operator_id FROM operators ORDER BY 1")
+    return [row._asdict() for row in await cursor.fetchall()]
+
+
+@dataclass(frozen=True, slots=True)
+class DeletedService:
+    """The tasks a delete ended, and where dispatchers may still run or hold them: the
+    cancels' queue names (the service's if its dispatchers read cancels, and those it moved
+    away from)."""
+
+    ended: list[uuid.UUID]
+    queue_names: list[str]
+
+
+async def delete_service(conn: AsyncConnection[Any], name: str) -> DeletedService | None:
     """The service, its grants and its unfinished tasks' chances: no gateway consumes its
     results once it is gone, so they end FAILURE now rather than wait for the watchdog or
     the PENDING time to live. The queues are left to the operator."""
     async with conn.transaction():
-        cursor = await conn.execute("DELETE FROM services WHERE name = %s", (name,))
-        if not cursor.rowcount:
-            return False
-        await lifecycle.end_service_tasks(conn, name)
-    return True
+        cursor = await conn.execute(  # before the delete takes them with it (ON DELETE CASCADE)
+            "SELECT queue_name FROM moved_queues WHERE service = %s", (name,)
+        )
+        left = [row[0] for row in await cursor.fetchall()]
+        cursor = await conn.execute(
+            "DELETE FROM services WHERE name = %s RETURNING queue_name, message_format",
+            (name,),
+        )
+        deleted = await cursor.fetchone()
+        if deleted is None:
+            return None
+        queue_name, message_format = deleted
+        ended = await lifecycle.end_service_tasks(conn, name)
+    current = [queue_name] if message_format == MessageFormat.CLOUDEVENTS.value else []
+    return DeletedService(ended, current + left)
 
 
 async def grant(
@@ -280,11 +321,10 @@ async def listing(conn: AsyncConnection[Any]) -> dict[str, list[dict[str, Any]]]
         " || ')', ''), ', ' ORDER BY a.service), '') AS grants FROM clients c"
         " LEFT JOIN authorizations a USING (client_id) GROUP BY c.client_id ORDER BY 1"
     )
-    operators = await conn.execute("SELECT operator_id FROM operators ORDER BY 1")
     return {
         "services": service_rows,
         "clients": [row._asdict() for row in await clients.fetchall()],
-        "operators": [row._asdict() for row in await operators.fetchall()],
+        "operators": await operators(conn),
     }
 
 

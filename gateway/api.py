@@ -15,7 +15,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
@@ -521,8 +521,11 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
         raise errors.ApiError(errors.TASK_NOT_FOUND) from None
     await get_task(rt.pool, client_id, service, parsed)  # 404002 before any stream
 
-    def read() -> Awaitable[dict[str, Any]]:
-        return get_task(rt.pool, client_id, service, parsed)
+    async def read() -> dict[str, Any]:
+        # Asked again at every read: a grant revoked or a secret changed ends an open stream
+        # as it refuses the next request (an ApiError ends the stream).
+        await _granted(request, rt, service)
+        return await get_task(rt.pool, client_id, service, parsed)
 
     stopping = anyio.Event()  # set by sse_starlette once the server shuts down
     return EventSourceResponse(

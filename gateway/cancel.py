@@ -4,7 +4,8 @@ dispatchers.
 The database decides: the task becomes FAILURE `Task cancelled.` through the state machine's
 guarded statement (`lifecycle.failure`), so a result that arrives later changes nothing
 (terminal wins), whether a dispatcher heard the cancel or not. The broadcast on the service's
-`<queue>-control` exchange only spares the function's work: a dispatcher running the task
+`<queue>-control` exchange (and on those of the queue names it moved away from, whose
+dispatchers may still be running its tasks) only spares the function's work: a dispatcher running the task
 aborts the call (the function sees its connection closed) and acks the message; one that
 receives it later acks it without a call, and so does one started later (scaled from zero, a
 Job), which reads the service's `<queue>-cancels` stream, bound to the exchange with the
@@ -15,8 +16,10 @@ result is ignored.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+from functools import partial
 from typing import Any
 
 from conveyor import topology
@@ -28,6 +31,8 @@ from gateway.pgpool import Pool
 from gateway.store import get_task
 
 log = logging.getLogger("conveyor.gateway.cancel")
+
+_PIPELINED = 100  # cancels in flight at once, when a delete ends many tasks
 
 CANCELLED = "Task cancelled."
 UNFINISHED = ("PENDING", "IN_PROGRESS")
@@ -50,29 +55,59 @@ async def cancel_task(
         data = await get_task(pool, client_id, service.name, task_id)
     if data["status"] != "FAILURE" or data.get("errorMessage") != CANCELLED:
         raise errors.ApiError(errors.ALREADY_FINISHED)
-    if finished_now and service.message_format is MessageFormat.CLOUDEVENTS:
-        await _tell_dispatchers(broker, service.queue_name, str(task_id))
+    if finished_now:
+        await tell_dispatchers(broker, await _queue_names(pool, service), [task_id])
     return data, finished_now
 
 
-async def _tell_dispatchers(broker: Broker, queue_name: str, task_id: str) -> None:
-    try:
-        if broker.connected:  # else the publish below reports the outage, in its own time
-            await broker.declare_once(
-                topology.cancel_log(queue_name),
-                lambda channel: topology.declare_cancel_log(channel, queue_name),
+async def _queue_names(pool: Pool, service: Service) -> list[str]:
+    """Where the service's dispatchers may be: its queue, and the ones it moved away from
+    while their dispatchers still run (they finish what they took, and an abort must reach
+    them too). Legacy workers read no cancels: a legacy queue gets none."""
+    async with pool.connection() as conn:
+        cursor = await conn.execute(
+            "SELECT queue_name FROM moved_queues WHERE service = %(service)s",
+            {"service": service.name},
+        )
+        left = [row[0] for row in await cursor.fetchall()]
+    current = [service.queue_name] if service.message_format is MessageFormat.CLOUDEVENTS else []
+    return current + left
+
+
+async def tell_dispatchers(
+    broker: Broker, queue_names: list[str], task_ids: list[uuid.UUID]
+) -> bool:
+    """Broadcasts that the tasks ended on each queue name's `-control` exchange, after
+    declaring its `-cancels` stream; False if the broker could not take them all (the tasks
+    stay ended; their functions may run, and their results are ignored). A batch of cancels
+    (a service deleted) goes out pipelined, and stops at the first refusal: the broker is
+    away for the rest too."""
+    for queue_name in queue_names:
+        try:
+            if broker.connected:  # else the publish below reports the outage, in its own time
+                await broker.declare_once(
+                    topology.cancel_log(queue_name),
+                    partial(topology.declare_cancel_log, queue_name=queue_name),
+                )
+        except PublishError as exc:
+            log.warning(
+                "cancel log not declared; a dispatcher started later would not know these cancels",
+                extra={"queue": queue_name, "tasks": len(task_ids), "error": str(exc)},
             )
-    except PublishError as exc:
-        log.warning(
-            "cancel log not declared; a dispatcher started later would not know this cancel",
-            extra={"task_id": task_id, "error": str(exc)},
-        )
-    try:
-        await broker.publish(
-            encode_cancel(task_id, queue_name), "", topology.control_exchange(queue_name)
-        )
-    except PublishError as exc:
-        log.warning(
-            "cancel not broadcast; the task stays cancelled",
-            extra={"task_id": task_id, "error": str(exc)},
-        )
+        exchange = topology.control_exchange(queue_name)
+        for start in range(0, len(task_ids), _PIPELINED):
+            chunk = task_ids[start : start + _PIPELINED]
+            try:
+                await asyncio.gather(
+                    *(
+                        broker.publish(encode_cancel(str(task_id), queue_name), "", exchange)
+                        for task_id in chunk
+                    )
+                )
+            except PublishError as exc:
+                log.warning(
+                    "cancels not broadcast; the tasks stay ended",
+                    extra={"queue": queue_name, "tasks": len(task_ids), "error": str(exc)},
+                )
+                return False
+    return True

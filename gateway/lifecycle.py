@@ -84,7 +84,11 @@ _REQUEUED = """
     WITH task AS (
         UPDATE tasks
            SET status = 'PENDING', worker_host = NULL, start_date = NULL, progress = 0,
-               updated_at = now()
+               updated_at = now(),
+               -- Its message, republished, lives its time to live again from now: so does
+               -- the task (the reaper would fail it at once, and a dispatcher run it later).
+               expires_at = GREATEST(
+                   expires_at, now() + (expires_at - COALESCE(not_before, submission_date)))
          WHERE task_id = %(task_id)s AND status = 'IN_PROGRESS' AND attempt_id = %(attempt)s
         RETURNING task_id
     ), closed AS (
@@ -430,11 +434,15 @@ _GIVE_EXPIRY = """
 # A PENDING task fails when its message expires from `-in` (the row keeps that expiry), so
 # that no worker runs it after, and no task waits PENDING once its message is gone. Only the
 # rows past it are read (ix_tasks_pending_expiry), however deep the backlog.
+# One text for a task past its time to live, whoever notices first: the reaper, or the
+# gateway reading its message dead-lettered as expired from `-dlq`.
+EXPIRED = "The task expired: it stayed PENDING longer than its time to live."
+
 _EXPIRE = """
     WITH task AS (
         UPDATE tasks t
            SET status = 'FAILURE', end_date = now(), updated_at = now(),
-               error_message = 'The task expired: it stayed PENDING longer than its time to live.',
+               error_message = %(message)s,
                notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END,
                publish_at = NULL
          WHERE t.status = 'PENDING' AND t.expires_at < now()
@@ -448,7 +456,7 @@ async def expire_pending(conn: psycopg.AsyncConnection[Any], ttl: float) -> dict
     """The reaper's transition: PENDING past its expiry becomes FAILURE. How many tasks per
     service. `ttl` is for the rows that have no expiry yet."""
     await conn.execute(_GIVE_EXPIRY, {"ttl": ttl})
-    return await _per_service(conn, _EXPIRE, {})
+    return await _per_service(conn, _EXPIRE, {"message": EXPIRED})
 
 
 SERVICE_DELETED = "Service deleted."
@@ -470,15 +478,15 @@ _END_SERVICE = """
           FROM task
          WHERE a.task_id = task.task_id AND a.end_date IS NULL
     )
-    SELECT count(*) FROM task
+    SELECT task_id FROM task
     """
 
 
-async def end_service_tasks(conn: psycopg.AsyncConnection[Any], service: str) -> int:
-    """Ends every unfinished task of a service being deleted: FAILURE `Service deleted.`."""
+async def end_service_tasks(conn: psycopg.AsyncConnection[Any], service: str) -> list[uuid.UUID]:
+    """Ends every unfinished task of a service being deleted: FAILURE `Service deleted.`.
+    Returns their ids: their dispatchers are told, as for a cancel."""
     cursor = await conn.execute(_END_SERVICE, {"service": service, "message": SERVICE_DELETED})
-    row = await cursor.fetchone()
-    return int(row[0]) if row else 0
+    return [row[0] for row in await cursor.fetchall()]
 
 
 DEFAULT_TIME_LIMIT = 300 * 3  # taskTimeout x maxAttempts by default, for a deleted service

@@ -150,11 +150,56 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader whose constructors' own errors (`!!int` on a word: a ValueError naming the
+    word) become YAML errors at the node's position, like every other problem of the file."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except yaml.YAMLError:
+            raise
+        except Exception:
+            tag = node.tag.removeprefix("tag:yaml.org,2002:")  # a tag with a constructor
+            raise yaml.constructor.ConstructorError(
+                None, None, f"not a valid !!{tag} value", node.start_mark
+            ) from None
+
+
+# A quoted word of PyYAML's problem text (an alias, a tag, a constructor's error) may be a
+# secret's start: one character (a tab, an '@') is kept, anything longer is not.
+_QUOTED = re.compile(r"(?<!\w)(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")")  # not can't
+_ONE_CHARACTER = re.compile(r"^.(?:[^\\]|\\(?:[^xuU]|x\w{2}|u\w{4}|U\w{8})).$")
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong and where (line and column), never PyYAML's snippet of the file: the line
+    it quotes may be a client's or an operator's plaintext secret, and this goes to logs."""
+
+    def told(text: str) -> str:
+        return _QUOTED.sub(lambda m: m[0] if _ONE_CHARACTER.match(m[0]) else "'…'", text)
+
+    if isinstance(exc, yaml.MarkedYAMLError):
+        parts = [
+            f"{told(text)} at line {mark.line + 1}, column {mark.column + 1}"
+            if mark is not None
+            else told(text)
+            for text, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark))
+            if text
+        ]
+        if parts:
+            return "; ".join(parts)
+    if isinstance(exc, yaml.reader.ReaderError):
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        return f"unacceptable character #x{code:04x} at position {exc.position}"
+    return "unreadable"
+
+
 def load(text: str) -> PlatformSpec:
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_Loader) or {}  # _Loader is a SafeLoader
     except yaml.YAMLError as exc:
-        raise PlatformError(f"not valid YAML: {exc}") from None
+        raise PlatformError(f"not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise PlatformError(
             "the platform file must be a mapping with services, clients and operators"

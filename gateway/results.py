@@ -18,7 +18,8 @@ Every message ends, and no service can stop another's:
   queues were declared with other arguments is reported (`broken()`, /readyz,
   metrics) and its existing queues are still consumed;
 * a service given another queue name or message format is consumed as it now is,
-  and the result queues it left are still consumed while they exist.
+  and the result queues it left are still consumed while they exist; submissions
+  still waiting in the `-in` it left go to its new one, where its dispatchers are.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ from conveyor import topology, tracing
 from conveyor.amqp import from_amqp
 from conveyor.events import (
     MessageFormat,
+    Submission,
     WireError,
     WireMessage,
     decode_event,
     decode_submission,
+    encode_submission,
     is_cloudevent,
 )
 from gateway import catalog, lifecycle, metrics
@@ -83,6 +86,13 @@ _ATTEMPTS = """
      WHERE t.task_id = ANY(%(ids)s) AND t.status IN ('PENDING', 'IN_PROGRESS')
     """
 
+# Where an unfinished task's submission goes now: its service's queue and format as they are.
+_WHERE_NOW = """
+    SELECT t.task_id, s.name, s.queue_name, s.message_format, t.expires_at
+      FROM tasks t JOIN services s ON s.name = t.service
+     WHERE t.task_id = ANY(%(ids)s) AND t.status IN ('PENDING', 'IN_PROGRESS')
+    """
+
 _POISON = """
     INSERT INTO poison_messages (queue, reason, headers, body, body_size)
     VALUES (%(queue)s, %(reason)s, %(headers)s, %(body)s, %(body_size)s)
@@ -94,6 +104,7 @@ class Delivery:
     queue: str
     dead_lettered: bool
     message: AbstractIncomingMessage
+    left_behind: bool = False  # a submission in the `-in` its service moved away from
 
     def wire(self) -> WireMessage:
         return from_amqp(self.message)
@@ -244,7 +255,8 @@ class ResultConsumer:
     ) -> None:
         """Consumes the result queues of the queue names services moved away from (the
         database records each move), as long as they exist: the old queue's dispatchers still
-        finish their tasks and report there, whether or not this gateway saw the move.
+        finish their tasks and report there, whether or not this gateway saw the move. Their
+        `-in` too: what still waits there is moved on to the service's queue (`_move_on`).
 
         Declared passively and not robustly: aio-pika declares a robust queue again after a
         reconnection, and as soon as the broker cancels its consumer (the queue was deleted),
@@ -263,10 +275,12 @@ class ResultConsumer:
                     await queue.cancel(tag)
                 continue
             consumed = {queue.name for queue, _ in consumers}
-            for name, dead in _result_queues(queue_name):
+            left = [(topology.in_queue(queue_name), False, True)]
+            for name, dead, left_behind in [(*q, False) for q in _result_queues(queue_name)] + left:
                 if name not in consumed and await self._exists(name):
                     queue = await channel.declare_queue(name, passive=True, robust=False)
-                    tag = await queue.consume(self._receiver(name, dead), robust=False)
+                    receiver = self._receiver(name, dead, left_behind)
+                    tag = await queue.consume(receiver, robust=False)
                     consumers.append((queue, tag))
                     log.info("consuming a queue left by its service", extra={"queue": name})
             if consumers:
@@ -312,9 +326,11 @@ class ResultConsumer:
         finally:
             await _close_quietly(channel)
 
-    def _receiver(self, queue: str, dead: bool) -> Callable[[AbstractIncomingMessage], Any]:
+    def _receiver(
+        self, queue: str, dead: bool, left_behind: bool = False
+    ) -> Callable[[AbstractIncomingMessage], Any]:
         async def receive(message: AbstractIncomingMessage) -> None:
-            await self._inbox.put(Delivery(queue, dead, message))
+            await self._inbox.put(Delivery(queue, dead, message, left_behind))
 
         return receive
 
@@ -352,6 +368,9 @@ class ResultConsumer:
             )
             async for attempt in retrying:
                 with attempt:
+                    given_back |= await self._move_on(
+                        [d for d in batch if d.left_behind and id(d) not in given_back]
+                    )
                     given_back |= await self._give_back(
                         [d for d in batch if id(d) not in given_back]
                     )
@@ -390,6 +409,44 @@ class ResultConsumer:
         for task_id, finished in ended:
             attributes = {"conveyor.task_id": str(task_id), "conveyor.status": finished.status}
             tracing.record("result", finished.traceparent, started, applied, attributes, "consumer")
+
+    async def _move_on(self, batch: list[Delivery]) -> set[int]:
+        """Submissions left in the `-in` of a queue name their service moved away from: no
+        dispatcher of the service consumes it any longer, so each unfinished task's goes to
+        the queue the service has now, in its format, expiring with its task and with its
+        deliveries counted (X-Conveyor-Attempt goes on from them). A finished task's, a
+        deleted service's and an unreadable one are dropped: nothing would ever run them."""
+        left: dict[uuid.UUID, tuple[Delivery, Submission]] = {}
+        for delivery in batch:
+            try:
+                submission = decode_submission(delivery.wire())
+                left[uuid.UUID(submission.task_id)] = (delivery, submission)
+            except (WireError, ValueError) as exc:
+                log.warning(
+                    "unreadable submission left in a moved queue; dropped",
+                    extra={"queue": delivery.queue, "error": str(exc)[:300]},
+                )
+        if left:
+            async with self.pool.connection() as conn:
+                cursor = await conn.execute(_WHERE_NOW, {"ids": list(left)})
+                rows = await cursor.fetchall()
+            for task_id, service, queue_name, message_format, expires_at in rows:
+                delivery, submission = left[task_id]
+                now = replace(
+                    submission,
+                    service=service,
+                    message_format=MessageFormat(message_format),
+                    expires_at=expires_at,
+                )
+                await self.broker.publish(
+                    _counted_deliveries(encode_submission(now), delivery.message),
+                    topology.in_queue(queue_name),
+                )
+                log.info(
+                    "submission moved to its service's queue",
+                    extra={"task_id": str(task_id), "queue": queue_name},
+                )
+        return {id(delivery) for delivery in batch}
 
     async def _give_back(self, batch: list[Delivery]) -> set[int]:
         """Dead letters the broker returned without a crash, published to `-in` again."""
@@ -610,6 +667,16 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+def _counted_deliveries(wire: WireMessage, message: AbstractIncomingMessage) -> WireMessage:
+    """`wire` carrying the deliveries `message` had used, as a dispatcher counts them."""
+    headers = dict(message.headers or {})
+    used = _count(headers.get(h.DELIVERY_COUNT))
+    if not used and h.DELIVERY_COUNT not in headers and message.redelivered:
+        used = 1  # a classic queue has no count: its flag says one at least
+    used += _count(headers.get(h.REQUEUES))
+    return replace(wire, headers={**wire.headers, h.REQUEUES: used}) if used else wire
+
+
 def _returned(wire: WireMessage, delivery_limit: int) -> WireMessage:
     """The submission as a new message: no trace of its death, its deliveries counted.
 
@@ -640,7 +707,7 @@ def _dead_letter_message(headers: dict[str, Any]) -> str:
     if reason == "rejected":
         return "The task was dead-lettered: its worker rejected the message."
     if reason == "expired":
-        return "The task was dead-lettered: its message expired in the queue."
+        return lifecycle.EXPIRED
     return f"The task was dead-lettered by the broker (reason: {str(reason or 'unknown')[:100]})."
 
 

@@ -40,7 +40,7 @@ import psycopg
 from sse_starlette import ServerSentEvent
 
 from conveyor import strict_json
-from gateway import errors, metrics
+from gateway import access_cache, errors, metrics
 from gateway.listener import Listener
 from gateway.pgpool import CONNECTION_ERRORS, Pool
 
@@ -64,6 +64,9 @@ class TaskEvents:
         self.listener = listener
         self._following: dict[str, set[asyncio.Event]] = {}
         listener.subscribe(CHANNEL, self._changed, on_connected=self._reconnected)
+        # A grant revoked or a client deleted: every stream reads again, which checks its
+        # client's access first, and ends the ones that lost it.
+        listener.subscribe(access_cache.CHANNEL, lambda _: self._wake_all())
 
     @property
     def open(self) -> int:
@@ -75,6 +78,9 @@ class TaskEvents:
 
     async def _reconnected(self, _conn: psycopg.AsyncConnection[Any]) -> None:
         """Changes made while nobody listened were not heard: every stream reads again."""
+        self._wake_all()
+
+    def _wake_all(self) -> None:
         for events in self._following.values():
             for event in events:
                 event.set()

@@ -1,4 +1,4 @@
-"""`conveyor admin ...`: services, clients and grants are data, managed here."""
+"""`conveyor admin ...`: services, clients, grants and operators are data, managed here."""
 
 from __future__ import annotations
 
@@ -17,13 +17,19 @@ if TYPE_CHECKING:
     from aio_pika.abc import AbstractConnection
 
     from conveyor.events import MessageFormat
+    from gateway.admin import DeletedService
     from gateway.platform_file import ServiceSpec
 
-app = typer.Typer(help="Declare services, clients and grants.", no_args_is_help=True)
+app = typer.Typer(help="Declare services, clients, grants and operators.", no_args_is_help=True)
 service_app = typer.Typer(help="Services.", no_args_is_help=True)
 client_app = typer.Typer(help="Clients.", no_args_is_help=True)
+operator_app = typer.Typer(
+    help="Operators (created by `apply`: operators: [{id, secret | secretHash}]).",
+    no_args_is_help=True,
+)
 app.add_typer(service_app, name="service")
 app.add_typer(client_app, name="client")
+app.add_typer(operator_app, name="operator")
 
 T = TypeVar("T")
 
@@ -172,7 +178,7 @@ def apply_file(
     try:
         text = sys.stdin.read() if str(file) == "-" else file.read_text()
         spec = load(text)
-    except (OSError, PlatformError) as exc:
+    except (OSError, UnicodeDecodeError, PlatformError) as exc:
         _fail(str(exc))
 
     services = spec.services if declare else []
@@ -226,9 +232,32 @@ def service_delete(name: str) -> None:
     """Delete a service and its grants (its queues are left to the operator)."""
     from gateway import admin
 
-    if not _run(lambda conn: admin.delete_service(conn, name)):
+    deleted = _run(lambda conn: admin.delete_service(conn, name))
+    if deleted is None:
         _fail(f"unknown service '{name}'")
-    typer.echo(f"service {name}: deleted")
+        return
+    typer.echo(f"service {name}: deleted; {len(deleted.ended)} unfinished tasks ended FAILURE")
+    if deleted.ended and deleted.queue_names and not asyncio.run(_tell_dispatchers(deleted)):
+        typer.echo(
+            "warning: RabbitMQ did not take every cancel: a dispatcher may still call the"
+            " function for some of those tasks (their results are ignored)",
+            err=True,
+        )
+
+
+async def _tell_dispatchers(deleted: DeletedService) -> bool:
+    """The tasks a delete ended, told to the dispatchers as cancels: the ones running them
+    abort their calls, and any that takes their messages later (the service made again under
+    the same name, on the same queue) acks them without a call."""
+    from gateway.broker import Broker
+    from gateway.cancel import tell_dispatchers
+
+    settings = GatewaySettings()
+    broker = Broker(settings.amqp_url, heartbeat=settings.amqp_heartbeat)
+    try:
+        return await tell_dispatchers(broker, deleted.queue_names, deleted.ended)
+    finally:
+        await broker.close()
 
 
 @client_app.command("create")
@@ -255,6 +284,27 @@ def client_delete(client_id: str) -> None:
     if not _run(lambda conn: admin.delete_client(conn, client_id)):
         _fail(f"unknown client '{client_id}'")
     typer.echo(f"client {client_id}: deleted")
+
+
+@operator_app.command("list")
+def operator_list() -> None:
+    from gateway import admin
+
+    for row in _run(admin.operators):
+        typer.echo(json.dumps(row))
+
+
+@operator_app.command("delete")
+def operator_delete(operator_id: str) -> None:
+    """Delete an operator (`apply` leaves operators missing from the file alone).
+
+    A gateway that verified its secret lately accepts it until CONVEYOR_AUTH_CACHE_TTL ends.
+    """
+    from gateway import admin
+
+    if not _run(lambda conn: admin.delete_operator(conn, operator_id)):
+        _fail(f"unknown operator '{operator_id}'")
+    typer.echo(f"operator {operator_id}: deleted")
 
 
 @app.command()

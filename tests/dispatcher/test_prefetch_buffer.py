@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -62,3 +63,24 @@ async def test_a_drain_finishes_the_calls_under_way_and_starts_no_buffered_one(
     finished = [t for t in tasks if rabbit.terminal(t) is not None]
     assert len(finished) == 2 and len(function.entries("start")) == 2, dispatcher.proc.logs()
     assert await rabbit.depth(rabbit.in_q) == 3
+
+
+async def test_a_buffered_task_cancelled_or_expired_while_it_waits_is_not_called(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """A message held beyond CONCURRENCY waits for a slot, and its task may be cancelled or
+    expire meanwhile: it used to be called all the same once the slot was free."""
+    dispatcher = launch(function.url, concurrency=1, prefetch_buffer=2)
+    await dispatcher.wait_ready()
+    slow = await rabbit.submit({"sleep": 2})
+    await eventually(lambda: len(function.entries("start")) >= 1, 10, "the slow call")
+    cancelled = await rabbit.submit({})
+    expiring = await rabbit.submit({}, expires_at=datetime.now(UTC) + timedelta(seconds=1))
+    await asyncio.sleep(0.3)  # both wait in the buffer
+    await rabbit.cancel(cancelled)
+    assert (await rabbit.wait_terminal(slow)).kind is EventKind.SUCCEEDED
+    later = await rabbit.submit({})
+    assert (await rabbit.wait_terminal(later)).kind is EventKind.SUCCEEDED
+    assert [entry["id"] for entry in function.entries("start")] == [slow, later]
+    assert rabbit.terminal(cancelled) is None and rabbit.terminal(expiring) is None
+    assert await rabbit.depth(rabbit.in_q) == 0  # acked, not handed back

@@ -79,6 +79,62 @@ def test_an_in_progress_call_is_aborted_and_the_message_acked(stack: Stack, call
     assert _cancelled(stack.poll(task_id))
 
 
+def test_a_call_on_the_queue_its_service_left_is_aborted_too(
+    stack: Stack, platform: Platform, call_log: Path
+) -> None:
+    """A service given another queueName while its old queue's dispatcher still runs a
+    task: the cancel went out on the new queue's exchange only, and the old dispatcher's call
+    ran to its end."""
+    stack.dispatcher("old-queue-pod")  # stays on the queue it was started with
+    task_id = stack.submit({"sleep": 30})
+    stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
+    moved = f"{stack.service.queue_name}-moved"
+    platform.apply({"services": [{"name": stack.service.name, "queueName": moved}]})
+    Platform.queue_names.add(moved)  # swept at the run's end
+    time.sleep(1.0)  # the gateway's catalog knows the move
+    answer = _cancel(stack, task_id)
+    assert answer.status_code == 200 and _cancelled(answer.json()["data"])
+    assert wait_until(lambda: ["aborted"] == [c[2] for c in calls_of(call_log, task_id)], 10)
+    assert wait_until(lambda: _in_queue_empty(stack), 10)  # acked, not handed back
+    assert _cancelled(stack.poll(task_id))
+
+
+def test_tasks_a_service_delete_ended_are_not_run_afterwards(
+    stack: Stack, platform: Platform, call_log: Path, database_url: str
+) -> None:
+    """`admin service delete` ends every unfinished task FAILURE `Service deleted.`; the
+    function still ran them all, the one under way and those waiting in `-in`, even once the
+    service was made again under its name and a dispatcher started on its queue."""
+    stack.dispatcher("pod-a", CONCURRENCY="1")
+    running = stack.submit({"sleep": 30})
+    stack.watch(running, lambda d: d["status"] == "IN_PROGRESS")
+    waiting = [stack.submit({"sleep": 0}) for _ in range(3)]
+    env = {
+        **os.environ,
+        "CONVEYOR_DATABASE_URL": database_url,
+        "CONVEYOR_AMQP_URL": stack.amqp_url,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "admin", "service", "delete", stack.service.name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "4 unfinished tasks" in done.stdout
+    assert wait_until(lambda: ["aborted"] == [c[2] for c in calls_of(call_log, running)], 10)
+    platform.apply(  # the same name and queue again, at once
+        {"services": [{"name": stack.service.name, "queueName": stack.service.queue_name}]}
+    )
+    stack.dispatcher("pod-b")
+    assert wait_until(lambda: _in_queue_empty(stack), 15)
+    time.sleep(1.0)
+    assert [calls_of(call_log, task_id) for task_id in waiting] == [[], [], []]
+    assert len(calls_of(call_log, running)) == 1
+
+
 def test_finished_tasks_answer_409001(stack: Stack) -> None:
     stack.dispatcher("pod-a")
     done = stack.submit({"sleep": 0})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TERMINAL, CallbackSink, Stack
+from tests.e2e.conftest import TERMINAL, CallbackSink, Stack, calls_of
 from tests.support.amqp import wait_until
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
@@ -98,6 +98,33 @@ def test_sigterm_in_requeue_mode_hands_the_task_over(
         {"t": task_id},
     )
     assert hosts == [("pod-first", "requeued"), ("pod-second", "success")]
+
+
+def test_a_task_handed_back_after_its_time_to_live_runs_again_and_is_not_expired(
+    stack: Stack, platform: Platform, call_log: Path
+) -> None:
+    """A task taken in time, then handed back by a SIGTERM once its time to live had passed
+    (a long queue, a long call, then a deploy): PENDING again, it was failed `expired` by the
+    next reaper pass, and the function was then called again for a task already FAILURE.
+    Its republished message lives a new time to live: so does the task."""
+    service = platform.service(jsonSchema={"type": "object"}, taskTimeout=60, retention=4)
+    stack.http.close()
+    stack.service, stack.client = service, service.clients[0]
+    stack.http = stack.gateway.http(stack.client)
+    first = stack.dispatcher("pod-first", SHUTDOWN_MODE="requeue")
+    task_id = stack.submit({"sleep": 6})
+    stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
+    time.sleep(5.0)  # past the 4 s time to live, still running
+    first.signal(signal.SIGTERM)
+    assert first.wait(timeout=10) == 0
+    stack.watch(task_id, lambda d: d["status"] != "IN_PROGRESS")
+    time.sleep(1.5)  # three reaper passes
+    assert stack.poll(task_id)["status"] == "PENDING"
+    stack.dispatcher("pod-second")
+    final = stack.finish(task_id)
+    assert final["status"] == "SUCCESS", final
+    outcomes = [c[2] for c in calls_of(call_log, task_id)]
+    assert outcomes[-1] == "success" and len(outcomes) == 2, outcomes
 
 
 def test_a_task_handed_back_outlives_the_watchdog_while_it_waits(

@@ -6,6 +6,7 @@ on RabbitMQ (queues declared) and on a running gateway (who may submit).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -360,6 +361,115 @@ def test_a_client_never_becomes_an_operator_nor_an_operator_a_client(
         assert "Traceback" not in done.stderr and done.stdout == ""
     assert _row(platform, "operators", "operator_id", client) == []
     assert _row(platform, "clients", "client_id", operator) == []
+
+
+@pytest.mark.timeout(90)
+def test_operator_delete_removes_an_operator_the_cli_made(
+    cli: Any, tmp_path: Path, platform: Platform, gateway: GatewayProcess
+) -> None:
+    """Found by a black-box probe: no supported command removed an operator (`client delete`
+    said unknown client, `apply` leaves entries missing from the file alone), only SQL did.
+    `operator delete` does; the gateway refuses the operator once its verification, cached
+    for AUTH_CACHE_TTL, expires, with the one refusal every credential gets (403001)."""
+    operator, secret = _unique("adm-op-del"), "operator-secret"
+    client = _unique("adm-op-del-client")
+    cli(
+        "apply",
+        "-f",
+        str(
+            _write(
+                tmp_path,
+                {
+                    "clients": [{"id": client, "secret": "client-secret"}],
+                    "operators": [{"id": operator, "secret": secret}],
+                },
+            )
+        ),
+    )
+    with gateway.http() as http:
+        assert http.get("/v1/admin/services", auth=(operator, secret)).status_code == 200
+    cached_at = time.monotonic()  # the operator's verification is cached from here
+    listed = [json.loads(line) for line in cli("operator", "list").stdout.splitlines()]
+    assert {"operator_id": operator} in listed
+
+    deleted = cli("operator", "delete", operator)
+
+    assert deleted.stdout.splitlines() == [f"operator {operator}: deleted"]
+    assert _row(platform, "operators", "operator_id", operator) == []
+    assert operator not in cli("operator", "list").stdout
+    assert operator not in cli("list").stdout
+    time.sleep(max(0.0, cached_at + AUTH_CACHE_TTL + 0.3 - time.monotonic()))
+    with gateway.http() as http:
+        refused = http.get("/v1/admin/services", auth=(operator, secret))
+    assert (refused.status_code, _error_number(refused)) == (403, 403001)
+
+    again = cli("operator", "delete", operator, check=False)
+    a_client = cli("operator", "delete", client, check=False)  # kinds stay apart (SPEC 11.6)
+    for done, ident in ((again, operator), (a_client, client)):
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert done.stderr.strip() == f"error: unknown operator '{ident}'"
+        assert done.stdout == ""
+    assert _row(platform, "clients", "client_id", client) != []
+
+
+# -- a platform file's errors never show a secret ------------------------------------------
+
+_SECRET = "TopSecretValue-123"
+
+
+@pytest.mark.parametrize(
+    "secret_line",
+    [
+        f"secret: {_SECRET}: oops",  # PyYAML's snippet showed this line
+        f'secret: "{_SECRET}',  # unterminated: the problem is found at the end of the file
+        f"secret: *{_SECRET}",  # an undefined alias, named in PyYAML's problem text
+        f"secret: !{_SECRET} x",  # an unknown tag, named likewise
+        f"secret: !!int {_SECRET}",  # a constructor's own error, not a YAMLError
+        f"secret: !!bool {_SECRET}",
+    ],
+)
+def test_invalid_yaml_names_the_line_never_the_secret(
+    cli: Any, tmp_path: Path, secret_line: str
+) -> None:
+    """Found by a black-box probe: a YAML error printed PyYAML's snippet of the file, the
+    line with a client's plaintext secret included, to stderr (CI and Job logs)."""
+    path = tmp_path / "platform.yaml"
+    path.write_text(f"clients:\n  - id: demo\n    {secret_line}\n    grants: []\n")
+
+    done = cli("apply", "-f", str(path), check=False)
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("error: not valid YAML"), done.stderr
+    assert "line 3, column" in done.stderr, done.stderr
+    assert _SECRET not in done.stdout + done.stderr, done.stderr
+    assert _SECRET.lower() not in (done.stdout + done.stderr).lower(), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("client", "expected"),
+    [
+        ({"secret": f"{_SECRET}-{'x' * 80}"}, "clients.0: secret is longer than bcrypt's 72"),
+        ({"secret": [_SECRET]}, "clients.0.secret: Input should be a valid string"),
+        ({"secret": _SECRET, "grant": []}, "unknown key 'grant' at clients.0.grant"),
+        ({"secretHash": _SECRET}, "clients.0: secretHash must be a bcrypt hash"),
+        ({"secret": _SECRET, "secretHash": _SECRET}, "give exactly one of secret or secretHash"),
+        ({"secret": _SECRET, "grants": _SECRET}, "clients.0.grants: Input should be a valid list"),
+    ],
+)
+def test_a_refused_platform_file_never_shows_a_secret(
+    cli: Any, tmp_path: Path, client: dict[str, Any], expected: str
+) -> None:
+    """pydantic's own rendering of an error carries `input_value=...`: the file's errors are
+    told in its terms, without the values."""
+    path = _write(tmp_path, {"clients": [{"id": "demo", **client}]})
+
+    done = cli("apply", "-f", str(path), check=False)
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert expected in done.stderr, done.stderr
+    assert _SECRET not in done.stdout + done.stderr, done.stderr
+    assert "input_value" not in done.stderr and "Traceback" not in done.stderr
 
 
 # -- clients and grants ------------------------------------------------------------------

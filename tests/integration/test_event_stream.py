@@ -152,6 +152,24 @@ def test_a_finished_task_gives_one_event_and_the_end(
     reader.close()
 
 
+def test_a_revoked_grant_ends_the_open_stream(gateway: GatewayProcess, platform: Platform) -> None:
+    """A revoked grant is refused by the very next request (the catalog's notification drops
+    the cached access); an open stream went on sending its task's changes to the end."""
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    reader = Reader(gateway, svc.clients[0], _events_url(gateway, svc.name, task_id))
+    reader.wait_for(1)
+    platform.sql(
+        "DELETE FROM authorizations WHERE client_id = %(c)s AND service = %(s)s",
+        {"c": svc.clients[0].client_id, "s": svc.name},
+    )
+    assert reader.ended.wait(5), "the stream outlives the grant"
+    _set(platform, task_id, status="IN_PROGRESS")
+    time.sleep(0.5)
+    assert [e[1]["status"] for e in reader.events] == ["PENDING"]
+    reader.close()
+
+
 def _follow(gateway: GatewayProcess, svc: Service, task_id: str, **kwargs: Any) -> Reader:
     return Reader(gateway, svc.clients[0], _events_url(gateway, svc.name, task_id), **kwargs)
 

@@ -21,6 +21,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -434,6 +435,49 @@ def test_a_moved_queue_name_is_consumed_and_the_old_one_while_it_exists(
         remove_service(platform, amqp_url, moved)
 
 
+@pytest.mark.timeout(90)
+def test_submissions_left_in_a_moved_queue_go_to_the_one_it_moved_to(
+    replicas: list[GatewayProcess], svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Submissions still waiting in the old `-in` when their service moves (no dispatcher
+    took them yet, or a SIGTERM handed them back there) waited with no consumer until their
+    time to live, while the admin API counted the new, empty queue. The gateway publishes
+    each unfinished one to the queue its service now has, in its service's format, its
+    deliveries counted and its expiry kept; a finished task's message is dropped."""
+    gateway = replicas[0]
+    old_in = topology.in_queue(svc.queue_name)
+    waiting = _submit_all(gateway, svc, [{"n": 1}, {"n": 2}])
+    done = _submit(gateway, svc, {"n": 3})
+    wait_until(lambda: message_count(amqp_url, old_in) == 3, what="all three published")
+    _publish_events(amqp_url, svc, _event(svc, EventKind.SUCCEEDED, done, response=3))
+    _poll_until(gateway, svc, done, status="SUCCESS")
+    handed_back = take_all(amqp_url, old_in)  # as a dispatcher's SIGTERM would requeue them
+    again = [
+        replace(m, headers={**m.headers, "x-conveyor-requeues": 2}, expiration=600.0)
+        for m in handed_back
+    ]
+    publish(amqp_url, old_in, again)
+    moved = Service(svc.name, f"{svc.queue_name}-moved", svc.clients)
+    platform.apply(
+        {"services": [{"name": svc.name, "queueName": moved.queue_name, "messageFormat": "legacy"}]}
+    )
+    _declare_as_admin_apply(amqp_url, moved.queue_name, MessageFormat.LEGACY)
+    try:
+        new_in = topology.in_queue(moved.queue_name)
+        wait_until(lambda: message_count(amqp_url, old_in) == 0, 20, what="the old -in drained")
+        wait_until(lambda: message_count(amqp_url, new_in) == 2, 20, what="in the new -in")
+        taken = take_all(amqp_url, new_in)
+        submissions = [decode_submission(m, svc.name) for m in taken]
+        assert sorted(s.task_id for s in submissions) == sorted(waiting)
+        assert {s.message_format for s in submissions} == {MessageFormat.LEGACY}
+        assert sorted(s.body["n"] for s in submissions) == [1, 2]
+        assert [m.headers.get("x-conveyor-requeues") for m in taken] == [2, 2]
+        polled = _poll_all(gateway, svc, waiting)
+        assert {data["status"] for data in polled.values()} == {"PENDING"}
+    finally:
+        remove_service(platform, amqp_url, moved)
+
+
 @pytest.mark.timeout(60)
 def test_a_changed_message_format_is_declared_again(
     gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
@@ -677,6 +721,25 @@ def test_dead_lettered_submission_with_x_death_fails_its_task(
     wait_until(lambda: _poison(platform, dlq), what="garbage set aside")
     assert _poison(platform, dlq)[0][1] == b"\x00garbage"
     wait_until(lambda: _drained(amqp_url, dlq), what="-dlq drained")
+
+
+@pytest.mark.timeout(60)
+def test_a_submission_expired_in_the_queue_fails_its_task_as_the_reaper_says(
+    gateway: GatewayProcess, svc: Service, amqp_url: str
+) -> None:
+    """Past its time to live a task ends with one message, whether the reaper or its
+    message's dead letter comes first: the dead letter said `dead-lettered`, as for a crash."""
+    task_id = _submit(gateway, svc, {"n": 8})
+    submission = encode_submission(Submission(task_id=task_id, service=svc.name, body={"n": 8}))
+    x_death = [{"count": 1, "reason": "expired", "queue": topology.in_queue(svc.queue_name)}]
+    dead = WireMessage(
+        submission.body, {**submission.headers, "x-death": x_death}, "application/json", task_id
+    )
+    publish(amqp_url, topology.dead_letter_queue(svc.queue_name), [dead])
+    data = _poll_until(gateway, svc, task_id, status="FAILURE")
+    assert data["errorMessage"] == (
+        "The task expired: it stayed PENDING longer than its time to live."
+    )
 
 
 # -- every task ends: what the database refuses, broken topologies, silence ----------

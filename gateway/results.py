@@ -415,19 +415,20 @@ class ResultConsumer:
         dispatcher of the service consumes it any longer, so each unfinished task's goes to
         the queue the service has now, in its format, expiring with its task and with its
         deliveries counted (X-Conveyor-Attempt goes on from them). A finished task's, a
-        deleted service's and an unreadable one are dropped: nothing would ever run them."""
+        deleted service's are dropped: nothing would ever run them. An unreadable one is
+        set aside in `poison_messages`, as on the other queues."""
         left: dict[uuid.UUID, tuple[Delivery, Submission]] = {}
+        unreadable: list[tuple[Delivery, str]] = []
         for delivery in batch:
             try:
                 submission = decode_submission(delivery.wire())
                 left[uuid.UUID(submission.task_id)] = (delivery, submission)
             except (WireError, ValueError) as exc:
-                log.warning(
-                    "unreadable submission left in a moved queue; dropped",
-                    extra={"queue": delivery.queue, "error": str(exc)[:300]},
-                )
-        if left:
+                unreadable.append((delivery, f"unreadable submission: {exc}"))
+        if left or unreadable:
             async with self.pool.connection() as conn:
+                for delivery, reason in unreadable:
+                    await _set_aside(conn, delivery, reason)
                 cursor = await conn.execute(_WHERE_NOW, {"ids": list(left)})
                 rows = await cursor.fetchall()
             for task_id, service, queue_name, message_format, expires_at in rows:
@@ -727,7 +728,8 @@ async def _set_aside(conn: psycopg.AsyncConnection[Any], delivery: Delivery, rea
             "body_size": len(body),
         },
     )
-    metrics.child(metrics.POISON, "dlq" if delivery.dead_lettered else "out").inc()
+    kind = "in" if delivery.left_behind else "dlq" if delivery.dead_lettered else "out"
+    metrics.child(metrics.POISON, kind).inc()
     log.warning(
         "message set aside",
         extra={"queue": delivery.queue, "reason": reason[:200], "size": len(body)},

@@ -443,7 +443,8 @@ def test_submissions_left_in_a_moved_queue_go_to_the_one_it_moved_to(
     took them yet, or a SIGTERM handed them back there) waited with no consumer until their
     time to live, while the admin API counted the new, empty queue. The gateway publishes
     each unfinished one to the queue its service now has, in its service's format, its
-    deliveries counted and its expiry kept; a finished task's message is dropped."""
+    deliveries counted and its expiry kept; a finished task's message is dropped, an
+    unreadable one set aside."""
     gateway = replicas[0]
     old_in = topology.in_queue(svc.queue_name)
     waiting = _submit_all(gateway, svc, [{"n": 1}, {"n": 2}])
@@ -456,7 +457,7 @@ def test_submissions_left_in_a_moved_queue_go_to_the_one_it_moved_to(
         replace(m, headers={**m.headers, "x-conveyor-requeues": 2}, expiration=600.0)
         for m in handed_back
     ]
-    publish(amqp_url, old_in, again)
+    publish(amqp_url, old_in, [*again, raw_json(b"\x00garbage")])
     moved = Service(svc.name, f"{svc.queue_name}-moved", svc.clients)
     platform.apply(
         {"services": [{"name": svc.name, "queueName": moved.queue_name, "messageFormat": "legacy"}]}
@@ -474,6 +475,7 @@ def test_submissions_left_in_a_moved_queue_go_to_the_one_it_moved_to(
         assert [m.headers.get("x-conveyor-requeues") for m in taken] == [2, 2]
         polled = _poll_all(gateway, svc, waiting)
         assert {data["status"] for data in polled.values()} == {"PENDING"}
+        assert [row[1] for row in _poison(platform, old_in)] == [b"\x00garbage"]  # set aside
     finally:
         remove_service(platform, amqp_url, moved)
 

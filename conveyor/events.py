@@ -27,7 +27,7 @@ from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
 
 from conveyor import headers as h
-from conveyor import strict_json
+from conveyor import storable, strict_json
 
 SPECVERSION_HEADER = h.CE_SPECVERSION
 TRACEPARENT = "traceparent"
@@ -469,32 +469,52 @@ def _decode_ce_event(message: WireMessage) -> TaskEvent:
     )
     started = event.get_extension(EXT_STARTED)
     if kind.terminal and started is not None:
-        host = event.get_extension(EXT_HOST)
         return replace(
-            decoded,
-            started=_parse_time(str(started)),
-            host=None if host is None else str(host)[:255],
+            decoded, started=_parse_time(str(started)), host=_host(event.get_extension(EXT_HOST))
         )
     return decoded
 
 
 def _decode_legacy_event(message: WireMessage) -> TaskEvent:
-    payload = _load_json(message.body)
+    try:
+        payload = _load_json(message.body)
+    except WireError:
+        # A worker writing Latin-1 (or any bytes that are not UTF-8): its words, with U+FFFD
+        # where they cannot be read, rather than its task left IN_PROGRESS until the watchdog.
+        readable = message.body.decode("utf-8", errors="replace").encode()
+        if readable == message.body:
+            raise
+        payload = _load_json(readable)
     if not isinstance(payload, dict) or not isinstance(payload.get("data"), dict):
         raise WireError("legacy event must be an object with a data object")
     data = payload["data"]
-    kind = _KIND_BY_LEGACY.get(data.get("messageType", data.get("message_type")))
+    kind = _KIND_BY_LEGACY.get(_first(data, "messageType", "message_type"))
     if kind is None:
         raise WireError("unknown messageType")
     return _event_from_fields(
         kind,
-        task_id=payload.get("taskId", payload.get("task_id")),
+        task_id=_first(payload, "taskId", "task_id"),
         data=data,
         attempt=None,
         time=None,
         event_id=message.message_id or str(uuid.uuid4()),
         identified=bool(message.message_id),
     )
+
+
+def _host(value: Any) -> str | None:
+    """A worker's name as a column can hold it: text, no NUL, 255 characters at most."""
+    return None if value is None else storable.text(_as_text(value))[:255]
+
+
+def _error_text(value: Any) -> str:
+    """An errorMessage as the dispatcher keeps a function's: text, at most ERROR_LIMIT
+    bytes (a worker's may be megabytes, or an object)."""
+    return storable.truncate(storable.text(_as_text(value)))
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else _json_bytes(value).decode()
 
 
 def _first(data: dict[str, Any], *names: str) -> Any:
@@ -516,15 +536,14 @@ def _event_from_fields(
 ) -> TaskEvent:
     fields: dict[str, Any] = {}
     if kind is EventKind.STARTED:
-        host = _first(data, "hostName", "hostname", "host_name")
-        fields["host"] = None if host is None else str(host)[:255]
+        fields["host"] = _host(_first(data, "hostName", "hostname", "host_name"))
     elif kind is EventKind.PROGRESS:
         fields["progress"] = _progress(data.get("progress"))
     elif kind is EventKind.SUCCEEDED:
         fields["response"] = data.get("response")
     elif kind is EventKind.FAILED:
         message = _first(data, "errorMessage", "error_message")
-        fields["error_message"] = None if message is None else str(message)
+        fields["error_message"] = None if message is None else _error_text(message)
     return TaskEvent(
         kind=kind,
         task_id=_task_id(task_id),

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+ERROR_LIMIT = 4096  # bytes of an errorMessage kept, UTF-8: a function's, or a worker's
 # Python reads a well-formed escaped pair as one character: a surrogate left in a str is lone.
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 # How either looks in serialized JSON: the cheap test before a walk. A pair that the stdlib
@@ -33,6 +34,14 @@ class TooDeep(ValueError):
 
 def text(value: str) -> str:
     return _UNSTORABLE.sub(REPLACEMENT, value)
+
+
+def truncate(value: str, limit: int = ERROR_LIMIT) -> str:
+    """At most `limit` bytes of UTF-8, cut on a character boundary."""
+    encoded = value.encode()
+    if len(encoded) <= limit:
+        return value
+    return encoded[:limit].decode("utf-8", errors="ignore")
 
 
 def storable(value: Any, max_depth: int | None = None) -> Any:

@@ -44,8 +44,8 @@ from yarl import URL
 
 from conveyor import headers as h
 from conveyor import storable, strict_json
+from conveyor.storable import truncate
 
-ERROR_LIMIT = 4096  # bytes of errorMessage kept, UTF-8
 RETRYABLE_STATUS = frozenset({408, 429})
 _ERROR_FIELDS = ("errorMessage", "error", "detail")
 MAX_DEPTH = 128  # deeper answers are refused, as the gateway refuses deeper requests
@@ -210,13 +210,6 @@ def error_message(body: bytes) -> str:
                 continue
             return value if isinstance(value, str) else json.dumps(value)
     return payload if isinstance(payload, str) else json.dumps(payload)
-
-
-def truncate(text: str, limit: int = ERROR_LIMIT) -> str:
-    encoded = text.encode()
-    if len(encoded) <= limit:
-        return text
-    return encoded[:limit].decode("utf-8", errors="ignore")
 
 
 def _strict_json(body: bytes) -> Any:

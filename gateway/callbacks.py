@@ -45,6 +45,11 @@ class CallbackRefused(ValueError):
         return f"callback.{self.field}" if self.field else "callback"
 
 
+class HostUnresolved(CallbackRefused):
+    """The name does not resolve now: refused at submission, tried again at delivery (a DNS
+    outage passes; a forbidden address does not)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CallbackPolicy:
     allow_http: bool = False
@@ -82,7 +87,10 @@ def check_shape(callback: object, policy: CallbackPolicy) -> tuple[str, str]:
         raise CallbackRefused(f"callback url scheme must be one of {sorted(allowed_types)}")
     if not parts.hostname or parts.username or parts.password:
         raise CallbackRefused("callback url needs a host and no credentials")
-    return url, parts.hostname.lower()
+    # Kept as it will be called (host lower case, IDNA, no default port, no leading zeros):
+    # the notifier shares its slots per target by this text, and one endpoint spelled
+    # several ways must stay one target.
+    return str(httpx.URL(url)), parts.hostname.lower()
 
 
 def forbidden_address(address: str) -> bool:
@@ -116,8 +124,9 @@ async def resolve(host: str, port: int | None) -> list[str]:
             loop.getaddrinfo(host, port or 443, type=socket.SOCK_STREAM), timeout=5
         )
     except (OSError, TimeoutError, ValueError):  # ValueError: a name IDNA cannot encode
-        raise CallbackRefused("callback host does not resolve") from None
-    return sorted({str(info[4][0]) for info in infos})
+        raise HostUnresolved("callback host does not resolve") from None
+    # The resolver's order (RFC 6724's preferences), each address once.
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 async def check_destination(url: str, policy: CallbackPolicy) -> None:
@@ -127,10 +136,11 @@ async def check_destination(url: str, policy: CallbackPolicy) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Destination:
-    """Where to send a callback: the URL with its host replaced by the checked address, the
-    `Host` header and, for TLS, the name to present and verify (SNI)."""
+    """Where to send a callback: the URL with its host replaced by each checked address, in
+    the resolver's order (the next one is tried when one refuses the connection), the `Host`
+    header and, for TLS, the name to present and verify (SNI)."""
 
-    url: httpx.URL
+    urls: list[httpx.URL]
     headers: dict[str, str] = field(default_factory=dict)
     extensions: dict[str, Any] = field(default_factory=dict)
 
@@ -143,13 +153,14 @@ async def destination(url: str, policy: CallbackPolicy) -> Destination:
     except (ValueError, httpx.InvalidURL):  # ValueError: a name IDNA cannot decode
         raise CallbackRefused("callback url is not a valid URL") from None
     if not host or host in policy.allowed_hosts or policy.allow_private:
-        return Destination(parsed)
+        return Destination([parsed])
     addresses = await resolve(host, parsed.port)
     if not addresses or any(forbidden_address(a) for a in addresses):
         raise CallbackRefused("callback host resolves to a forbidden address")
     netloc = parsed.netloc.decode("ascii")
     extensions = {"sni_hostname": host} if parsed.scheme == "https" else {}
-    return Destination(parsed.copy_with(host=addresses[0]), {"Host": netloc}, extensions)
+    urls = [parsed.copy_with(host=address) for address in addresses]
+    return Destination(urls, {"Host": netloc}, extensions)
 
 
 async def check_callback(callback: object, policy: CallbackPolicy) -> dict[str, str]:

@@ -241,7 +241,9 @@ class Notifier:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.attempts),
             wait=wait_exponential(multiplier=self.backoff, max=30),
-            retry=retry_if_exception(lambda exc: isinstance(exc, CallbackFailed)),
+            retry=retry_if_exception(
+                lambda exc: isinstance(exc, CallbackFailed | callbacks.HostUnresolved)
+            ),
             reraise=True,  # a refused URL is final
         )
         async for attempt in retrying:
@@ -262,12 +264,9 @@ class Notifier:
         trace = tracing.current()  # the callback span: the receiver's spans may join the trace
         if trace is not None:
             headers[h.TRACEPARENT] = trace
-        request = self._client.build_request(
-            "POST", target.url, content=body, headers=headers, extensions=target.extensions
-        )
         try:
-            async with asyncio.timeout(self.timeout):
-                answer = await self._client.send(request, stream=True)
+            async with asyncio.timeout(self.timeout):  # the attempt, every address included
+                answer = await self._send(target, body, headers)
                 await answer.aclose()  # the status is all we need: the body is never read
         except TimeoutError:
             raise CallbackFailed(f"no answer within {self.timeout:g} s") from None
@@ -275,6 +274,28 @@ class Notifier:
             raise CallbackFailed(f"network error: {exc.__class__.__name__}") from None
         if not 200 <= answer.status_code < 300:
             raise CallbackFailed(f"answered {answer.status_code}")
+
+    async def _send(
+        self, target: callbacks.Destination, body: bytes, headers: dict[str, str]
+    ) -> httpx.Response:
+        """To the first checked address that takes the connection: a host's IPv6 address may
+        be unreachable from an IPv4-only cluster, and its IPv4 one is checked all the same."""
+        *others, last = target.urls
+        for url in others:
+            try:
+                return await self._client.send(
+                    self._request(url, target, body, headers), stream=True
+                )
+            except httpx.ConnectError:
+                continue
+        return await self._client.send(self._request(last, target, body, headers), stream=True)
+
+    def _request(
+        self, url: httpx.URL, target: callbacks.Destination, body: bytes, headers: dict[str, str]
+    ) -> httpx.Request:
+        return self._client.build_request(
+            "POST", url, content=body, headers=headers, extensions=target.extensions
+        )
 
     async def close(self) -> None:
         unfinished = list(self._deliveries)

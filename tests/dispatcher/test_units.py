@@ -11,15 +11,14 @@ import aiohttp
 import pytest
 from aiohttp.http_exceptions import ContentLengthError
 
+from conveyor.storable import ERROR_LIMIT, truncate
 from dispatcher.api import parse_progress
 from dispatcher.invoker import (
-    ERROR_LIMIT,
     Failure,
     Outcome,
     Success,
     classify,
     network_failure,
-    truncate,
 )
 from dispatcher.progress import ProgressBoard, ProgressReporter
 from dispatcher.retry import Budget, RetryPolicy, call_with_retries, parse_retry_after

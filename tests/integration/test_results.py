@@ -509,6 +509,39 @@ def _legacy(amqp_url: str, svc: Service, payload: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+def test_what_a_legacy_worker_sends_oddly_still_ends_its_task_as_it_said(
+    gateway: GatewayProcess, legacy_svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a black-box probe: a `started` whose hostName held a NUL was set aside (the
+    task stayed PENDING); a `failure` not in UTF-8 was set aside (the task stayed IN_PROGRESS
+    until the watchdog, 20 minutes by default, then failed for silence); an errorMessage of
+    megabytes was stored whole, an object one as Python's repr; a null beside the other
+    spelling of a field was read as missing."""
+    host_nul, not_utf8, huge, spelled = (_submit(gateway, legacy_svc, {"n": n}) for n in range(4))
+    started = {"messageType": "started", "hostName": "pod\x00a"}
+    _legacy(amqp_url, legacy_svc, {"taskId": host_nul, "data": started})
+    _poll_until(gateway, legacy_svc, host_nul, status="IN_PROGRESS")
+    assert _column(platform, host_nul, "worker_host") == "pod\ufffda"
+
+    failure = b'{"taskId": "%s", "data": {"messageType": "failure", "errorMessage": "caf\xe9"}}'
+    publish(
+        amqp_url, topology.out_queue(legacy_svc.queue_name), [raw_json(failure % not_utf8.encode())]
+    )
+    assert (
+        _poll_until(gateway, legacy_svc, not_utf8, status="FAILURE")["errorMessage"] == "caf\ufffd"
+    )
+
+    long_one = {"messageType": "failure", "errorMessage": "x" * 100_000}
+    _legacy(amqp_url, legacy_svc, {"taskId": huge, "data": long_one})
+    assert len(_poll_until(gateway, legacy_svc, huge, status="FAILURE")["errorMessage"]) == 4096
+
+    as_object = {"messageType": None, "message_type": "failure", "errorMessage": {"code": 7}}
+    _legacy(amqp_url, legacy_svc, {"taskId": None, "task_id": spelled, "data": as_object})
+    data = _poll_until(gateway, legacy_svc, spelled, status="FAILURE")
+    assert data["errorMessage"] == '{"code":7}'
+
+
 def test_legacy_messages_in_both_spellings(
     gateway: GatewayProcess, legacy_svc: Service, platform: Platform, amqp_url: str
 ) -> None:

@@ -3,6 +3,7 @@ resolution that could answer a private one."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from gateway import callbacks
@@ -24,7 +25,7 @@ async def test_the_call_is_pinned_to_the_checked_address(monkeypatch: pytest.Mon
 
     target = await callbacks.destination("https://hooks.example.com:8443/a?b=1", CallbackPolicy())
 
-    assert str(target.url) == "https://93.184.216.34:8443/a?b=1"
+    assert [str(url) for url in target.urls] == ["https://93.184.216.34:8443/a?b=1"]
     assert target.headers == {"Host": "hooks.example.com:8443"}
     assert target.extensions == {"sni_hostname": "hooks.example.com"}  # TLS checks the name
 
@@ -42,3 +43,96 @@ async def test_an_unsendable_url_is_refused() -> None:
         callbacks.check_shape(
             {"type": "https", "url": "https://example.com/a\x01"}, CallbackPolicy()
         )
+
+
+async def test_every_checked_address_is_kept_in_the_resolver_s_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a black-box probe: a host with an IPv6 and an IPv4 address was pinned to the
+    first in text order (the IPv6 one, unreachable from an IPv4-only cluster), with no other
+    address tried. The resolver's order is kept, and every checked address is a fallback."""
+    monkeypatch.setattr(callbacks, "resolve", _answers(["93.184.215.14", "2606:2800:21f::1"]))
+
+    target = await callbacks.destination("https://dual.example/h", CallbackPolicy())
+
+    assert [str(url) for url in target.urls] == [
+        "https://93.184.215.14/h",
+        "https://[2606:2800:21f::1]/h",
+    ]
+
+
+async def test_a_callback_goes_to_the_next_address_when_one_refuses_the_connection() -> None:
+    """A real socket: the first address refuses, the second answers 204."""
+    import asyncio
+    import socket
+
+    from gateway.notifier import Notifier
+
+    received: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        refused = closed.getsockname()[1]
+    target = callbacks.Destination(
+        [httpx.URL(f"http://127.0.0.1:{refused}/h"), httpx.URL(f"http://127.0.0.1:{port}/h")],
+        {"Host": "hooks.example.com"},
+    )
+    notifier = Notifier(pool=None, policy=CallbackPolicy(), signing_secret="s", timeout=5)  # type: ignore[arg-type]
+    try:
+        await notifier._post(target, b"{}")
+    finally:
+        await notifier.close()
+        server.close()
+    assert len(received) == 1 and b"host: hooks.example.com" in received[0].lower()
+
+
+def test_a_callback_url_is_kept_as_it_will_be_called() -> None:
+    """Found by a black-box probe: the notifier shares its slots per target (host and port) by
+    the URL's text, and `:80`, `:080` and no port at all were three targets: a consumer whose
+    endpoint hangs took every slot by spelling its port several ways."""
+    policy = CallbackPolicy(allow_http=True)
+    spelled = ["http://LocalHost:0080/h", "http://localhost:80/h", "http://localhost/h"]
+    urls = {callbacks.check_shape({"type": "http", "url": url}, policy)[0] for url in spelled}
+    assert urls == {"http://localhost/h"}
+    assert callbacks.check_shape({"type": "http", "url": "http://h:000123/x?y=1"}, policy)[0] == (
+        "http://h:123/x?y=1"
+    )
+
+
+async def test_a_host_that_does_not_resolve_at_delivery_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a black-box probe: a DNS failure at delivery was final at once, where SPEC
+    §3.3 retries network errors; only a forbidden address is final."""
+    from gateway.notifier import Notifier
+
+    looked_up = 0
+
+    async def flaky(host: str, port: int | None) -> list[str]:
+        nonlocal looked_up
+        looked_up += 1
+        if looked_up < 3:
+            raise callbacks.HostUnresolved("callback host does not resolve")
+        return ["93.184.215.14"]
+
+    sent: list[str] = []
+
+    async def post(self: Notifier, target: callbacks.Destination, body: bytes) -> None:
+        sent.append(str(target.urls[0]))
+
+    monkeypatch.setattr(callbacks, "resolve", flaky)
+    monkeypatch.setattr(Notifier, "_post", post)
+    notifier = Notifier(pool=None, policy=CallbackPolicy(), signing_secret="s", backoff=0.01)  # type: ignore[arg-type]
+    try:
+        await notifier._deliver("https://hooks.example.com/h", {"taskId": "t"})
+    finally:
+        await notifier.close()
+    assert sent == ["https://93.184.215.14/h"]

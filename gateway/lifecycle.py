@@ -60,6 +60,9 @@ _STARTED = """
                start_date = %(time)s, progress = 0, attempt_id = %(attempt)s,
                attempts = attempts + 1, updated_at = now(), publish_at = NULL
          WHERE task_id = %(task_id)s
+           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
+                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
+                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
            AND (status = 'PENDING'
                 OR (status = 'IN_PROGRESS' AND attempt_id IS DISTINCT FROM %(attempt)s
                     AND start_date < %(time)s
@@ -90,6 +93,9 @@ _REQUEUED = """
                expires_at = GREATEST(
                    expires_at, now() + (expires_at - COALESCE(not_before, submission_date)))
          WHERE task_id = %(task_id)s AND status = 'IN_PROGRESS' AND attempt_id = %(attempt)s
+           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
+                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
+                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
         RETURNING task_id
     ), closed AS (
         UPDATE task_attempts a SET end_date = %(time)s, outcome = 'requeued'
@@ -104,6 +110,9 @@ _PROGRESS = """
         UPDATE tasks SET progress = %(progress)s, updated_at = now()
          WHERE task_id = %(task_id)s AND status = 'IN_PROGRESS' AND progress < %(progress)s
            AND (CAST(%(attempt)s AS text) IS NULL OR attempt_id = %(attempt)s)
+           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
+                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
+                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
         RETURNING task_id
     )
     SELECT count(*) AS changed, 0 AS callbacks FROM task
@@ -134,6 +143,9 @@ _FINISH = """
                notification_status = CASE WHEN callback IS NOT NULL THEN 'PENDING' END,
                publish_at = NULL
          WHERE task_id = %(task_id)s AND status IN ('PENDING', 'IN_PROGRESS')
+           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
+                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
+                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
         RETURNING task_id, attempt_id, callback IS NOT NULL AS notify, service, attempts,
                   submission_date, not_before, start_date, end_date, traceparent
     ), history AS (
@@ -180,9 +192,9 @@ _FINISH_MANY = """
                              CAST(%(times)s AS timestamptz[]), CAST(%(attempts)s AS text[]),
                              CAST(%(responses)s AS jsonb[]), CAST(%(error_messages)s AS text[]),
                              CAST(%(starteds)s AS timestamptz[]), CAST(%(hosts)s AS text[]),
-                             CAST(%(by_workers)s AS boolean[]))
+                             CAST(%(by_workers)s AS boolean[]), CAST(%(queues)s AS text[]))
                AS i(task_id, status, time, attempt, response, error_message, started, host,
-                    by_worker)
+                    by_worker, queue)
     ), task AS (
         UPDATE tasks t
            SET status = i.status, end_date = i.time, updated_at = now(),
@@ -198,6 +210,9 @@ _FINISH_MANY = """
                publish_at = NULL
           FROM input i
          WHERE t.task_id = i.task_id AND t.status IN ('PENDING', 'IN_PROGRESS')
+           AND (i.queue IS NULL OR t.service IN (
+                SELECT s.name FROM services s WHERE s.queue_name = i.queue
+                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = i.queue))
         RETURNING t.task_id, t.attempt_id, t.callback IS NOT NULL AS notify, t.service,
                   t.attempts, t.submission_date, t.not_before, t.start_date, t.end_date,
                   t.traceparent
@@ -285,8 +300,10 @@ def _seconds(value: float | None) -> float | None:
     return None if value is None else max(0.0, float(value))
 
 
-def transition(event: TaskEvent) -> Transition:
-    """The statement that applies `event`, whatever the task's current state."""
+def transition(event: TaskEvent, queue: str | None = None) -> Transition:
+    """The statement that applies `event`, whatever the task's current state. Read from
+    `queue`'s `-out` (a queue name), it applies only to a task of a service that has that queue
+    name, or had it (`moved_queues`): a worker cannot end another service's task."""
     task_id = uuid.UUID(event.task_id)
     time = event.time or now()
     match event.kind:
@@ -302,6 +319,7 @@ def transition(event: TaskEvent) -> Transition:
                 # (a republished or redelivered message), and taking a duplicate for a new
                 # attempt would reset the task's progress and start date.
                 "same_host_continues": event.attempt is None and not event.identified,
+                "queue": queue,
             }
             return Transition(_STARTED, params, Applied.CHANGED)
         case EventKind.PROGRESS:
@@ -309,24 +327,26 @@ def transition(event: TaskEvent) -> Transition:
                 "task_id": task_id,
                 "progress": event.progress,
                 "attempt": event.attempt,
+                "queue": queue,
             }
             return Transition(_PROGRESS, progress, Applied.CHANGED)
         case EventKind.SUCCEEDED:
             return _finish(
-                task_id, "SUCCESS", time, event.attempt, _jsonb(event.response), None, event
+                task_id, "SUCCESS", time, event.attempt, _jsonb(event.response), None, event, queue
             )
         case EventKind.FAILED:
             message = storable.text(event.error_message or "The function failed without a message.")
-            return _finish(task_id, "FAILURE", time, event.attempt, None, message, event)
+            return _finish(task_id, "FAILURE", time, event.attempt, None, message, event, queue)
         case EventKind.REQUEUED:
-            requeued = {"task_id": task_id, "attempt": event.attempt, "time": time}
+            requeued = {"task_id": task_id, "attempt": event.attempt, "time": time, "queue": queue}
             return Transition(_REQUEUED, requeued, Applied.CHANGED)
     raise ValueError(f"no transition for {event.kind!r}")
 
 
-def failure(task_id: uuid.UUID, message: str) -> Transition:
-    """FAILURE decided by the platform itself: dead-lettered or expired."""
-    return _finish(task_id, "FAILURE", now(), None, None, message)
+def failure(task_id: uuid.UUID, message: str, queue: str | None = None) -> Transition:
+    """FAILURE decided by the platform itself: dead-lettered, cancelled, a result that could
+    not be stored (`queue`: read from that queue name's `-out` or `-dlq`, see `transition`)."""
+    return _finish(task_id, "FAILURE", now(), None, None, message, queue=queue)
 
 
 def _finish(
@@ -337,6 +357,7 @@ def _finish(
     response: Jsonb | None,
     error_message: str | None,
     event: TaskEvent | None = None,
+    queue: str | None = None,
 ) -> Transition:
     started = None if event is None else event.started
     if event is not None and started is not None and not attempt:
@@ -351,6 +372,7 @@ def _finish(
         "started": started,
         "host": None if event is None else event.host,
         "by_worker": event is not None,
+        "queue": queue,
     }
     return Transition(_FINISH, params, Applied.FINISHED)
 
@@ -405,6 +427,7 @@ class Finishes:
         params["starteds"] = [c.params["started"] for c in self.changes]
         params["hosts"] = [c.params["host"] for c in self.changes]
         params["by_workers"] = [c.params["by_worker"] for c in self.changes]
+        params["queues"] = [c.params["queue"] for c in self.changes]
         return params
 
     def outcomes(self, rows: Sequence[Sequence[Any]]) -> list[Outcome]:

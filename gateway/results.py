@@ -547,30 +547,34 @@ class ResultConsumer:
     def _plan(self, delivery: Delivery) -> Plan:
         """The transition a message asks for, or why it is poison (and the task that ends
         FAILURE for it, when it was a terminal event whose task can still be read)."""
+        # Whatever a message asks applies only to a task of a service that has (or had)
+        # the queue name it came from: a worker cannot end another service's task.
+        queue = topology.queue_name_of(delivery.queue)
         try:
             if delivery.dead_lettered:
-                return Plan(DEAD_LETTERED, self._dead_lettered(delivery))
+                return Plan(DEAD_LETTERED, self._dead_lettered(delivery, queue))
             event = decode_event(delivery.wire())
-            return Plan(event.kind.value, lifecycle.transition(event))
+            return Plan(event.kind.value, lifecycle.transition(event, queue))
         except (WireError, Poison) as exc:
-            return _unusable(str(exc), None if delivery.dead_lettered else _terminal(delivery))
+            terminal = None if delivery.dead_lettered else _terminal(delivery)
+            return _unusable(str(exc), terminal, queue)
 
-    def _dead_lettered(self, delivery: Delivery) -> lifecycle.Transition:
+    def _dead_lettered(self, delivery: Delivery, queue: str) -> lifecycle.Transition:
         wire = delivery.wire()
         try:
             task_id = decode_submission(wire).task_id
         except WireError as exc:
             raise Poison(f"dead-lettered message is not a submission: {exc}") from None
-        return lifecycle.failure(uuid.UUID(task_id), _dead_letter_message(wire.headers))
+        return lifecycle.failure(uuid.UUID(task_id), _dead_letter_message(wire.headers), queue)
 
 
-def _unusable(reason: str, terminal: tuple[str, uuid.UUID] | None) -> Plan:
+def _unusable(reason: str, terminal: tuple[str, uuid.UUID] | None, queue: str | None) -> Plan:
     """A message set aside for `reason`; a terminal event's (kind, task) still ends the task."""
     if terminal is None:
         return Plan(POISON, None, reason)
     kind, task_id = terminal
-    failure = lifecycle.failure(task_id, f"The function's result could not be stored ({reason}).")
-    return Plan(kind, failure, reason)
+    message = f"The function's result could not be stored ({reason})."
+    return Plan(kind, lifecycle.failure(task_id, message, queue), reason)
 
 
 def _refused(plan: Plan, exc: Exception) -> Plan:
@@ -580,7 +584,8 @@ def _refused(plan: Plan, exc: Exception) -> Plan:
     said = (diag.message_primary if diag is not None else None) or str(exc).partition("\n")[0]
     reason = f"database refused it: {exc.__class__.__name__}: {said[:200]}"
     change = plan.change
-    return _unusable(reason, (plan.kind, change.task_id) if change and change.terminal else None)
+    terminal = (plan.kind, change.task_id) if change and change.terminal else None
+    return _unusable(reason, terminal, change.params.get("queue") if change else None)
 
 
 def _terminal(delivery: Delivery) -> tuple[str, uuid.UUID] | None:

@@ -41,6 +41,7 @@ def _finishes(count: int) -> lifecycle.Finishes:
         "started": now,
         "host": "h",
         "by_worker": True,
+        "queue": None,
     }
     return lifecycle.Finishes(
         [

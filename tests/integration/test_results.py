@@ -510,6 +510,26 @@ def _legacy(amqp_url: str, svc: Service, payload: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.timeout(60)
+def test_a_worker_cannot_end_another_service_s_task(
+    gateway: GatewayProcess, svc: Service, legacy_svc: Service, amqp_url: str
+) -> None:
+    """Found by a black-box probe: a `success` on one service's `-out` naming another
+    service's task set that task SUCCESS with the first service's answer. Whatever comes
+    from a queue applies only to the tasks of the services that have (or had) its name."""
+    theirs = _submit(gateway, svc, {"n": 1})
+    succeeded = {"messageType": "success", "response": "not yours"}
+    _legacy(amqp_url, legacy_svc, {"taskId": theirs, "data": succeeded})
+    failed = {"messageType": "failure", "errorMessage": "not yours either"}
+    _legacy(amqp_url, legacy_svc, {"taskId": theirs, "data": failed})
+    mine = _submit(gateway, legacy_svc, {"n": 2})
+    _legacy(amqp_url, legacy_svc, {"taskId": mine, "data": succeeded})  # after the others
+    _poll_until(gateway, legacy_svc, mine, status="SUCCESS")
+    assert _poll(gateway, svc, theirs)["status"] == "PENDING"
+    _publish_events(amqp_url, svc, _event(svc, EventKind.SUCCEEDED, theirs, response="mine"))
+    assert _poll_until(gateway, svc, theirs, status="SUCCESS")["response"] == "mine"
+
+
+@pytest.mark.timeout(60)
 def test_what_a_legacy_worker_sends_oddly_still_ends_its_task_as_it_said(
     gateway: GatewayProcess, legacy_svc: Service, platform: Platform, amqp_url: str
 ) -> None:

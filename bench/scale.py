@@ -207,6 +207,8 @@ def _queries() -> dict[str, Any]:
 def _plan_params(database_url: str, service: BenchService) -> dict[str, Any]:
     from psycopg.types.json import Jsonb
 
+    from gateway import lifecycle
+
     pending = sql(
         database_url,
         "SELECT id, task_id FROM tasks WHERE service = %(s)s AND status = 'PENDING'"
@@ -232,6 +234,7 @@ def _plan_params(database_url: str, service: BenchService) -> dict[str, Any]:
         "time_to_live": 86400.0,
         "time_limit": 900,
         "ttl": 86400.0,
+        "message": lifecycle.EXPIRED,
         "id": pending[0],
         "get_task_id": pending[1],
     }

@@ -81,17 +81,20 @@ def _relayed(gateway: GatewayProcess, path: str = "relay") -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def _seed_stranded_tasks(platform: Platform, svc: Service, count: int) -> set[str]:
-    """Rows as a gateway that died between its commit and its publish leaves them."""
+def _seed_stranded_tasks(
+    platform: Platform, svc: Service, count: int, due_in: str = "-1 minute"
+) -> set[str]:
+    """Rows as a gateway that died between its commit and its publish leaves them (due for
+    the relay), or, with a `due_in` ahead, as its fast path leaves them while it waits."""
     rows = platform.sql(
         """
         INSERT INTO tasks (task_id, client_id, service, request, submission_date, publish_at)
         SELECT gen_random_uuid(), %(c)s, %(s)s, jsonb_build_object('n', n),
-               now() - interval '1 minute', now() - interval '1 minute'
+               now() - interval '1 minute', now() + CAST(%(due_in)s AS interval)
           FROM generate_series(1, %(count)s) n
         RETURNING task_id
         """,
-        {"c": svc.clients[0].client_id, "s": svc.name, "count": count},
+        {"c": svc.clients[0].client_id, "s": svc.name, "count": count, "due_in": due_in},
     )
     return {str(r[0]) for r in rows}
 
@@ -200,12 +203,9 @@ def test_the_first_event_of_a_task_ends_its_publishing(
     gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
 ) -> None:
     wait_for_queues(amqp_url, queues_of(svc.queue_name))
-    started, finished = sorted(_seed_stranded_tasks(platform, svc, 2))
-    # As if their fast path were still waiting for its confirm: the relay leaves them be.
-    platform.sql(
-        "UPDATE tasks SET publish_at = now() + interval '1 hour' WHERE service = %(s)s",
-        {"s": svc.name},
-    )
+    # As if their fast path were still waiting for its confirm: the relay leaves them be
+    # (seeded so at once: seeded due, the relay could publish them before an update).
+    started, finished = sorted(_seed_stranded_tasks(platform, svc, 2, due_in="1 hour"))
     events = [
         TaskEvent(kind=EventKind.STARTED, task_id=started, host="w1", attempt="a1"),
         TaskEvent(kind=EventKind.SUCCEEDED, task_id=finished, response={"ok": True}),

@@ -8,21 +8,24 @@ envelope handling, Basic auth and polling loop, in a sync and an async flavour:
         task = client.wait("sleeper", submitted.task_id, timeout=60)
 
 Both flavours share the request building and response parsing below; only the
-I/O differs. API errors raise `ConveyorError`; network failures raise httpx's own
+I/O differs. API errors raise `ConveyorError`, and so does an answer the SDK cannot read
+(number 0, "unexpected answer from the gateway: ..."); network failures raise httpx's own
 `httpx.TransportError` subclasses unchanged, except while `follow` or `wait` waits: they
-ride out a gateway unreachable for up to `OUTAGE_WINDOW_S` (a restart, a rolling deploy),
-polling meanwhile, and raise only after that.
+ride out a gateway unreachable, or answering 502/503/504, for up to `OUTAGE_WINDOW_S` (a
+restart, a rolling deploy, a database failover), polling meanwhile (pausing as its
+`Retry-After` says), and raise only after that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Self
@@ -38,10 +41,17 @@ DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_POLL_INTERVAL_S = 0.5
 TERMINAL_STATUSES = frozenset({"SUCCESS", "FAILURE"})
 OUTAGE_WINDOW_S = 30.0
+# The event stream's read timeout: four of the gateway's default 15 s heartbeats, so a quiet
+# stream is kept (the client's own timeout, 10 s by default, would drop it).
+STREAM_READ_TIMEOUT_S = 60.0
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504})  # ridden out while following, like no answer
+_SHORTEST_TIMEOUT_S = 0.01  # a request made at the deadline still gets a (tiny) timeout
+_DEFAULT = httpx.USE_CLIENT_DEFAULT  # (None would mean no timeout at all to httpx)
 
 
 class ConveyorError(Exception):
-    """The gateway answered with an error envelope (or something that is not an envelope)."""
+    """The gateway answered with an error envelope, or something the SDK cannot read
+    (`number` 0). `retry_after`: the answer's `Retry-After`, in seconds (None without one)."""
 
     def __init__(
         self,
@@ -49,12 +59,19 @@ class ConveyorError(Exception):
         number: int,
         description: str,
         errors: list[dict[str, Any]] | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(f"{number} {description}")
         self.http_status = http_status
         self.number = number
         self.description = description
         self.errors = errors or []
+        self.retry_after = retry_after
+
+    @property
+    def unavailable(self) -> bool:
+        """502/503/504: the gateway (or a proxy before it) is down for now."""
+        return self.http_status in UNAVAILABLE_STATUSES
 
 
 class TaskWaitTimeout(TimeoutError):
@@ -200,13 +217,19 @@ def _shut_down(response: httpx.Response) -> None:
 
 
 def _stream_task(sse: ServerSentEvent) -> Task | None:
+    """The event's task; None for another event or one the SDK cannot read (skipped)."""
     if sse.event != "task":
         return None
     try:
         data = json.loads(sse.data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return _task(data) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    try:
+        return _task(data)
+    except _Unreadable:
+        return None
 
 
 def _cancel_call(service: str, task_id: str) -> _Call:
@@ -217,16 +240,41 @@ def _get_call(service: str, task_id: str) -> _Call:
     return _Call("GET", f"{_tasks_path(service)}/{quote(task_id, safe='')}")
 
 
+class _Unreadable(ValueError):
+    """A `data` whose shape the SDK cannot read; the message says what is wrong."""
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """`Retry-After` in seconds; None when absent or not a number of seconds (a date)."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _unexpected(response: httpx.Response, what: str) -> ConveyorError:
+    return ConveyorError(
+        response.status_code,
+        0,
+        f"unexpected answer from the gateway: {what}",
+        retry_after=_retry_after(response),
+    )
+
+
 def _not_an_envelope(response: httpx.Response) -> ConveyorError:
-    text = response.text.strip()[:200] or response.reason_phrase
-    return ConveyorError(response.status_code, 0, f"unexpected answer from the gateway: {text}")
+    return _unexpected(response, response.text.strip()[:200] or response.reason_phrase)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _unwrap(response: httpx.Response) -> dict[str, Any]:
     """Returns the envelope's `data`, or raises the envelope's error."""
     try:
         envelope = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
         raise _not_an_envelope(response) from None
     if not isinstance(envelope, dict):
         raise _not_an_envelope(response)
@@ -235,11 +283,16 @@ def _unwrap(response: httpx.Response) -> dict[str, Any]:
     error = envelope.get("error")
     if envelope.get("status") != "error" or not isinstance(error, dict):
         raise _not_an_envelope(response)
+    number = error.get("number") or 0
+    if not _is_int(number):
+        raise _not_an_envelope(response)
+    errors = error.get("errors")
     raise ConveyorError(
         response.status_code,
-        int(error.get("number") or 0),
+        number,
         str(error.get("description") or ""),
-        error.get("errors") or [],
+        [e for e in errors if isinstance(e, dict)] if isinstance(errors, list) else [],
+        _retry_after(response),
     )
 
 
@@ -252,52 +305,127 @@ def _parse_date(value: Any) -> datetime | None:
         return None
 
 
+def _submitted(data: Any, created: bool) -> Submitted:
+    if not isinstance(data, dict):
+        raise _Unreadable(f"a task that is not an object: {str(data)[:100]}")
+    return Submitted(_task_id(data), _position(data), created)
+
+
 def _parse_submitted(response: httpx.Response) -> Submitted:
-    data = _unwrap(response)
-    return Submitted(
-        task_id=str(data["taskId"]),
-        position=data.get("taskPosition"),
-        created=response.status_code == 201,
-    )
+    try:
+        return _submitted(_unwrap(response), response.status_code == 201)
+    except _Unreadable as exc:
+        raise _unexpected(response, str(exc)) from None
 
 
 def _parse_batch(response: httpx.Response) -> list[Submitted]:
     created = response.status_code == 201
-    return [
-        Submitted(str(t["taskId"]), t.get("taskPosition"), created)
-        for t in _unwrap(response)["tasks"]
-    ]
+    tasks = _unwrap(response).get("tasks")
+    try:
+        if not isinstance(tasks, list):
+            raise _Unreadable("tasks is not a list")
+        return [_submitted(t, created) for t in tasks]
+    except _Unreadable as exc:
+        raise _unexpected(response, str(exc)) from None
 
 
 def _parse_task(response: httpx.Response) -> Task:
-    return _task(_unwrap(response))
+    data = _unwrap(response)
+    try:
+        return _task(data)
+    except _Unreadable as exc:
+        raise _unexpected(response, str(exc)) from None
+
+
+def _task_id(data: dict[str, Any]) -> str:
+    task_id = data.get("taskId")
+    if not isinstance(task_id, str) or not task_id:
+        raise _Unreadable("taskId is missing or not a string")
+    return task_id
+
+
+def _position(data: dict[str, Any]) -> int | None:
+    position = data.get("taskPosition")
+    if position is not None and not _is_int(position):
+        raise _Unreadable("taskPosition is not an integer")
+    return position
+
+
+def _progress(data: dict[str, Any]) -> float:
+    """A number; a non-finite one (NaN, Infinity) reads as 0.0."""
+    progress = data.get("progress")
+    if progress is None:
+        return 0.0
+    if not isinstance(progress, int | float) or isinstance(progress, bool):
+        raise _Unreadable("progress is not a number")
+    try:
+        value = float(progress)
+    except OverflowError:  # an integer too large for a float
+        return 0.0
+    return value if math.isfinite(value) else 0.0
 
 
 def _task(data: dict[str, Any]) -> Task:
+    """Raises _Unreadable when a field has a shape the SDK cannot read."""
+    status = data.get("status")
+    if not isinstance(status, str):
+        raise _Unreadable("status is missing or not a string")
+    error_message = data.get("errorMessage")
+    if error_message is not None and not isinstance(error_message, str):
+        raise _Unreadable("errorMessage is not a string")
     return Task(
-        task_id=str(data["taskId"]),
-        status=str(data["status"]),
-        task_position=data.get("taskPosition"),
+        task_id=_task_id(data),
+        status=status,
+        task_position=_position(data),
         submition_date=_parse_date(data.get("submitionDate")),
         start_date=_parse_date(data.get("startDate")),
         end_date=_parse_date(data.get("endDate")),
-        progress=float(data.get("progress") or 0.0),
+        progress=_progress(data),
         response=data.get("response"),
-        error_message=data.get("errorMessage"),
+        error_message=error_message,
         raw=data,
         not_before=_parse_date(data.get("notBefore")),
     )
 
 
 class _Pacer:
-    """The polling schedule shared by both flavours: how long to pause, when to give up, and
-    how long the gateway may stay unreachable before its transport error is raised."""
+    """The schedule shared by both flavours while following a task: how long each request may
+    take (never past the deadline), how long to pause, when to give up, and how long the
+    gateway may stay unreachable or unavailable (502/503/504) before its error is raised."""
 
     def __init__(self, timeout: float | None, interval: float) -> None:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._interval = interval
         self._unreachable_since: float | None = None
         self.last: Task | None = None  # the last state seen, stream or poll
+
+    def left(self) -> float | None:
+        """Seconds before the deadline (negative once passed); None without one."""
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def _within(self, seconds: float) -> float:
+        left = self.left()
+        return seconds if left is None else max(min(seconds, left), _SHORTEST_TIMEOUT_S)
+
+    def poll_timeout(self, timeout: float) -> httpx.Timeout:
+        """The client's `timeout`, cut to the time left; TaskWaitTimeout once it is none."""
+        left = self.left()
+        if left is not None and left <= 0 and self.last is not None:
+            raise TaskWaitTimeout(self.last)
+        return httpx.Timeout(self._within(timeout))
+
+    def stream_timeout(self, timeout: float) -> httpx.Timeout:
+        """The client's `timeout` to connect; `STREAM_READ_TIMEOUT_S` to read (a quiet stream
+        sends only a comment every heartbeat); both cut to the time left."""
+        return httpx.Timeout(self._within(timeout), read=self._within(STREAM_READ_TIMEOUT_S))
+
+    def give_up_at_deadline(self, exc: Exception) -> None:
+        """Once the deadline passed: TaskWaitTimeout when a state was seen, else `exc`."""
+        left = self.left()
+        if left is not None and left <= 0:
+            if self.last is None:
+                raise exc
+            raise TaskWaitTimeout(self.last) from exc
 
     def seen(self, task: Task) -> bool:
         """Records `task`; whether it is news (a poll after the stream may repeat its last)."""
@@ -306,20 +434,22 @@ class _Pacer:
         self._unreachable_since = None
         return new
 
-    def pause_after_outage(self, exc: httpx.TransportError) -> float:
+    def pause_after_outage(self, exc: httpx.TransportError | ConveyorError) -> float:
+        """After no answer or a 502/503/504: the pause (its Retry-After, else `interval`,
+        within the deadline and the outage window), or `exc` once the window is over."""
         now = time.monotonic()
         if self._unreachable_since is None:
             self._unreachable_since = now
-        if now - self._unreachable_since >= OUTAGE_WINDOW_S:
+        window_left = self._unreachable_since + OUTAGE_WINDOW_S - now
+        if window_left <= 0:
             raise exc
-        if self._deadline is None:
-            return self._interval
-        left = self._deadline - now
-        if left <= 0:
-            if self.last is None:
-                raise exc
-            raise TaskWaitTimeout(self.last) from exc
-        return min(self._interval, left)
+        self.give_up_at_deadline(exc)
+        pause = self._interval
+        if isinstance(exc, ConveyorError) and exc.retry_after is not None:
+            pause = exc.retry_after
+        pause = min(pause, window_left)
+        left = self.left()
+        return pause if left is None else min(pause, left)
 
     def pause_after(self, task: Task) -> float:
         if self._deadline is None:
@@ -379,8 +509,14 @@ class ConveyorClient(_FromEnv):
         self.config = _Config(base_url, client_id, client_secret, timeout)
         self._http = httpx.Client(transport=transport, **self.config.httpx_options())
 
-    def _send(self, call: _Call) -> httpx.Response:
-        return self._http.request(call.method, call.path, json=call.json, headers=call.headers)
+    def _send(self, call: _Call, timeout: httpx.Timeout | None = None) -> httpx.Response:
+        return self._http.request(
+            call.method,
+            call.path,
+            json=call.json,
+            headers=call.headers,
+            timeout=_DEFAULT if timeout is None else timeout,  # None: the client's own
+        )
 
     def submit(
         self,
@@ -418,45 +554,69 @@ class ConveyorClient(_FromEnv):
     ) -> Iterator[Task]:
         """Yields the task as it changes, the last one being SUCCESS or FAILURE: from the
         gateway's event stream (SPEC §11.3), or by polling every `interval` seconds from a
-        gateway without one, or once the stream broke (the gateway restarted). Raises
-        TaskWaitTimeout after `timeout` seconds."""
+        gateway without one, or once the stream broke (the gateway restarted).
+
+        A gateway unreachable or answering 502/503/504 is waited for up to OUTAGE_WINDOW_S
+        (pausing as its Retry-After says), then its error is raised. Raises TaskWaitTimeout
+        after `timeout` seconds: no request outlives the deadline. When no state was ever
+        seen by then, the error of the request the deadline cut (an httpx.TransportError, or
+        a ConveyorError of an unavailable gateway) is raised instead, at the deadline."""
         pacer = _Pacer(timeout, interval)
+        if not (yield from self._stream(service, task_id, pacer)):
+            yield from self._poll(service, task_id, pacer)
+
+    def _stream(self, service: str, task_id: str, pacer: _Pacer) -> Generator[Task, None, bool]:
+        """Yields the stream's states; returns True once the last was terminal, False when
+        polling is to go on (no stream, or it broke: the gateway went away)."""
+        opening = pacer.stream_timeout(self.config.timeout)
         try:
-            with connect_sse(self._http, "GET", _events_path(service, task_id)) as source:
+            with connect_sse(
+                self._http, "GET", _events_path(service, task_id), timeout=opening
+            ) as source:
                 if not _is_stream(source.response):
                     source.response.read()
-                if not _stream_refused(source.response):
-                    # A quiet stream still sends comments, so no read timeout ends it: at the
-                    # deadline its socket is shut down, which ends the blocked read at once.
-                    deadline = (
-                        None if timeout is None else _StreamDeadline(source.response, timeout)
-                    )
-                    try:
-                        for sse in source.iter_sse():
-                            task = _stream_task(sse)
-                            if task is not None and pacer.seen(task):
-                                yield task
-                                if task.done:
-                                    return
-                    except (httpx.StreamError, httpx.TransportError) as exc:
-                        if deadline is not None and deadline.passed.is_set() and pacer.last:
-                            raise TaskWaitTimeout(pacer.last) from exc
-                        raise
-                    finally:
-                        if deadline is not None:
-                            deadline.cancel()
-                    if pacer.last is not None and deadline is not None:
-                        if deadline.passed.is_set():
-                            raise TaskWaitTimeout(pacer.last)
-        except (httpx.StreamError, httpx.TransportError):
-            pass  # the gateway went away: polling rides the outage out
-        yield from self._poll(service, task_id, pacer)
+                if _stream_refused(source.response):
+                    return False
+                # A quiet stream still sends comments, so no read timeout ends it: at the
+                # deadline its socket is shut down, which ends the blocked read at once.
+                left = pacer.left()
+                deadline = None if left is None else _StreamDeadline(source.response, left)
+                try:
+                    for sse in source.iter_sse():
+                        task = _stream_task(sse)
+                        if task is not None and pacer.seen(task):
+                            yield task
+                            if task.done:
+                                return True
+                except (httpx.StreamError, httpx.TransportError) as exc:
+                    if deadline is not None and deadline.passed.is_set() and pacer.last:
+                        raise TaskWaitTimeout(pacer.last) from exc
+                    raise
+                finally:
+                    if deadline is not None:
+                        deadline.cancel()
+                if pacer.last is not None and deadline is not None:
+                    if deadline.passed.is_set():
+                        raise TaskWaitTimeout(pacer.last)
+        except (httpx.StreamError, httpx.TransportError) as exc:
+            pacer.give_up_at_deadline(exc)  # else the gateway went away: polling rides it out
+        except ConveyorError as exc:
+            if not exc.unavailable:
+                raise
+            time.sleep(pacer.pause_after_outage(exc))
+        return False
 
     def _poll(self, service: str, task_id: str, pacer: _Pacer) -> Iterator[Task]:
         while True:
+            call = _get_call(service, task_id)
             try:
-                task = self.get(service, task_id)
+                task = _parse_task(self._send(call, pacer.poll_timeout(self.config.timeout)))
             except httpx.TransportError as exc:
+                time.sleep(pacer.pause_after_outage(exc))
+                continue
+            except ConveyorError as exc:
+                if not exc.unavailable:
+                    raise
                 time.sleep(pacer.pause_after_outage(exc))
                 continue
             if pacer.seen(task):
@@ -472,7 +632,9 @@ class ConveyorClient(_FromEnv):
         timeout: float | None = None,
         interval: float = DEFAULT_POLL_INTERVAL_S,
     ) -> Task:
-        """Polls until the task ends; raises TaskWaitTimeout after `timeout` seconds."""
+        """The task once it ended, as `follow` follows it (the same outages ridden out and
+        the same timeout: TaskWaitTimeout, or the last request's error when no state was
+        ever seen)."""
         for task in self.follow(service, task_id, timeout, interval):
             last = task
         return last
@@ -501,9 +663,13 @@ class AsyncConveyorClient(_FromEnv):
         self.config = _Config(base_url, client_id, client_secret, timeout)
         self._http = httpx.AsyncClient(transport=transport, **self.config.httpx_options())
 
-    async def _send(self, call: _Call) -> httpx.Response:
+    async def _send(self, call: _Call, timeout: httpx.Timeout | None = None) -> httpx.Response:
         return await self._http.request(
-            call.method, call.path, json=call.json, headers=call.headers
+            call.method,
+            call.path,
+            json=call.json,
+            headers=call.headers,
+            timeout=_DEFAULT if timeout is None else timeout,  # None: the client's own
         )
 
     async def submit(
@@ -542,12 +708,20 @@ class AsyncConveyorClient(_FromEnv):
     ) -> AsyncIterator[Task]:
         """Yields the task as it changes, the last one being SUCCESS or FAILURE: from the
         gateway's event stream (SPEC §11.3), or by polling every `interval` seconds from a
-        gateway without one, or once the stream broke (the gateway restarted). Raises
-        TaskWaitTimeout after `timeout` seconds."""
+        gateway without one, or once the stream broke (the gateway restarted).
+
+        A gateway unreachable or answering 502/503/504 is waited for up to OUTAGE_WINDOW_S
+        (pausing as its Retry-After says), then its error is raised. Raises TaskWaitTimeout
+        after `timeout` seconds: no request outlives the deadline. When no state was ever
+        seen by then, the error of the request the deadline cut (an httpx.TransportError, or
+        a ConveyorError of an unavailable gateway) is raised instead, at the deadline."""
         pacer = _Pacer(timeout, interval)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        opening = pacer.stream_timeout(self.config.timeout)
         try:
-            async with aconnect_sse(self._http, "GET", _events_path(service, task_id)) as source:
+            async with aconnect_sse(
+                self._http, "GET", _events_path(service, task_id), timeout=opening
+            ) as source:
                 if not _is_stream(source.response):
                     await source.response.aread()
                 if not _stream_refused(source.response):
@@ -563,12 +737,23 @@ class AsyncConveyorClient(_FromEnv):
                         if pacer.last is None:
                             raise
                         raise TaskWaitTimeout(pacer.last) from None
-        except (httpx.StreamError, httpx.TransportError):
-            pass  # the gateway went away: polling rides the outage out
+        except (httpx.StreamError, httpx.TransportError) as exc:
+            pacer.give_up_at_deadline(exc)  # else the gateway went away: polling rides it out
+        except ConveyorError as exc:
+            if not exc.unavailable:
+                raise
+            await asyncio.sleep(pacer.pause_after_outage(exc))
         while True:
+            call = _get_call(service, task_id)
             try:
-                task = await self.get(service, task_id)
+                answer = await self._send(call, pacer.poll_timeout(self.config.timeout))
+                task = _parse_task(answer)
             except httpx.TransportError as exc:
+                await asyncio.sleep(pacer.pause_after_outage(exc))
+                continue
+            except ConveyorError as exc:
+                if not exc.unavailable:
+                    raise
                 await asyncio.sleep(pacer.pause_after_outage(exc))
                 continue
             if pacer.seen(task):
@@ -584,7 +769,9 @@ class AsyncConveyorClient(_FromEnv):
         timeout: float | None = None,
         interval: float = DEFAULT_POLL_INTERVAL_S,
     ) -> Task:
-        """Polls until the task ends; raises TaskWaitTimeout after `timeout` seconds."""
+        """The task once it ended, as `follow` follows it (the same outages ridden out and
+        the same timeout: TaskWaitTimeout, or the last request's error when no state was
+        ever seen)."""
         async for task in self.follow(service, task_id, timeout, interval):
             last = task
         return last

@@ -414,7 +414,7 @@ class ResultConsumer:
         """Submissions left in the `-in` of a queue name their service moved away from: no
         dispatcher of the service consumes it any longer, so each unfinished task's goes to
         the queue the service has now, in its format, expiring with its task and with its
-        deliveries counted (X-Conveyor-Attempt goes on from them). A finished task's, a
+        deliveries counted (X-Conveyor-Attempt goes on from them). A finished task's and a
         deleted service's are dropped: nothing would ever run them. An unreadable one is
         set aside in `poison_messages`, as on the other queues."""
         left: dict[uuid.UUID, tuple[Delivery, Submission]] = {}

@@ -493,3 +493,219 @@ def test_cli_requires_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert result.exit_code == 1
     assert "CONVEYOR_CLIENT_ID" in result.stderr
+
+
+# --- answers the SDK cannot read, control characters, Retry-After -------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _raw(status: int, text: str, **headers: str) -> httpx.Response:
+    return httpx.Response(
+        status, headers={"content-type": "application/json", **headers}, text=text
+    )
+
+
+ODD_ANSWERS = {
+    "data without taskId": _raw(200, '{"status":"success","data":{"status":"PENDING"}}'),
+    "data without status": _raw(201, '{"status":"success","data":{"taskId":"x"}}'),
+    "progress a string": _raw(
+        200, '{"status":"success","data":{"taskId":"x","status":"PENDING","progress":"lots"}}'
+    ),
+    "taskId an object": _raw(200, '{"status":"success","data":{"taskId":{},"status":"SUCCESS"}}'),
+    "number a string": _raw(
+        400, '{"status":"error","error":{"number":"four hundred","description":"bad"}}'
+    ),
+    "tasks a string": _raw(201, '{"status":"success","data":{"tasks":"x"}}'),
+    "tasks of strings": _raw(201, '{"status":"success","data":{"tasks":["x"]}}'),
+    "deeply nested": _raw(200, '{"status":"success","data":{"taskId":"x","response":' + DEEP + "}}"),
+}
+
+
+@pytest.mark.parametrize("answer", ODD_ANSWERS.values(), ids=ODD_ANSWERS.keys())
+@pytest.mark.parametrize("call", ["get", "submit", "submit_batch", "cancel"])
+def test_answers_the_sdk_cannot_read_raise_conveyor_error(
+    answer: httpx.Response, call: str
+) -> None:
+    calls = {
+        "get": lambda c: c.get("sleeper", TASK_ID),
+        "submit": lambda c: c.submit("sleeper", {}),
+        "submit_batch": lambda c: c.submit_batch("sleeper", [{"body": {}}]),
+        "cancel": lambda c: c.cancel("sleeper", TASK_ID),
+    }
+    with (
+        ConveyorClient(BASE, "u", "p", transport=httpx.MockTransport(lambda _: answer)) as c,
+        pytest.raises(ConveyorError) as raised,
+    ):
+        calls[call](c)
+
+    assert raised.value.http_status == answer.status_code
+    assert raised.value.number == 0
+    assert raised.value.description.startswith("unexpected answer from the gateway: ")
+
+
+@pytest.mark.parametrize("progress", ["NaN", "Infinity", "-Infinity"])
+def test_a_progress_that_is_not_finite_reads_as_zero(progress: str) -> None:
+    body = f'{{"status":"success","data":{{"taskId":"x","status":"PENDING","progress":{progress}}}}}'
+    answer = _raw(200, body)
+    with ConveyorClient(BASE, "u", "p", transport=httpx.MockTransport(lambda _: answer)) as c:
+        assert c.get("sleeper", TASK_ID).progress == 0.0
+
+
+@pytest.mark.parametrize(
+    ("errors", "kept"),
+    [
+        ('"oops"', []),
+        ('["oops"]', []),
+        ('[{"path": "a", "message": "m"}, "oops", 3]', [{"path": "a", "message": "m"}]),
+    ],
+)
+def test_errors_are_kept_only_as_a_list_of_objects(errors: str, kept: list[Any]) -> None:
+    body = f'{{"status":"error","error":{{"number":400002,"description":"bad","errors":{errors}}}}}'
+    answer = _raw(400, body)
+    with (
+        ConveyorClient(BASE, "u", "p", transport=httpx.MockTransport(lambda _: answer)) as c,
+        pytest.raises(ConveyorError) as raised,
+    ):
+        c.submit("sleeper", {})
+
+    assert (raised.value.number, raised.value.description) == (400002, "bad")
+    assert raised.value.errors == kept
+
+
+def test_stream_events_the_sdk_cannot_read_are_skipped() -> None:
+    bad = {**RUNNING, "progress": "z"}
+    events = (
+        "event: task\ndata: {not json\n\n"
+        "event: task\ndata: [1]\n\n"
+        f"event: task\ndata: {json.dumps(bad)}\n\n"
+        'event: task\ndata: {"status": "SUCCESS"}\n\n'
+        f"event: task\ndata: {'[' * 100_000}\n\n"
+        f"event: task\ndata: {json.dumps(SUCCESS)}\n\n"
+    )
+    answer = httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=events.encode()
+    )
+    with ConveyorClient(BASE, "u", "p", transport=httpx.MockTransport(lambda _: answer)) as c:
+        seen = [t.status for t in c.follow("sleeper", TASK_ID, interval=0.01)]
+
+    assert seen == ["SUCCESS"]
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [({"Retry-After": "1"}, 1.0), ({"Retry-After": "2.5"}, 2.5), ({}, None)]
+    + [({"Retry-After": bad}, None) for bad in ("soon", "nan", "-3", "Wed, 21 Oct 2015 07:28:00 GMT")],
+)
+def test_conveyor_error_carries_retry_after(header: dict[str, str], expected: float | None) -> None:
+    answers = [
+        httpx.Response(
+            503,
+            headers=header,
+            json={"status": "error", "error": {"number": 503001, "description": "down"}},
+        ),
+        httpx.Response(502, headers=header, text="<html>Bad Gateway</html>"),
+    ]
+    for answer in answers:
+        transport = httpx.MockTransport(lambda _, a=answer: a)
+        with ConveyorClient(BASE, "u", "p", transport=transport) as c:
+            with pytest.raises(ConveyorError) as raised:
+                c.get("sleeper", TASK_ID)
+        assert raised.value.retry_after == expected
+
+
+def _cli_against(monkeypatch: pytest.MonkeyPatch, answer: httpx.Response) -> None:
+    transport = httpx.MockTransport(lambda _: answer)
+    monkeypatch.setattr(task_cli, "ConveyorClient", partial(ConveyorClient, transport=transport))
+
+
+CLI_COMMANDS = {
+    "get": ["get", "sleeper", TASK_ID],
+    "submit": ["submit", "sleeper", "-b", "{}"],
+    "watch": ["watch", "sleeper", TASK_ID, "--timeout", "0.5", "--interval", "0.01"],
+    "cancel": ["cancel", "sleeper", TASK_ID],
+}
+
+HOSTILE_ANSWERS = {
+    **ODD_ANSWERS,
+    "progress NaN": _raw(
+        200, '{"status":"success","data":{"taskId":"x","status":"PENDING","progress":NaN}}'
+    ),
+    "errors a string": _raw(
+        400, '{"status":"error","error":{"number":400002,"description":"bad","errors":"oops"}}'
+    ),
+    "errors of strings": _raw(
+        400, '{"status":"error","error":{"number":400002,"description":"bad","errors":["oops"]}}'
+    ),
+    "sse progress a string": httpx.Response(
+        200,
+        headers={"content-type": "text/event-stream"},
+        content=b'event: task\ndata: {"taskId":"x","status":"SUCCESS","progress":"z"}\n\n',
+    ),
+}
+
+
+@pytest.mark.parametrize("answer", HOSTILE_ANSWERS.values(), ids=HOSTILE_ANSWERS.keys())
+@pytest.mark.parametrize("command", CLI_COMMANDS.values(), ids=CLI_COMMANDS.keys())
+def test_cli_prints_no_traceback_for_any_answer(
+    cli: tuple[CliRunner, FakeGateway],
+    monkeypatch: pytest.MonkeyPatch,
+    answer: httpx.Response,
+    command: list[str],
+) -> None:
+    runner, _ = cli
+    _cli_against(monkeypatch, answer)
+    result = run(runner, *command)
+
+    # Readable enough for this command (submit reads only the taskId): 0; otherwise 1.
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
+    assert result.exit_code in (0, 1), result.output
+    assert "Traceback" not in result.output
+
+
+def test_cli_strips_control_characters_from_the_gateways_text(
+    cli: tuple[CliRunner, FakeGateway], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner, _ = cli
+    description = "bad\x1b[2J\x07 \x9b31m news\r\nline\ttab"
+    errors = [{"path": "a\x1b[1A", "message": "m\x9d\x00"}]
+    _cli_against(monkeypatch, error(400, 400002, description, errors=errors))
+    result = run(runner, "submit", "sleeper", "-b", "{}")
+
+    assert result.exit_code == 1
+    assert "bad[2J 31m news\nline" in result.stderr  # rich expands the tab
+    assert "a[1A: m" in result.stderr
+    assert not any(ch in result.stderr for ch in "\x1b\x07\x9b\x9d\x00\r")
+
+
+def test_cli_strips_control_characters_from_tasks(
+    cli: tuple[CliRunner, FakeGateway], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner, _ = cli
+    failed = {**FAILURE, "taskId": "x\x1b]0;t\x07", "errorMessage": "Argh\x1b[2J\x9b!"}
+    _cli_against(monkeypatch, success(200, failed))
+    watched = run(runner, "watch", "sleeper", TASK_ID, "--interval", "0.01")
+    got = run(runner, "get", "sleeper", TASK_ID)
+
+    assert "FAILURE: Argh[2J!" in watched.stderr
+    assert json.loads(got.stdout) == failed  # the JSON is the same, its characters escaped
+    for result in (watched, got):
+        assert not any(ch in result.output for ch in "\x1b\x07\x9b"), repr(result.output)
+
+
+def test_cli_error_line_mentions_retry_after(
+    cli: tuple[CliRunner, FakeGateway], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner, _ = cli
+    answer = httpx.Response(
+        503,
+        headers={"Retry-After": "1"},
+        json={"status": "error", "error": {"number": 503001, "description": "down"}},
+    )
+    _cli_against(monkeypatch, answer)
+    result = run(runner, "get", "sleeper", TASK_ID)
+
+    assert result.exit_code == 1
+    assert "503001 down (HTTP 503, retry after 1 s)" in result.stderr

@@ -4,13 +4,15 @@ It is what a person uses to try a service by hand: submit a body, then watch the
 task move PENDING -> IN_PROGRESS -> SUCCESS/FAILURE with a live progress bar.
 Credentials and the gateway come from CONVEYOR_GATEWAY_URL, CONVEYOR_CLIENT_ID and
 CONVEYOR_CLIENT_SECRET (or the matching options). Errors print the gateway's
-error number and description and exit 1, never a traceback.
+error number and description and exit 1, never a traceback. Text from the gateway is
+printed without its control characters (an escape sequence would drive the terminal).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ from typing import Annotated, Any, NoReturn
 import httpx
 import typer
 from rich.console import Console
+from rich.highlighter import JSONHighlighter
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
@@ -58,6 +61,22 @@ TimeoutOpt = Annotated[
 ]
 
 
+# C0 and C1 control characters and DEL, but newline and tab.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(text: object) -> str:
+    """Text from the gateway, without the control characters that would drive a terminal."""
+    return _CONTROL.sub("", str(text))
+
+
+def json_text(value: Any, indent: int | None = 2) -> str:
+    """JSON from the gateway's data for a terminal: the same JSON, every control character
+    in it escaped (json.dumps leaves C1 characters and DEL as they are)."""
+    text = json.dumps(value, indent=indent, ensure_ascii=False)
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 @dataclass(frozen=True)
 class Credentials:
     gateway: str
@@ -83,13 +102,19 @@ def reported_errors(gateway: str) -> Iterator[None]:
     try:
         yield
     except ConveyorError as exc:
-        detail = "".join(f"\n  {e.get('path', '')}: {e.get('message', e)}" for e in exc.errors)
+        detail = "".join(
+            f"\n  {clean(e.get('path', ''))}: {clean(e.get('message', e))}" for e in exc.errors
+        )
         number = f"{exc.number} " if exc.number else ""
-        fail(f"{number}{exc.description} (HTTP {exc.http_status}){detail}")
+        retry = "" if exc.retry_after is None else f", retry after {exc.retry_after:g} s"
+        fail(f"{number}{clean(exc.description)} (HTTP {exc.http_status}{retry}){detail}")
     except httpx.TransportError as exc:
-        fail(f"cannot reach the gateway at {gateway}: {exc or type(exc).__name__}")
+        fail(f"cannot reach the gateway at {gateway}: {clean(exc or type(exc).__name__)}")
+    except httpx.HTTPError as exc:  # an answer httpx cannot read (a bad gzip body...)
+        fail(f"unreadable answer from the gateway at {gateway}: {clean(exc)}")
     except TaskWaitTimeout as exc:
-        fail(f"gave up waiting: task {exc.task.task_id} is still {exc.task.status}")
+        task = exc.task
+        fail(f"gave up waiting: task {clean(task.task_id)} is still {clean(task.status)}")
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130) from None
@@ -153,6 +178,10 @@ def resolve_target(targets: list[str], service: str | None) -> tuple[str, str]:
     return service, targets[0]
 
 
+def status_line(task: Task) -> str:
+    return clean(task.status)
+
+
 def status_detail(task: Task) -> str:
     if task.status == "PENDING" and task.not_before is not None:
         return f"not before {task.not_before.isoformat(timespec='seconds')}"
@@ -164,16 +193,17 @@ def status_detail(task: Task) -> str:
 def print_outcome(task: Task) -> None:
     if task.succeeded:
         out.print("[green]SUCCESS[/]", highlight=False)
-        out.print_json(json.dumps(task.response))
+        shown = JSONHighlighter()(Text(json_text(task.response), no_wrap=True))
+        out.print(shown, soft_wrap=True)
         return
-    message = task.error_message or "(no error message)"
+    message = clean(task.error_message or "(no error message)")
     err.print(Text.assemble(("FAILURE", "red"), ": ", message), highlight=False, soft_wrap=True)
 
 
 def follow_live(client: ConveyorClient, service: str, task_id: str, **polling: Any) -> Task:
     """A rich progress bar redrawn at each event of the task's stream, for terminals."""
     columns = (
-        TextColumn("{task.fields[status]:<12}"),
+        TextColumn("{task.fields[status]:<12}", markup=False),
         BarColumn(),
         TaskProgressColumn(),
         TextColumn("{task.fields[detail]}", markup=False),
@@ -182,7 +212,9 @@ def follow_live(client: ConveyorClient, service: str, task_id: str, **polling: A
     with Progress(*columns, console=err, transient=False) as bar:
         row = bar.add_task(task_id, total=100, status="...", detail="")
         for task in client.follow(service, task_id, **polling):
-            bar.update(row, completed=task.progress, status=task.status, detail=status_detail(task))
+            bar.update(
+                row, completed=task.progress, status=status_line(task), detail=status_detail(task)
+            )
     return task
 
 
@@ -190,9 +222,9 @@ def follow_lines(client: ConveyorClient, service: str, task_id: str, **polling: 
     """One line per visible change, for logs and pipes."""
     shown: tuple[str, int, str] | None = None
     for task in client.follow(service, task_id, **polling):
-        state = (task.status, int(task.progress), status_detail(task))
+        state = (status_line(task), int(task.progress), status_detail(task))
         if state != shown:
-            line = f"{task.status} {task.progress:.1f}% {state[2]}".rstrip()
+            line = f"{state[0]} {task.progress:.1f}% {state[2]}".rstrip()
             err.print(line, markup=False, highlight=False)
             shown = state
     return task
@@ -253,7 +285,8 @@ def submit(
         with reported_errors(gateway), creds.client() as client:
             done = client.submit_batch(service, tasks, idempotency_key)
         for each in done:
-            typer.echo(each.task_id if quiet else f"{each.task_id} {each.position}")
+            task_id = clean(each.task_id)
+            typer.echo(task_id if quiet else f"{task_id} {each.position}")
         return
     assert body is not None
     payload = parse_body(body)
@@ -262,10 +295,10 @@ def submit(
             service, payload, callback, idempotency_key, delay_seconds=delay, not_before=when
         )
     if quiet:
-        typer.echo(submitted.task_id)
+        typer.echo(clean(submitted.task_id))
     else:
         reused = "" if submitted.created else " (existing task for this idempotency key)"
-        typer.echo(f"taskId: {submitted.task_id}{reused}")
+        typer.echo(f"taskId: {clean(submitted.task_id)}{reused}")
         typer.echo(f"taskPosition: {submitted.position}")
     if wait:
         watch_task(creds, service, submitted.task_id, timeout, interval)
@@ -284,7 +317,7 @@ def cancel(
     creds = Credentials(gateway, client_id, client_secret)
     with reported_errors(gateway), creds.client() as client:
         task = client.cancel(service_name, task_id)
-    typer.echo(json.dumps(task.raw, indent=2, ensure_ascii=False))
+    typer.echo(json_text(task.raw))
 
 
 @app.command()
@@ -300,7 +333,7 @@ def get(
     creds = Credentials(gateway, client_id, client_secret)
     with reported_errors(gateway), creds.client() as client:
         task = client.get(service_name, task_id)
-    typer.echo(json.dumps(task.raw, indent=2, ensure_ascii=False))
+    typer.echo(json_text(task.raw))
 
 
 @app.command()

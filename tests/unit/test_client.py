@@ -518,14 +518,27 @@ ODD_ANSWERS = {
     ),
     "tasks a string": _raw(201, '{"status":"success","data":{"tasks":"x"}}'),
     "tasks of strings": _raw(201, '{"status":"success","data":{"tasks":["x"]}}'),
-    "deeply nested": _raw(200, '{"status":"success","data":{"taskId":"x","response":' + DEEP + "}}"),
+    "deeply nested": _raw(
+        200, '{"status":"success","data":{"taskId":"x","response":' + DEEP + "}}"
+    ),
 }
 
 
-@pytest.mark.parametrize("answer", ODD_ANSWERS.values(), ids=ODD_ANSWERS.keys())
-@pytest.mark.parametrize("call", ["get", "submit", "submit_batch", "cancel"])
+# A created task is read for its taskId (and position) only.
+READABLE_FOR_SUBMIT = {"data without status", "progress a string"}
+
+
+@pytest.mark.parametrize(
+    ("call", "answer"),
+    [
+        pytest.param(call, answer, id=f"{call}-{name}")
+        for call in ("get", "submit", "submit_batch", "cancel")
+        for name, answer in ODD_ANSWERS.items()
+        if not (call == "submit" and name in READABLE_FOR_SUBMIT)
+    ],
+)
 def test_answers_the_sdk_cannot_read_raise_conveyor_error(
-    answer: httpx.Response, call: str
+    call: str, answer: httpx.Response
 ) -> None:
     calls = {
         "get": lambda c: c.get("sleeper", TASK_ID),
@@ -546,7 +559,9 @@ def test_answers_the_sdk_cannot_read_raise_conveyor_error(
 
 @pytest.mark.parametrize("progress", ["NaN", "Infinity", "-Infinity"])
 def test_a_progress_that_is_not_finite_reads_as_zero(progress: str) -> None:
-    body = f'{{"status":"success","data":{{"taskId":"x","status":"PENDING","progress":{progress}}}}}'
+    body = (
+        f'{{"status":"success","data":{{"taskId":"x","status":"PENDING","progress":{progress}}}}}'
+    )
     answer = _raw(200, body)
     with ConveyorClient(BASE, "u", "p", transport=httpx.MockTransport(lambda _: answer)) as c:
         assert c.get("sleeper", TASK_ID).progress == 0.0
@@ -595,7 +610,10 @@ def test_stream_events_the_sdk_cannot_read_are_skipped() -> None:
 @pytest.mark.parametrize(
     ("header", "expected"),
     [({"Retry-After": "1"}, 1.0), ({"Retry-After": "2.5"}, 2.5), ({}, None)]
-    + [({"Retry-After": bad}, None) for bad in ("soon", "nan", "-3", "Wed, 21 Oct 2015 07:28:00 GMT")],
+    + [
+        ({"Retry-After": bad}, None)
+        for bad in ("soon", "nan", "-3", "Wed, 21 Oct 2015 07:28:00 GMT")
+    ],
 )
 def test_conveyor_error_carries_retry_after(header: dict[str, str], expected: float | None) -> None:
     answers = [

@@ -20,7 +20,7 @@ import bcrypt
 from psycopg import AsyncConnection
 
 from conveyor.events import MessageFormat
-from gateway import lifecycle
+from gateway import lifecycle, store
 from gateway.auth import generate_secret, hash_secret
 from gateway.pgpool import jsonb
 from gateway.platform_file import (
@@ -260,8 +260,11 @@ class DeletedService:
 async def delete_service(conn: AsyncConnection[Any], name: str) -> DeletedService | None:
     """The service, its grants and its unfinished tasks' chances: no gateway consumes its
     results once it is gone, so they end FAILURE now rather than wait for the watchdog or
-    the PENDING time to live. The queues are left to the operator."""
+    the PENDING time to live. The queues are left to the operator. It holds the service's
+    writer lock, as every submission does until it commits: a submission under way is in
+    the sweep, and one that waits for the lock finds no service once it has it."""
     async with conn.transaction():
+        await conn.execute(store.WRITER_LOCK, {"service": name})
         cursor = await conn.execute(  # before the delete takes them with it (ON DELETE CASCADE)
             "SELECT queue_name FROM moved_queues WHERE service = %s", (name,)
         )

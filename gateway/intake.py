@@ -26,6 +26,7 @@ import asyncio
 import functools
 import logging
 
+from gateway.errors import ApiError
 from gateway.pgpool import CONNECTION_ERRORS, Pool
 from gateway.store import Accepted, NewTask, insert_in_turn
 
@@ -83,9 +84,17 @@ class Intake:
 
     async def _write(self, batch: list[_Waiting]) -> None:
         try:
+            await self._write_batch(batch)
+        finally:  # whatever went wrong here, no request waits for an answer for ever
+            for _, future in batch:
+                _settle(future, exc=RuntimeError("the submission's batch was not written"))
+
+    async def _write_batch(self, batch: list[_Waiting]) -> None:
+        try:
             accepted = await self._insert([new for new, _ in batch])
         except Exception as exc:
-            if len(batch) == 1 or isinstance(exc, CONNECTION_ERRORS):
+            # one service's batch: its service gone, or the database away, is every row's
+            if len(batch) == 1 or isinstance(exc, (*CONNECTION_ERRORS, ApiError)):
                 for _, future in batch:
                     _settle(future, exc=exc)
                 return

@@ -17,6 +17,14 @@ At the deadline the connection's socket is shut down, so whatever waits on it fa
 as a lost connection, which the API answers 503 503001 and a loop retries. Shut down, not
 cancelled: a cancelled statement would still have its pipeline or transaction wound up by a
 round trip to the server that does not answer.
+
+That stops the client, not a server that does answer, only slowly: a statement waiting on a
+lock went on, and the COMMIT queued behind it in a batch committed a submission answered 503
+(whose retry then made a second task). So the server gives up first: each statement of a lent
+connection ends at `server_timeout` (a little before the pool's deadline), as does a
+transaction left idle longer than a lending may last, which a process frozen mid-transaction
+(SIGSTOP) would otherwise hold, with its locks, for as long as it is frozen. A frozen server
+stays the one case where a 503 may hide a commit: an Idempotency-Key makes its retry safe.
 """
 
 from __future__ import annotations
@@ -40,7 +48,13 @@ from psycopg_pool import AsyncConnectionPool
 from conveyor import strict_json
 from gateway.database_url import libpq
 
-CONNECTION_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
+# A connection the server ended for a transaction left idle too long (a process frozen in
+# it, see above) is lost like any other, though PostgreSQL classes the error as internal.
+CONNECTION_ERRORS = (
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    psycopg.errors.IdleInTransactionSessionTimeout,
+)
 # What the loops that touch many rows at once may take (ANALYZE of a large table, the reaper
 # giving old rows their expiry), where a request waits CONVEYOR_DB_TIMEOUT at most.
 MAINTENANCE_TIMEOUT = 600.0
@@ -88,6 +102,7 @@ class Pool:
         self.ping_after = ping_after
         self.connect_timeout = connect_timeout
         self.use_timeout = use_timeout
+        self._limits = _limits(use_timeout)
         # When each connection was last given back (or opened): the idle-time criterion.
         self._since: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], float] = (
             weakref.WeakKeyDictionary()
@@ -123,8 +138,13 @@ class Pool:
         conn = await self._pool.getconn()
         seconds = self.use_timeout if use_timeout is None else use_timeout
         deadline = asyncio.get_running_loop().call_later(seconds, _sever, conn)
+        longer = seconds != self.use_timeout
         try:
+            if longer:  # a maintenance statement: the server waits as long for it
+                await conn.execute(_LIMITS, _limits(seconds))
             yield conn
+            if longer:
+                await conn.execute(_LIMITS, self._limits)
         finally:
             deadline.cancel()
             lost = conn.broken
@@ -157,6 +177,7 @@ class Pool:
 
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
         await _set_up(conn)
+        await conn.execute(_LIMITS, self._limits)
         self._since[conn] = time.monotonic()
 
     async def _check(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -174,6 +195,28 @@ class Pool:
     async def _drain(self) -> None:
         if not self._pool.closed:
             await self._pool.drain()
+
+
+# The server's own limits for a connection lent `use_timeout` seconds: a statement, and a
+# transaction idle between two statements (milliseconds, as text: set_config's).
+_LIMITS = (
+    "SELECT set_config('statement_timeout', %(statement)s, false) AS statement,"
+    " set_config('idle_in_transaction_session_timeout', %(idle)s, false) AS idle"
+)
+
+
+def server_timeout(use_timeout: float) -> float:
+    """When the server ends a statement of a connection lent `use_timeout` seconds: early
+    enough that its error, and the transaction's rollback, reach the client before the
+    client's own deadline shuts the socket down."""
+    return max(use_timeout / 2, use_timeout - 2.0)
+
+
+def _limits(use_timeout: float) -> dict[str, str]:
+    return {
+        "statement": str(max(1, int(server_timeout(use_timeout) * 1000))),
+        "idle": str(max(1, int(use_timeout * 1000))),
+    }
 
 
 def _readable(conn: psycopg.AsyncConnection[Any]) -> bool:

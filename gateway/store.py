@@ -5,7 +5,7 @@ A task is accepted once its row is committed; the row is its own outbox entry
 publishing happens after the commit (see `outbox`).
 
 A service's submissions are written one transaction at a time, across every gateway
-replica, on a transaction-scoped advisory lock (`_LOCK`): the capacity counts and a new
+replica, on a transaction-scoped advisory lock (`WRITER_LOCK`): the capacity counts and a new
 task's `taskPosition` then see every task committed before it. (Two replicas inserting at
 once could not see each other's rows, and both answered the same position.) Within one
 process the intake already writes one batch per service at a time, so the lock only ever
@@ -99,7 +99,10 @@ def _insert(fingerprints: bool) -> str:
                     ELSE now() + make_interval(secs => %(grace)s) END,
                %(time_limit)s,
                GREATEST(not_before, now()) + make_interval(secs => %(time_to_live)s){fingerprint}
-          FROM input ORDER BY n
+          FROM input
+         -- a service deleted while this waited for its writer lock takes no more tasks
+         WHERE EXISTS (SELECT FROM services WHERE name = %(service)s)
+         ORDER BY n
         RETURNING id, task_id, not_before, COALESCE(not_before > now(), false) AS delayed,
                   expires_at
     )
@@ -164,7 +167,7 @@ _PLACE_OF = f"""
 
 # One writer of a service's tasks at a time (see the module's docstring); the statement after
 # it takes its snapshot once the lock is held, so it sees the previous writer's commit.
-_LOCK = "SELECT pg_advisory_xact_lock(hashtext('conveyor.capacity'), hashtext(%(service)s))"
+WRITER_LOCK = "SELECT pg_advisory_xact_lock(hashtext('conveyor.capacity'), hashtext(%(service)s))"
 # The backlog as `task_backlog` keeps it (migration 0008): a few rows, however deep it is.
 _PENDING_SERVICE = (
     "SELECT COALESCE(sum(pending), 0)::bigint FROM task_backlog WHERE service = %(service)s"
@@ -246,7 +249,7 @@ async def _create(
     # submission then sees it committed, and answers it rather than counting it against capacity.
     first = tasks[0]
     limited = first.access.service.capacity is not None or first.access.client_capacity is not None
-    await conn.execute(_LOCK, {"service": first.access.service.name})
+    await conn.execute(WRITER_LOCK, {"service": first.access.service.name})
     if first.idempotency_key is not None:
         found = await repeat(conn, tasks)
         if found is not None:
@@ -336,7 +339,7 @@ async def insert_many(
     conn: AsyncConnection[Any], tasks: list[NewTask], grace: float
 ) -> list[Accepted]:
     """Inserts tasks of one service, to be published, in one statement, in a transaction
-    that holds the service's `_LOCK`; answers in input order."""
+    that holds the service's `WRITER_LOCK`; answers in input order."""
     ids, params = _insert_params(tasks, grace)
     params["fingerprints"] = [t.fingerprint for t in tasks]
     return _accepted(ids, await (await conn.execute(_INSERT_KEYED, params)).fetchall())
@@ -347,7 +350,7 @@ async def insert_in_turn(pool: Pool, tasks: list[NewTask], grace: float) -> list
     (`Pool.batch`); answers in input order."""
     ids, params = _insert_params(tasks, grace)
     async with pool.batch() as conn:
-        await conn.execute(_LOCK, params)
+        await conn.execute(WRITER_LOCK, params)
         inserted = await conn.execute(_INSERT, params)
     return _accepted(ids, await inserted.fetchall())
 
@@ -388,6 +391,8 @@ def time_to_live(service: Service, pending_ttl: float) -> float:
 
 
 def _accepted(ids: list[uuid.UUID], rows: list[Any]) -> list[Accepted]:
+    if len(rows) != len(ids):  # the insert found its service deleted
+        raise errors.ApiError(errors.SERVICE_NOT_FOUND)
     by_id = {row.task_id: row for row in rows}
     return [
         Accepted(i, r.position, True, r.row_id, r.delayed, r.expires_at)

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,12 +21,15 @@ from typing import Any
 import aiormq.exceptions
 import bcrypt
 import httpx
+import psycopg
 import pytest
 import yaml
 
 from conveyor import topology
 from conveyor.events import MessageFormat
 from conveyor.settings import GatewaySettings
+from gateway.database_url import libpq
+from gateway.store import WRITER_LOCK as _WRITER_LOCK
 from tests.support.amqp import (
     declare_like_seed_worker,
     message_count,
@@ -548,6 +552,66 @@ def test_changed_secret_stops_the_old_one_within_the_cache_ttl(
     old = _post(gateway, service, (client, "old-secret-1"))
     assert (old.status_code, _error_number(old)) == (403, 403001)
     assert _post(gateway, service, (client, "new-secret-2")).status_code == 201
+
+
+def test_a_submission_committing_while_its_service_is_deleted_is_ended_too(
+    gateway: GatewayProcess, platform: Platform, cli: Any, amqp_url: str
+) -> None:
+    """Found by a sweep: tasks answered 201 while `service delete` ran stayed PENDING for a
+    day (their results on an -out nobody consumes), their polls 404001: a submission whose
+    insert committed after the delete's sweep was in no one's list. The delete now waits for
+    the service's writer lock, which every submission holds until it commits."""
+    svc = platform.service()
+    try:
+        with psycopg.connect(libpq(platform.database_url)) as intake:  # a submission under way
+            intake.execute(_WRITER_LOCK, {"service": svc.name})
+            task_id = uuid.uuid4()
+            intake.execute(
+                "INSERT INTO tasks (task_id, client_id, service, request, publish_at)"
+                " VALUES (%(t)s, %(c)s, %(s)s, '{}', now() + interval '1 hour')",
+                {"t": task_id, "c": svc.clients[0].client_id, "s": svc.name},
+            )
+            deleting = threading.Thread(target=cli, args=("service", "delete", svc.name))
+            deleting.start()
+            time.sleep(1.5)  # the delete waits for the submission, which commits now
+        deleting.join(timeout=60)
+        assert platform.sql(
+            "SELECT status, error_message FROM tasks WHERE task_id = %(t)s", {"t": task_id}
+        ) == [("FAILURE", "Service deleted.")]
+    finally:
+        remove_service(platform, amqp_url, svc)
+
+
+def test_a_submission_waiting_while_its_service_is_deleted_is_refused(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    """The other order of the same race: submissions that passed their checks while the
+    delete ran, and wait for the service's writer lock the delete holds, are answered 404001
+    once the delete commits, and leave no task behind. (Those queued behind the first are
+    written together: such a group refused whole once left its requests unanswered.)"""
+    svc = platform.service()
+    client = svc.clients[0]
+    answers: list[httpx.Response] = []
+
+    def submit() -> None:
+        answers.append(_post(gateway, svc.name, (client.client_id, client.secret)))
+
+    try:
+        with psycopg.connect(libpq(platform.database_url)) as deleting:  # a delete under way
+            deleting.execute(_WRITER_LOCK, {"service": svc.name})
+            deleting.execute("DELETE FROM services WHERE name = %(s)s", {"s": svc.name})
+            submitting = [threading.Thread(target=submit) for _ in range(4)]
+            for thread in submitting:
+                thread.start()
+            time.sleep(1.5)  # the submissions wait for the delete, which commits now
+        for thread in submitting:
+            thread.join(timeout=30)
+        assert [(a.status_code, _error_number(a)) for a in answers] == [(404, 404001)] * 4
+        assert platform.sql(
+            "SELECT count(*) FROM tasks WHERE service = %(s)s", {"s": svc.name}
+        ) == [(0,)]
+    finally:
+        remove_service(platform, amqp_url, svc)
 
 
 def test_deleting_a_service_ends_its_unfinished_tasks_at_once(

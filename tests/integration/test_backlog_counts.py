@@ -92,6 +92,10 @@ def _batch(client: str, count: int, not_before: datetime | None = None) -> dict[
 
 
 async def _submit(conn: Any, service: str, client: str, count: int, **kw: Any) -> list[Any]:
+    await conn.execute(  # the insert takes tasks only for a service that exists
+        "INSERT INTO services (name, queue_name) VALUES (%(s)s, %(s)s) ON CONFLICT DO NOTHING",
+        {"s": service},
+    )
     rows = await conn.execute(_INSERT, {**_batch(client, count, **kw), "service": service})
     return sorted(await rows.fetchall(), key=lambda row: row.row_id)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from gateway.database_url import libpq
-from gateway.pgpool import Pool, jsonb
+from gateway.pgpool import CONNECTION_ERRORS, Pool, jsonb
 
 
 @pytest.fixture
@@ -214,6 +215,61 @@ async def test_cancelled_mid_statement(pool: Pool) -> None:
     async with pool.connection() as conn:  # healthy, whichever connection it is
         row = await (await conn.execute("SELECT 1 AS one")).fetchone()
     assert row.one == 1
+
+
+async def test_a_batch_given_up_on_commits_nothing_afterwards(database_url: str) -> None:
+    """Found by a sweep: a submission whose insert waited on a lock (an operator's LOCK TABLE)
+    past CONVEYOR_DB_TIMEOUT was answered 503 503001, yet committed once the lock was
+    released: shutting the socket down stops the client, not the server, which had the
+    batch's COMMIT queued already. So the retry the 503 asks for made a second task. The
+    server now gives a statement up before the pool gives the connection up."""
+    pool = Pool(database_url, size=1, use_timeout=2)
+    try:
+        table = await _table(pool)
+        async with await psycopg.AsyncConnection.connect(libpq(database_url)) as locker:
+            await locker.execute(f"LOCK TABLE {table} IN SHARE ROW EXCLUSIVE MODE")
+            started = time.monotonic()
+            with pytest.raises(CONNECTION_ERRORS):
+                async with pool.batch() as conn:
+                    await conn.execute(f"INSERT INTO {table} VALUES (1)")
+            assert time.monotonic() - started < 2.5
+            await locker.rollback()  # the lock is released
+        await asyncio.sleep(1.0)
+        assert await _rows(pool, table) == []
+    finally:
+        await pool.close()
+
+
+async def test_a_transaction_left_open_by_a_frozen_process_ends_within_the_timeout(
+    database_url: str,
+) -> None:
+    """Found by a sweep: a gateway replica frozen (SIGSTOP) in the middle of a transaction
+    kept the service's writer lock for as long as it was frozen, and every replica's
+    submissions to that service waited on it: its own deadline cannot fire in a process that
+    does not run. The server now ends a transaction left idle longer than a lending may last."""
+    pool = Pool(database_url, size=1, use_timeout=2)
+    key = uuid.uuid4().int % 2**62
+    waited: list[float] = []
+
+    def other_replica() -> None:
+        with psycopg.connect(libpq(database_url), autocommit=True) as other:
+            started = time.monotonic()
+            other.execute("SELECT pg_advisory_lock(%s)", [key])
+            waited.append(time.monotonic() - started)
+
+    try:
+        async with pool.connection() as conn:
+            await conn.execute("BEGIN")
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", [key])
+            waiter = threading.Thread(target=other_replica)
+            waiter.start()
+            time.sleep(7)  # noqa: ASYNC251 -- the process frozen: its event loop does not run either
+            with pytest.raises(CONNECTION_ERRORS):  # thawed: its transaction is gone
+                await conn.execute("SELECT 1")
+        waiter.join(timeout=10)
+        assert waited and waited[0] < 5, waited
+    finally:
+        await pool.close()
 
 
 async def test_close_a_pool_never_used(database_url: str) -> None:

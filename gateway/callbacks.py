@@ -20,10 +20,12 @@ import hmac
 import ipaddress
 import socket
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiodns
 import httpx
 
 from conveyor import headers as h
@@ -117,16 +119,58 @@ def _forbidden_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     )
 
 
-async def resolve(host: str, port: int | None) -> list[str]:
+# A look-up's limits: each query waits LOOKUP_TIMEOUT seconds, sent up to LOOKUP_TRIES times
+# per name server; the whole look-up, RESOLVE_DEADLINE at most.
+LOOKUP_TIMEOUT = 2.0
+LOOKUP_TRIES = 2
+RESOLVE_DEADLINE = 5.0
+_resolvers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiodns.DNSResolver] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _resolver() -> aiodns.DNSResolver:
+    """The running loop's resolver (c-ares reads the system's resolv.conf and hosts file).
+    Found by a sweep: the system resolver, run on the loop's shared threads, kept a thread
+    for each look-up of a host that never answers, long after the check gave up; one
+    client's batch of such hosts held them all, and every other client's callback was
+    refused "does not resolve" for minutes."""
     loop = asyncio.get_running_loop()
-    try:
-        infos = await asyncio.wait_for(
-            loop.getaddrinfo(host, port or 443, type=socket.SOCK_STREAM), timeout=5
+    resolver = _resolvers.get(loop)
+    if resolver is None:
+        resolver = aiodns.DNSResolver(loop=loop, timeout=LOOKUP_TIMEOUT, tries=LOOKUP_TRIES)
+        _resolvers[loop] = resolver
+    return resolver
+
+
+async def close_resolver() -> None:
+    """Ends the running loop's resolver, if it made one (the gateway's shutdown)."""
+    resolver = _resolvers.pop(asyncio.get_running_loop(), None)
+    if resolver is not None:
+        await resolver.close()
+
+
+async def resolve(host: str, port: int | None) -> list[str]:
+    try:  # an address, in any form the system reads as one (`0x7f.1`, `fe80::1%1`): no query
+        numeric = socket.getaddrinfo(
+            host, port or 443, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST
         )
-    except (OSError, TimeoutError, ValueError):  # ValueError: a name IDNA cannot encode
+        return list(dict.fromkeys(str(info[4][0]) for info in numeric))
+    except (OSError, ValueError, UnicodeError):
+        pass
+    try:
+        found = await asyncio.wait_for(
+            _resolver().getaddrinfo(host, port=port or 443, type=socket.SOCK_STREAM),
+            timeout=RESOLVE_DEADLINE,
+        )
+    except (aiodns.error.DNSError, OSError, TimeoutError, ValueError):  # ValueError: IDNA
         raise HostUnresolved("callback host does not resolve") from None
     # The resolver's order (RFC 6724's preferences), each address once.
-    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+    return list(dict.fromkeys(_text(node.addr[0]) for node in found.nodes))
+
+
+def _text(address: bytes | str) -> str:
+    return address.decode("ascii") if isinstance(address, bytes) else address
 
 
 async def check_destination(url: str, policy: CallbackPolicy) -> None:

@@ -5,7 +5,10 @@ set in the same UPDATE that finishes the task), so a gateway restart loses
 none. Rows are claimed with a short lease and `FOR UPDATE SKIP LOCKED`, so
 replicas share the work without sending twice; the lease is renewed while a
 delivery is in progress, so the callbacks of a replica that dies are taken
-over within one lease.
+over within one lease. Each claim counts (`notification_attempts`), and that
+count is the claim's token: a replica that stopped running for longer than its
+lease (frozen, its host paused) finds its claim taken when it runs again, and
+neither renews it, nor tries again, nor records an outcome under it.
 
 A callback target is someone else's server, so none may hold the notifier up:
 each attempt has a total deadline (a target trickling its answer included), only
@@ -22,6 +25,7 @@ import functools
 import json
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -94,22 +98,23 @@ _CLAIM = f"""
                      FOR UPDATE SKIP LOCKED)
     RETURNING t.id, t.task_id, t.status, t.submission_date, t.start_date, t.end_date,
               t.progress, t.response, t.error_message, t.callback, t.not_before, t.traceparent,
-              c.target
+              c.target, t.notification_attempts AS claim
     """
-_RENEW = """
-    UPDATE tasks SET notify_claimed_until = now() + make_interval(secs => %(lease)s)
-     WHERE id = ANY(%(ids)s) AND notification_status = 'PENDING'
+# The claims (row id, claim token) this replica still holds; all but those are left alone.
+_OURS = """
+     WHERE (id, notification_attempts) IN (
+           SELECT * FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(claims)s AS int[])))
+       AND notification_status = 'PENDING'
     """
+_RENEW = "UPDATE tasks SET notify_claimed_until = now() + make_interval(secs => %(lease)s)" + _OURS
 # A gateway shutting down gives back the callbacks it was delivering: another replica, or
 # this one restarted, sends them at once instead of after the rest of their lease.
-_RELEASE = """
-    UPDATE tasks SET notify_claimed_until = NULL
-     WHERE id = ANY(%(ids)s) AND notification_status = 'PENDING'
-    """
-_RECORD = """
-    UPDATE tasks SET notification_status = %(outcome)s, notify_claimed_until = NULL
-     WHERE id = %(id)s AND notification_status = 'PENDING'
-    """
+_RELEASE = "UPDATE tasks SET notify_claimed_until = NULL" + _OURS
+_RECORD = "UPDATE tasks SET notification_status = %(outcome)s, notify_claimed_until = NULL" + _OURS
+
+
+class ClaimLost(Exception):
+    """Another replica took the notification over while this one did not run."""
 
 
 class CallbackFailed(Exception):
@@ -141,6 +146,7 @@ class Notifier:
         self._wakeup = asyncio.Event()
         self._deliveries: dict[int, asyncio.Task[None]] = {}  # row id -> its delivery
         self._targets: dict[int, str] = {}  # row id -> its delivery's target
+        self._claims: dict[int, int] = {}  # row id -> its claim's token
         self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False)
 
     def wake(self) -> None:
@@ -180,6 +186,7 @@ class Notifier:
             task = asyncio.create_task(self._notify(row))
             self._deliveries[row.id] = task
             self._targets[row.id] = row.target
+            self._claims[row.id] = row.claim
             task.add_done_callback(functools.partial(self._done, row.id))
         return len(rows)
 
@@ -191,6 +198,7 @@ class Notifier:
     def _done(self, row_id: int, _: asyncio.Task[None]) -> None:
         self._deliveries.pop(row_id, None)
         self._targets.pop(row_id, None)
+        self._claims.pop(row_id, None)
         self._wakeup.set()  # a slot is free
 
     async def _keep_leases(self) -> None:
@@ -200,7 +208,7 @@ class Notifier:
                 continue
             try:
                 async with self.pool.connection() as conn:
-                    await conn.execute(_RENEW, {"lease": self.lease, "ids": list(self._deliveries)})
+                    await conn.execute(_RENEW, {"lease": self.lease, **self._ours(self._claims)})
             except CONNECTION_ERRORS as exc:
                 log.warning("could not renew callback leases", extra={"error": repr(exc)})
 
@@ -209,7 +217,11 @@ class Notifier:
         attributes = {"conveyor.task_id": str(row.task_id)} if tracing.enabled else None
         try:
             with tracing.span("callback", row.traceparent, attributes, kind="client"):
-                await self._deliver(row.callback["url"], task_view(row))
+                still_ours = functools.partial(self._still_ours, row.id, row.claim)
+                await self._deliver(row.callback["url"], task_view(row), still_ours)
+        except ClaimLost:
+            log.info("callback taken over by another replica", extra={"task_id": str(row.task_id)})
+            return
         except (
             Exception
         ) as exc:  # whatever happens, the outcome is recorded: nothing retries forever
@@ -217,9 +229,9 @@ class Notifier:
             reason = str(exc) or exc.__class__.__name__
             log.info("callback failed", extra={"task_id": str(row.task_id), "reason": reason})
         metrics.child(metrics.NOTIFICATIONS, outcome).inc()
-        await self._record(row.id, outcome)
+        await self._record(row.id, row.claim, outcome)
 
-    async def _record(self, row_id: int, outcome: str) -> None:
+    async def _record(self, row_id: int, claim: int, outcome: str) -> None:
         """Records the outcome, waiting out a database outage: a callback already sent
         would otherwise be sent again when its lease expires."""
         retrying = AsyncRetrying(
@@ -232,11 +244,31 @@ class Notifier:
             async for attempt in retrying:
                 with attempt:
                     async with self.pool.connection() as conn:
-                        await conn.execute(_RECORD, {"id": row_id, "outcome": outcome})
+                        await conn.execute(
+                            _RECORD, {"outcome": outcome, **self._ours({row_id: claim})}
+                        )
         except CONNECTION_ERRORS:
             log.warning("callback outcome not recorded; its lease will expire")
 
-    async def _deliver(self, url: str, data: dict[str, Any]) -> None:
+    async def _still_ours(self, row_id: int, claim: int) -> bool:
+        """Renews the claim if it is still this replica's. A database away says nothing: the
+        attempt goes ahead (no other replica can claim meanwhile either)."""
+        try:
+            async with self.pool.connection() as conn:
+                renewed = await conn.execute(
+                    _RENEW, {"lease": self.lease, **self._ours({row_id: claim})}
+                )
+                return renewed.rowcount == 1
+        except CONNECTION_ERRORS:
+            return True
+
+    @staticmethod
+    def _ours(claims: dict[int, int]) -> dict[str, list[int]]:
+        return {"ids": list(claims), "claims": list(claims.values())}
+
+    async def _deliver(
+        self, url: str, data: dict[str, Any], still_ours: Callable[[], Awaitable[bool]]
+    ) -> None:
         body = json.dumps(data, separators=(",", ":")).encode()
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.attempts),
@@ -248,6 +280,9 @@ class Notifier:
         )
         async for attempt in retrying:
             with attempt:
+                # After a wait, possibly longer than the lease if this process was not running.
+                if attempt.retry_state.attempt_number > 1 and not await still_ours():
+                    raise ClaimLost
                 # Resolved and checked at each attempt, and the connection goes to the very
                 # address that was checked: a DNS answer that changes in between (rebinding)
                 # cannot lead the call anywhere else.
@@ -298,7 +333,7 @@ class Notifier:
         )
 
     async def close(self) -> None:
-        unfinished = list(self._deliveries)
+        unfinished = dict(self._claims)
         for task in list(self._deliveries.values()):
             task.cancel()
         await asyncio.gather(*self._deliveries.values(), return_exceptions=True)
@@ -306,6 +341,6 @@ class Notifier:
         if unfinished:
             try:
                 async with self.pool.connection() as conn:
-                    await conn.execute(_RELEASE, {"ids": unfinished})
+                    await conn.execute(_RELEASE, self._ours(unfinished))
             except CONNECTION_ERRORS:
                 log.warning("callbacks in progress not given back; their leases will expire")

@@ -17,7 +17,7 @@ from conveyor.settings import GatewaySettings
 from gateway.access_cache import AccessCache
 from gateway.auth import Authenticator
 from gateway.broker import Broker
-from gateway.callbacks import CallbackPolicy
+from gateway.callbacks import CallbackPolicy, close_resolver
 from gateway.catalog import SchemaCache
 from gateway.hearing import Hearing
 from gateway.housekeeping import reaper_loop
@@ -182,6 +182,7 @@ class Runtime:
         await self.intake.close()
         await self.outbox.flush(everything=True)
         await self.notifier.close()
+        await close_resolver()
         await self.broker.close()
         await self.pool.close()
         self.auth.close()

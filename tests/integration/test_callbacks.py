@@ -437,3 +437,36 @@ def test_callbacks_of_a_replica_that_stops_go_out_again(
         finally:
             procs.stop_all()
             remove_service(platform, amqp_url, svc)
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_frozen_between_attempts_does_not_send_what_another_delivered(
+    database_url: str, amqp_url: str, procs: Processes, serve: Any
+) -> None:
+    """Found by a sweep: a replica frozen (SIGSTOP) while it waited to try a callback again
+    lost its claim to another replica, which delivered it; thawed, it sent the callback once
+    more. A replica now checks that the claim is still its own before each attempt after the
+    first (and records an outcome only for its own claim)."""
+    hook, port = serve(500, 200)
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        env = gateway_env(url, amqp_url, CONVEYOR_CALLBACK_LEASE="3", CONVEYOR_CALLBACK_BACKOFF="4")
+        try:
+            first = GatewayProcess(procs, env, "gateway-frozen")
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            task_id = _submit(first, svc, f"http://localhost:{port}/hook")
+            _finish_by_sql(platform, task_id)
+            wait_until(lambda: hook.requests(), 15, what="the first attempt, answered 500")
+            first.proc.signal(signal.SIGSTOP)
+            try:
+                GatewayProcess(procs, env, "gateway-takes-over")
+                assert _wait_notified(platform, task_id, timeout=30) == "SUCCESS"
+            finally:
+                first.proc.signal(signal.SIGCONT)
+            time.sleep(5)  # past the frozen replica's 4 s backoff: it would have tried again
+            assert len(hook.requests()) == 2
+            assert first.proc.alive()
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)

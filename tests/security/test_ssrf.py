@@ -271,7 +271,7 @@ async def test_delivery_rechecks_the_address(dns: dict[str, list[str]]) -> None:
             await check_callback({"type": "http", "url": url}, CallbackPolicy(allow_http=True))
             dns["localhost"] = ["10.0.0.9"]  # now: private
             with pytest.raises(CallbackRefused):
-                await sender._deliver(url, {"taskId": "t"})
+                await sender._deliver(url, {"taskId": "t"}, _claim_held)
         finally:
             await sender.close()
         # Where a permitted delivery goes (the address checked, never a second look-up):
@@ -286,7 +286,9 @@ async def test_notifier_does_not_follow_redirects() -> None:
             sender = notifier(CallbackPolicy(allow_http=True, allowed_hosts=("localhost",)))
             try:
                 with pytest.raises(CallbackFailed, match="answered 302"):
-                    await sender._deliver(f"http://localhost:{redirect.port}/hook", {"t": 1})
+                    await sender._deliver(
+                        f"http://localhost:{redirect.port}/hook", {"t": 1}, _claim_held
+                    )
             finally:
                 await sender.close()
     assert len(redirect.received) == 2  # both attempts went to the callback URL only
@@ -358,3 +360,8 @@ def test_signature_round_trip() -> None:
 def test_tampered_signatures_fail(tamper) -> None:
     secret, body = "signing-secret", b'{"taskId":"x","status":"SUCCESS"}'
     assert not verify(*tamper(secret, body, sign(secret, body)))
+
+
+async def _claim_held() -> bool:
+    """The notification's claim, still this notifier's (`Notifier._still_ours`)."""
+    return True

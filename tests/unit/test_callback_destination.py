@@ -3,6 +3,10 @@ resolution that could answer a private one."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
+
 import httpx
 import pytest
 
@@ -132,7 +136,42 @@ async def test_a_host_that_does_not_resolve_at_delivery_is_tried_again(
     monkeypatch.setattr(Notifier, "_post", post)
     notifier = Notifier(pool=None, policy=CallbackPolicy(), signing_secret="s", backoff=0.01)  # type: ignore[arg-type]
     try:
-        await notifier._deliver("https://hooks.example.com/h", {"taskId": "t"})
+        await notifier._deliver("https://hooks.example.com/h", {"taskId": "t"}, _claim_held)
     finally:
         await notifier.close()
     assert sent == ["https://93.184.215.14/h"]
+
+
+async def _claim_held() -> bool:
+    """The notification's claim, still this notifier's (`Notifier._still_ours`)."""
+    return True
+
+
+async def test_hosts_that_never_answer_hold_up_no_one_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a sweep: look-ups ran on the loop's few shared threads, and a thread stayed
+    busy until the system resolver gave up, long after the check had; one client's batch of
+    hosts that never answer made every other client's callback "does not resolve" for
+    minutes. Look-ups hold no thread now: 300 of them under way delay no other one, and
+    each ends within the deadline."""
+    import aiodns
+
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # a name server that never answers
+    silent.bind(("127.0.0.1", 0))
+    server = f"127.0.0.1:{silent.getsockname()[1]}"
+    resolver = aiodns.DNSResolver(
+        nameservers=[server], timeout=callbacks.LOOKUP_TIMEOUT, tries=callbacks.LOOKUP_TRIES
+    )
+    monkeypatch.setattr(callbacks, "_resolver", lambda: resolver)
+    try:
+        started = time.monotonic()
+        stuck = [
+            asyncio.create_task(callbacks.resolve(f"slow{i}.example.com", 443)) for i in range(300)
+        ]
+        await asyncio.sleep(0.2)
+        assert await asyncio.wait_for(callbacks.resolve("localhost", 443), 1.0)  # hosts file
+        outcomes = await asyncio.gather(*stuck, return_exceptions=True)
+        assert all(isinstance(o, callbacks.HostUnresolved) for o in outcomes), outcomes[:3]
+        assert time.monotonic() - started < callbacks.RESOLVE_DEADLINE + 2
+    finally:
+        await resolver.close()
+        silent.close()

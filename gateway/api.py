@@ -117,8 +117,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _parse(raw: bytes, content_type: str | None) -> dict[str, Any]:
-    """The request as a JSON object, refused before anything else if it is not one."""
+def _parse(raw: bytes, content_type: str | None, items_below: int = 0) -> dict[str, Any]:
+    """The request as a JSON object, refused before anything else if it is not one.
+    `items_below`: how many levels below the root its tasks sit (a batch's: `tasks`, then
+    the index), so that a task may nest as deep in a batch as alone."""
     media = (content_type or "application/json").split(";")[0].strip().lower()
     if media not in _JSON_TYPES and not media.endswith("+json"):
         raise errors.invalid("Content-Type", "must be application/json")
@@ -131,7 +133,7 @@ def _parse(raw: bytes, content_type: str | None) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise errors.invalid("", "the request must be a JSON object")
     if _SUSPECT.search(raw) or raw.count(b"{") + raw.count(b"[") > MAX_DEPTH:
-        _check_storable(payload)
+        _check_storable(payload, first_depth=1 - items_below)
     return payload
 
 
@@ -159,11 +161,11 @@ def _text_problem(text: str) -> str | None:
     return None
 
 
-def _check_storable(payload: dict[str, Any]) -> None:
+def _check_storable(payload: dict[str, Any], first_depth: int = 1) -> None:
     """Refuses what cannot be stored or re-encoded: NUL characters and lone surrogates (jsonb
     refuses both) and nesting deeper than MAX_DEPTH. Iterative, so a hostile document cannot
     exhaust the stack."""
-    stack: list[tuple[Any, str, int]] = [(payload, "", 1)]
+    stack: list[tuple[Any, str, int]] = [(payload, "", first_depth)]
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, str):
@@ -296,7 +298,7 @@ async def create_batch(service: str, request: Request) -> Json:
 async def _create_batch(service: str, request: Request, rt: Runtime, trace: str | None) -> Json:
     client_id, access = await _granted(request, rt, service)
     raw = await _read_body(request, rt.settings.max_batch_bytes)
-    payload = _parse(raw, request.headers.get("content-type"))
+    payload = _parse(raw, request.headers.get("content-type"), items_below=2)
     unknown = sorted(set(payload) - {"tasks"})
     if unknown:
         raise errors.invalid(unknown[0][:100], "unknown field")
@@ -426,6 +428,10 @@ def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime 
         raise errors.invalid(
             field, "must be an RFC 3339 date and time with its offset (Z or +hh:mm)"
         ) from None
+    try:  # in UTC: RFC 3339's offsets go to ±23:59, those PostgreSQL takes to ±15:59
+        when = when.astimezone(UTC)
+    except OverflowError:  # before year 1 or after 9999, once in UTC
+        when = now if when.year == 1 else datetime.max.replace(tzinfo=UTC)
     if when > now + timedelta(seconds=max_delay):
         raise errors.invalid(field, f"at most {max_delay:.0f} seconds ahead")
     return when

@@ -203,6 +203,31 @@ def test_each_item_obeys_the_single_task_limit(
     assert _count(platform, svc.name) == 3
 
 
+def test_each_item_may_nest_as_deep_as_a_single_task(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """Found by a sweep: a body accepted alone was refused in a batch (400002) at nesting
+    126 and 127: depth was counted from the batch's root, two levels above its items'. An
+    item is measured as it would be sent alone, as for its size."""
+    svc = platform.service()
+
+    def item(levels: int) -> bytes:  # a task whose request nests `levels` deep
+        return b'{"body":' + b'{"a":' * (levels - 1) + b"1" + b"}" * levels
+
+    json_type = {"Content-Type": "application/json"}
+    verdicts = []
+    with gateway.http(svc.clients[0]) as http:
+        for levels in (127, 128, 129):
+            alone = http.post(gateway.tasks_url(svc.name), content=item(levels), headers=json_type)
+            batch = http.post(
+                _batch_url(gateway, svc.name),
+                content=b'{"tasks":[' + item(levels) + b"]}",
+                headers=json_type,
+            )
+            verdicts.append((levels, alone.status_code, batch.status_code))
+    assert verdicts == [(127, 201, 201), (128, 201, 201), (129, 400, 400)]
+
+
 def test_openapi_documents_the_batch(gateway: GatewayProcess) -> None:
     document = httpx.get(f"{gateway.url}/openapi.json").json()
     batch = document["paths"]["/v1/services/{service}/tasks/batch"]["post"]

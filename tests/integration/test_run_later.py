@@ -159,6 +159,7 @@ def test_a_time_long_past_means_now(
         ({"notBefore": "2026-11-24T10:00:00"}, "notBefore"),  # no offset
         ({"notBefore": 1795562511}, "notBefore"),
         ({"notBefore": "2999-01-01T00:00:00Z"}, "notBefore"),  # past the maximum delay
+        ({"notBefore": "9999-12-31T23:59:59-23:59"}, "notBefore"),  # after year 9999 in UTC
         ({"notBefore": "2026-11-24T10:00:00Z" + "0" * 100}, "notBefore"),
         # ISO 8601 forms that are not RFC 3339 date-times (§5.6)
         ({"notBefore": "2026-W48-5T18:00:00Z"}, "notBefore"),  # week date
@@ -214,6 +215,45 @@ def test_rfc3339_times_are_read_whatever_their_case_and_fraction(
             polled = http.get(f"{gateway.tasks_url(svc.name)}/{single.json()['data']['taskId']}")
             got = datetime.fromisoformat(polled.json()["data"]["notBefore"])
             assert abs(got - when) < timedelta(seconds=1), (spelling, got)
+
+
+def test_offsets_beyond_what_postgresql_takes_are_read_too(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """Found by a sweep: RFC 3339 offsets go to ±23:59, PostgreSQL's to ±15:59, and a
+    `notBefore` at +16:00 or -20:00 was 500 500001 (a single, a batch, a keyed submission
+    alike), as was one long past at +23:59. Each is read as the instant it names."""
+    svc = platform.service()
+    when = datetime.now(UTC).replace(microsecond=0) + timedelta(hours=1)
+    ahead = [
+        (when + timedelta(hours=16)).strftime("%Y-%m-%dT%H:%M:%S+16:00"),
+        (when - timedelta(hours=20)).strftime("%Y-%m-%dT%H:%M:%S-20:00"),
+        (when + timedelta(hours=23, minutes=59)).strftime("%Y-%m-%dT%H:%M:%S+23:59"),
+    ]
+    past = ["2020-01-01T00:00:00+23:00", "0001-01-01T00:00:00+23:59", "0001-01-01T00:00:00-23:59"]
+    with gateway.http(svc.clients[0]) as http:
+        for n, spelling in enumerate(ahead + past):
+            single = http.post(
+                gateway.tasks_url(svc.name), json={"body": {}, "notBefore": spelling}
+            )
+            keyed = http.post(
+                gateway.tasks_url(svc.name),
+                json={"body": {}, "notBefore": spelling},
+                headers={"Idempotency-Key": f"offset-{n}"},
+            )
+            batch = http.post(
+                gateway.tasks_url(svc.name) + "/batch",
+                json={"tasks": [{"body": {}, "notBefore": spelling}]},
+            )
+            answers = (single.status_code, keyed.status_code, batch.status_code)
+            assert answers == (201, 201, 201), (spelling, single.text, keyed.text, batch.text)
+            polled = http.get(f"{gateway.tasks_url(svc.name)}/{single.json()['data']['taskId']}")
+            data = polled.json()["data"]
+            if spelling in ahead:
+                got = datetime.fromisoformat(data["notBefore"])
+                assert abs(got - when) < timedelta(seconds=1), (spelling, got)
+            else:
+                assert data["notBefore"] == data["submitionDate"], (spelling, data)
 
 
 def test_batch_items_wait_for_their_own_time_and_capacity_counts_them(

@@ -20,7 +20,9 @@ import types
 import typing
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
+from conveyor.events import MAX_TIMEOUT
 from conveyor.logs import LogFormat
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -28,6 +30,7 @@ DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 # busy 2-core machine never misses one.
 DEFAULT_AMQP_HEARTBEAT = 15
 PREFIX = "CONVEYOR_"
+MAX_PORT = 65535
 
 
 class ShutdownMode(enum.StrEnum):
@@ -46,13 +49,18 @@ def _bounded(
     return dataclasses.field(default=default, metadata=bounds)
 
 
+def _http_url(default: str | None) -> Any:
+    """A URL the dispatcher calls: refused at start unless aiohttp can call it."""
+    return dataclasses.field(default=default, metadata={"http_url": True})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DispatcherSettings:
     amqp_url: str = DEFAULT_AMQP_URL
     amqp_heartbeat: int = _bounded(DEFAULT_AMQP_HEARTBEAT, ge=0)
     queue: str = "sleeper"
-    function_url: str = "http://127.0.0.1:8080/"
-    function_ready_url: str | None = None
+    function_url: str = _http_url("http://127.0.0.1:8080/")
+    function_ready_url: str | None = _http_url(None)
     concurrency: int = _bounded(4, ge=1, le=1000)
     # Messages held beyond CONCURRENCY (prefetch = CONCURRENCY + this), so that the next one is
     # already here when a call ends: a slot is free again as soon as the function has answered,
@@ -60,18 +68,19 @@ class DispatcherSettings:
     prefetch_buffer: int = _bounded(0, ge=0, le=1000)
     shutdown_mode: ShutdownMode = ShutdownMode.REQUEUE
     drain_timeout: float = _bounded(30.0, ge=0)
-    dispatcher_port: int = 8081
-    metrics_port: int | None = None
+    dispatcher_port: int = _bounded(8081, ge=1, le=MAX_PORT)
+    metrics_port: int | None = _bounded(None, ge=0, le=MAX_PORT)  # None or 0: none
     # Knative mode (SPEC §11.5): progress reports from the function's pods reach the dispatcher
     # on POD_IP:PROGRESS_PORT, with each attempt's token in the URL.
-    progress_port: int | None = None
+    progress_port: int | None = _bounded(None, ge=0, le=MAX_PORT)
     pod_ip: str | None = None
     one_shot: bool = False
-    idle_exit_seconds: float = 60.0
+    # ONE_SHOT: counted from the start; a Job that has no message by then exits 0.
+    idle_exit_seconds: float = _bounded(60.0, gt=0, le=MAX_TIMEOUT)
     hostname: str = "localhost"
     # Used when a message does not carry its service's values (legacy format).
     max_attempts: int = _bounded(3, ge=1)
-    task_timeout: float = _bounded(300.0, gt=0)
+    task_timeout: float = _bounded(300.0, gt=0, le=MAX_TIMEOUT)
     retry_backoff: float = _bounded(0.5, ge=0)
     retry_backoff_max: float = _bounded(30.0, ge=0)
     progress_interval: float = _bounded(0.5, ge=0)
@@ -85,12 +94,12 @@ class DispatcherSettings:
     function_wait_timeout: float = _bounded(300.0, ge=0)
     # How long a cancelled task's id is remembered (SPEC §11.1): its message may still be
     # queued, or requeued by another dispatcher, meanwhile.
-    cancel_memory_seconds: float = _bounded(24 * 3600.0, gt=0)
+    cancel_memory_seconds: float = _bounded(24 * 3600.0, gt=0, le=MAX_TIMEOUT)
     log_level: str = "INFO"
     log_format: LogFormat = LogFormat.AUTO
 
     def __post_init__(self) -> None:
-        problems = [p for f in dataclasses.fields(self) if (p := _out_of_bounds(self, f))]
+        problems = [p for f in dataclasses.fields(self) if (p := _problem(self, f))]
         if problems:
             raise SettingsError("; ".join(problems))
 
@@ -170,10 +179,29 @@ def _parse(kind: Any, text: str) -> Any:
     raise TypeError(f"no parser for {kind!r}")
 
 
-def _out_of_bounds(settings: DispatcherSettings, f: dataclasses.Field[Any]) -> str | None:
+def is_http_url(url: str) -> bool:
+    """Whether the dispatcher can call `url`: http or https, a host, a port from 1 to 65535.
+    Anything else passed the start before, and then failed every task with the URL for its
+    errorMessage."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError: not a number, or out of range
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
+
+
+def _problem(settings: DispatcherSettings, f: dataclasses.Field[Any]) -> str | None:
     value = getattr(settings, f.name)
     if value is None:
         return None
+    if f.metadata.get("http_url"):
+        if is_http_url(value):
+            return None
+        return (
+            f"{dispatcher_variable(f.name)} must be an http:// or https:// URL with a host"
+            f" (and a port from 1 to {MAX_PORT})"
+        )
     failed = [
         f"{word} {f.metadata[bound]}"
         for bound, (word, holds) in _BOUNDS.items()

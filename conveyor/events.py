@@ -36,6 +36,10 @@ TRACEPARENT = "traceparent"
 EXT_ATTEMPT = "conveyorattempt"  # identifies one delivery of a task to a function
 EXT_MAX_ATTEMPTS = "conveyormaxattempts"
 EXT_TIMEOUT = "conveyortimeout"  # seconds one attempt may run
+# The longest `conveyortimeout`: a service's taskTimeout, which the gateway keeps in a PostgreSQL
+# integer (~68 years). A longer one was not written by a gateway, and overflows the clocks a
+# dispatcher adds it to.
+MAX_TIMEOUT = 2**31 - 1
 # When the task expires (RFC 3339): no dispatcher calls it later. The message's AMQP
 # `expiration` only bounds its wait in the queue, not in a dispatcher's prefetch buffer.
 EXT_EXPIRES = "conveyorexpires"
@@ -342,7 +346,7 @@ def decode_submission(message: WireMessage, service: str = "") -> Submission:
             service=event.get_source().rpartition("/")[2] or service,
             body=data,
             max_attempts=_optional_int(ext(EXT_MAX_ATTEMPTS)),
-            timeout=_optional_float(ext(EXT_TIMEOUT)),
+            timeout=_optional_timeout(ext(EXT_TIMEOUT)),
             traceparent=_optional_str(ext(TRACEPARENT)),
             expires_at=_optional_time(ext(EXT_EXPIRES)),
         )
@@ -373,15 +377,15 @@ def _optional_int(value: Any) -> int | None:
         raise WireError("expected an integer extension attribute") from None
 
 
-def _optional_float(value: Any) -> float | None:
+def _optional_timeout(value: Any) -> float | None:
     if value is None:
         return None
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise WireError("expected a number extension attribute") from None
-    if not math.isfinite(number) or number <= 0:
-        raise WireError("expected a positive number")
+    if not 0 < number <= MAX_TIMEOUT:  # NaN too
+        raise WireError(f"expected a timeout above 0 and at most {MAX_TIMEOUT} seconds")
     return number
 
 

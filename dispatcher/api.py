@@ -11,10 +11,10 @@ else has any business posting progress):
 * `GET /metrics` Prometheus text format
 
 With `METRICS_PORT`, the probes and metrics (not the progress endpoint) are also
-served on `0.0.0.0:METRICS_PORT` for the kubelet and Prometheus.
+served on every address (IPv6 and IPv4), `METRICS_PORT`, for the kubelet and Prometheus.
 
 With `PROGRESS_PORT` (knative mode: the function runs in another pod), the progress
-endpoint alone is also served on `0.0.0.0:PROGRESS_PORT` as
+endpoint alone is also served on every address, `PROGRESS_PORT`, as
 `POST /tasks/{taskId}/progress/{token}`, where the token is the attempt's (SPEC §11.5):
 `X-Conveyor-Progress-Url` is then that absolute URL on `POD_IP`.
 
@@ -187,13 +187,28 @@ class _ServerLog(logging.LoggerAdapter[logging.Logger]):
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
+EVERY_ADDRESS = ""  # a server the pod's other containers and pods reach
+
+
+def _listening(host: str, port: int) -> socket.socket:
+    """`EVERY_ADDRESS`: IPv6 and IPv4 where the kernel has both (a pod's IP may be either:
+    progress posted to an IPv6 POD_IP was refused by a socket listening on IPv4 alone)."""
+    if host != EVERY_ADDRESS:
+        return socket.create_server((host, port), backlog=128)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(
+            ("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128
+        )
+    return socket.create_server(("0.0.0.0", port), backlog=128)
+
+
 class ApiServer:
     """One aiohttp server on a socket bound up front, so a busy port fails clearly."""
 
     def __init__(self, app: web.Application, host: str, port: int) -> None:
         self.host = host
         self.port = port
-        self._socket = socket.create_server((host, port), backlog=128)
+        self._socket = _listening(host, port)
         self._runner = web.AppRunner(
             app,
             handle_signals=False,

@@ -7,18 +7,21 @@
                                  from before this start (consume nothing before either)
     consume `<q>-in`             each delivery -> its own task (worker.py)
     wait for                     SIGTERM/SIGINT, or in ONE_SHOT mode the one
-                                 task done, or IDLE_EXIT_SECONDS without one
+                                 task done, or IDLE_EXIT_SECONDS since the start
+                                 without one (whatever held it up: a broker down,
+                                 a queue not declared yet)
     stop consuming, settle in-flight work (shutdown.py), close, exit 0
 
 Exit codes: 0 for every orderly stop (Kubernetes and KEDA read anything else
-as a failure), 1 when the function never became reachable within
-FUNCTION_WAIT_TIMEOUT or the local port is taken.
+as a failure), 1 when a setting is invalid, the function never became reachable
+within FUNCTION_WAIT_TIMEOUT or the local port is taken.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -27,10 +30,10 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from conveyor import heap, logs, tracing
 from conveyor.amqp import from_amqp
-from conveyor.dispatcher_settings import DispatcherSettings
+from conveyor.dispatcher_settings import DispatcherSettings, SettingsError
 from conveyor.events import WireError, decode_cancel
 from conveyor.topology import in_queue, out_queue
-from dispatcher.api import ApiServer, Endpoints
+from dispatcher.api import EVERY_ADDRESS, ApiServer, Endpoints
 from dispatcher.cancels import Cancels
 from dispatcher.consumer import Broker, Delivery
 from dispatcher.inflight import InFlight
@@ -48,6 +51,17 @@ log = logging.getLogger("dispatcher")
 # thousand messages at most); past it, the dispatcher starts without them, as it used to.
 RECALL_PATIENCE = 5.0
 RECALL_OVERLAP = timedelta(minutes=1)
+
+
+def main() -> int:
+    """The settings from the environment, then `run`. A setting it cannot run with is one line
+    on stderr (no traceback: the operator needs the variable's name, nothing else), exit 1."""
+    try:
+        settings = DispatcherSettings.from_env()
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return run(settings)
 
 
 def run(settings: DispatcherSettings) -> int:
@@ -91,6 +105,7 @@ class Dispatcher:
 
     async def run(self) -> int:
         self.shutdown.install()
+        idle = self._exit_when_idle() if self.settings.one_shot else None
         try:
             try:
                 await self._start_api()
@@ -99,7 +114,24 @@ class Dispatcher:
                 return 1
             return await self._lifecycle()
         finally:
+            if idle is not None:
+                idle.cancel()
             await self._close()
+
+    def _exit_when_idle(self) -> asyncio.TimerHandle:
+        """ONE_SHOT: a Job without a message IDLE_EXIT_SECONDS after its start stops (KEDA may
+        start more Jobs than there are messages), whatever kept it from one; counted from when
+        consuming began, a broker down or a queue not declared kept it waiting forever. It
+        stops as on SIGTERM: a message that arrives meanwhile is settled by SHUTDOWN_MODE."""
+
+        def idle() -> None:
+            if not self.taken.is_set():
+                log.info(
+                    "no message; exiting", extra={"idle_seconds": self.settings.idle_exit_seconds}
+                )
+                self.shutdown.request("idle")
+
+        return asyncio.get_running_loop().call_later(self.settings.idle_exit_seconds, idle)
 
     async def _lifecycle(self) -> int:
         stop = self.shutdown.requested
@@ -167,11 +199,8 @@ class Dispatcher:
             waiter.cancel()
 
     async def _one_shot(self) -> None:
-        try:
-            await asyncio.wait_for(self.taken.wait(), self.settings.idle_exit_seconds)
-        except TimeoutError:
-            log.info("no message; exiting", extra={"idle_seconds": self.settings.idle_exit_seconds})
-            return
+        """The one task done (without one, `_exit_when_idle` stops the process)."""
+        await self.taken.wait()
         await self.in_flight.wait_idle(None)
 
     def _on_message(self, message: AbstractIncomingMessage) -> None:
@@ -251,12 +280,14 @@ class Dispatcher:
         )
         if self.settings.metrics_port:
             self.servers.append(
-                ApiServer(self.endpoints.probe_app(), "0.0.0.0", self.settings.metrics_port)
+                ApiServer(self.endpoints.probe_app(), EVERY_ADDRESS, self.settings.metrics_port)
             )
         if self.settings.progress_port:
             self.servers.append(
                 ApiServer(
-                    self.endpoints.remote_progress_app(), "0.0.0.0", self.settings.progress_port
+                    self.endpoints.remote_progress_app(),
+                    EVERY_ADDRESS,
+                    self.settings.progress_port,
                 )
             )
         for server in self.servers:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import aiohttp
 from tenacity import AsyncRetrying, RetryCallState, retry_if_result, wait_exponential
@@ -32,7 +32,10 @@ class FunctionProbe:
         self.ready_url = ready_url
         parts = urlsplit(function_url)
         self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.port = _port(parts)
+        # Where it looks, for the log while it waits: a wrong URL shows at once.
+        probed = urlsplit(ready_url) if ready_url else parts
+        self.where = {"host": probed.hostname or self.host, "port": _port(probed)}
         self._session: aiohttp.ClientSession | None = None
 
     async def reachable(self) -> bool:
@@ -72,7 +75,7 @@ class FunctionProbe:
 
         def waiting(state: RetryCallState) -> None:
             if state.attempt_number == 1:
-                log.info("waiting for the function", extra={"timeout": timeout})
+                log.info("waiting for the function", extra={"timeout": timeout, **self.where})
 
         retrying = AsyncRetrying(
             retry=retry_if_result(lambda reachable: not reachable),
@@ -89,3 +92,7 @@ class FunctionProbe:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _port(url: SplitResult) -> int:
+    return url.port or (443 if url.scheme == "https" else 80)

@@ -29,6 +29,7 @@ function may be called again for a task after a crash or a broker outage.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 import time
@@ -135,7 +136,7 @@ class Worker:
         self.progress_base = f"http://127.0.0.1:{settings.dispatcher_port}/tasks"
         # Knative mode: the function is in another pod; it reports on the pod IP, with a token.
         self.remote_base = (
-            f"http://{settings.pod_ip or '127.0.0.1'}:{settings.progress_port}/tasks"
+            f"http://{_url_host(settings.pod_ip or '127.0.0.1')}:{settings.progress_port}/tasks"
             if settings.progress_port
             else None
         )
@@ -171,26 +172,40 @@ class Worker:
         if await self._ended_already(delivery, submission):
             return
         abort = self.in_flight.token()
-        if not await self._take_slot(abort, delivery):
-            self.in_flight.forget(abort)
-            await self._requeue(delivery, attempted=False)  # nothing if its channel died
-            return
-        # A message may wait for a slot (PREFETCH_BUFFER): its task cancelled or expired
-        # meanwhile is not called.
-        if await self._ended_already(delivery, submission):
-            self.in_flight.forget(abort)
-            self.slots.release()
-            return
-        attempt = self._begin(submission, delivery, abort)
-        self.orphans.started(attempt)
-        self.cancels.running(attempt.task_id, attempt.abort)
         try:
-            await self._run(attempt)
+            if not await self._take_slot(abort, delivery):
+                await self._requeue(delivery, attempted=False)  # nothing if its channel died
+                return
+            attempt = await self._attempt(submission, delivery, abort)
+            if attempt is None:
+                return
+            try:
+                self.orphans.started(attempt)
+                self.cancels.running(attempt.task_id, attempt.abort)
+                await self._run(attempt)
+            finally:
+                self._free_slot(attempt)
+                self.cancels.finished(attempt.task_id, attempt.abort)
+                self.orphans.ended(attempt)
         finally:
-            self._free_slot(attempt)
-            self.cancels.finished(attempt.task_id, attempt.abort)
-            self.in_flight.forget(attempt.abort)
-            self.orphans.ended(attempt)
+            self.in_flight.forget(abort)
+
+    async def _attempt(
+        self, submission: Submission, delivery: Delivery, abort: AbortToken
+    ) -> Attempt | None:
+        """The attempt that holds the slot just taken from now on, or None with the slot given
+        back. Given back on an error too: each error that kept one left a call fewer, until the
+        dispatcher took nothing more while it still said it was ready."""
+        try:
+            # A message may wait for a slot (PREFETCH_BUFFER): its task cancelled or expired
+            # meanwhile is not called.
+            if await self._ended_already(delivery, submission):
+                self.slots.release()
+                return None
+            return self._begin(submission, delivery, abort)
+        except BaseException:
+            self.slots.release()
+            raise
 
     async def _take_slot(self, abort: AbortToken, delivery: Delivery) -> bool:
         """False when a buffered message must go back: a shutdown came while it waited (a
@@ -513,6 +528,16 @@ class Worker:
                 "task requeued",
                 extra={"message_id": delivery.message_id, "previous_deliveries": previous},
             )
+
+
+def _url_host(address: str) -> str:
+    """An address as a URL writes it: an IPv6 literal in brackets (`http://[::1]:8082/`), a name
+    or an IPv4 address as it is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    return f"[{address}]" if ip.version == 6 else address
 
 
 def _legacy_body(submission: Submission) -> bytes:

@@ -13,11 +13,13 @@ import sys
 
 
 def main() -> None:
-    if sys.argv[1:] == ["dispatcher"]:
-        from conveyor.dispatcher_settings import DispatcherSettings
-        from dispatcher.main import run
+    if sys.argv[1:] == ["dispatcher"]:  # as `python -m dispatcher` does
+        from dispatcher.__main__ import exit_on_early_signals
 
-        sys.exit(run(DispatcherSettings.from_env()))
+        exit_on_early_signals()
+        from dispatcher.main import main as dispatcher
+
+        sys.exit(dispatcher())
     from conveyor.cli.app import app
 
     try:

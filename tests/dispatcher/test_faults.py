@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -179,7 +180,9 @@ async def test_metrics_port_serves_probes_but_not_progress(
     metrics_port = free_port()
     dispatcher = launch(function.url, metrics_port=metrics_port)
     await dispatcher.wait_ready()
-    assert _listening_addresses(metrics_port) == {"0.0.0.0"}
+    # every address of the pod: IPv6 and IPv4 on one socket, where the kernel has both
+    every = "::" if socket.has_dualstack_ipv6() else "0.0.0.0"
+    assert _listening_addresses(metrics_port) == {every}
     async with httpx.AsyncClient() as client:
         base = f"http://127.0.0.1:{metrics_port}"
         assert (await client.get(f"{base}/readyz")).status_code == 200
@@ -278,3 +281,51 @@ async def test_waits_for_the_gateway_to_declare_the_queues(
         dispatcher.signal()
         await dispatcher.exit_code(10)
         await rabbit.close()
+
+
+async def test_an_absurd_timeout_is_dead_lettered_and_frees_its_slot(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a sweep: a submission whose `conveyortimeout` was 1e300 overflowed after taking
+    its slot, which leaked, and with CONCURRENCY=1 nothing ran again. Now it is dead-lettered
+    as poison and the next task runs."""
+    dispatcher = launch(function.url, concurrency=1)
+    await dispatcher.wait_ready()
+    await rabbit.submit({}, timeout=1e300)
+    task_id = await rabbit.submit({})
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+    await eventually(lambda: _depth_is(rabbit, rabbit.dlq, 1), 10, "the bad one dead-lettered")
+    # The longest taskTimeout a service can have (a PostgreSQL integer) still runs.
+    longest = await rabbit.submit({}, timeout=2**31 - 1)
+    assert (await rabbit.wait_terminal(longest)).kind is EventKind.SUCCEEDED
+
+
+@pytest.mark.parametrize(
+    ("variable", "env"),
+    [
+        ("FUNCTION_URL", {"function_url": "ftp://127.0.0.1:8080/"}),
+        ("IDLE_EXIT_SECONDS", {"one_shot": 1, "idle_exit_seconds": "nan"}),
+        ("CANCEL_MEMORY_SECONDS", {"cancel_memory_seconds": "1e300"}),
+        ("DISPATCHER_PORT", {"dispatcher_port": 70000}),
+    ],
+)
+async def test_a_setting_it_cannot_run_with_exits_1_with_one_line(
+    variable: str, env: dict[str, object], function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a sweep: such settings passed start-up (or died in a traceback) and failed
+    later. Now the process exits 1 at once, with one line naming the variable."""
+    settings = dict(env)
+    dispatcher = launch(str(settings.pop("function_url", function.url)), **settings)
+    assert await dispatcher.exit_code(15) == 1
+    output = [line for line in dispatcher.proc.logs().splitlines() if line.strip()]
+    assert len(output) == 1 and variable in output[0] and "Traceback" not in output[0], output
+
+
+async def test_the_wait_for_the_function_names_its_host_and_port(launch: Launch) -> None:
+    """Found by a sweep: "waiting for the function" did not say where it looked. Now the log
+    names the host and port it connects to."""
+    port = free_port()
+    dispatcher = launch(f"http://127.0.0.1:{port}/", function_wait_timeout=1)
+    assert await dispatcher.exit_code(15) == 1
+    [waiting] = [r for r in dispatcher.log_records() if r["message"] == "waiting for the function"]
+    assert (waiting["host"], waiting["port"]) == ("127.0.0.1", port), waiting

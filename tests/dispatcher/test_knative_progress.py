@@ -3,6 +3,8 @@ dispatcher's pod IP on PROGRESS_PORT, with an unguessable token per attempt in t
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 
@@ -70,3 +72,48 @@ async def test_wrong_other_and_expired_tokens_are_refused(
     progress = [e.progress for e in rabbit.of(first) if e.kind is EventKind.PROGRESS]
     assert progress == [30]
     assert not [e for e in rabbit.of(second) if e.kind is EventKind.PROGRESS]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+
+
+@needs_ipv6
+async def test_an_ipv6_pod_ip_is_bracketed_in_the_progress_url(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a sweep: with POD_IP=::1 the function was given `http://::1:<port>/…`, which no
+    client can parse. Now the address is bracketed, as URLs write IPv6 literals."""
+    port = free_port()
+    dispatcher = launch(function.url, progress_port=port, pod_ip="::1")
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({})
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+    [call] = function.calls(task_id)
+    url = call["headers"]["x-conveyor-progress-url"]
+    assert url.startswith(f"http://[::1]:{port}/tasks/{task_id}/progress/"), url
+
+
+@needs_ipv6
+async def test_progress_reaches_a_dispatcher_whose_pod_ip_is_ipv6(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a sweep: with an IPv6 POD_IP the progress port listened on 0.0.0.0 only, and
+    every report was refused. Now it listens on the family POD_IP needs."""
+    port = free_port()
+    dispatcher = launch(function.url, progress_port=port, pod_ip="::1")
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"progress": [10, 50], "progressPause": 0.1})
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+    [end] = function.calls(task_id, "end")
+    assert end["progress"] == [204, 204]
+    progress = [e.progress for e in rabbit.of(task_id) if e.kind is EventKind.PROGRESS]
+    assert progress and progress[-1] == 50

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from conveyor.events import EventKind
-from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit
+from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit, eventually
+from tests.support.processes import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -119,3 +121,24 @@ async def test_drain_timeout_requeues_what_is_left(
     assert 1 <= time.monotonic() - began < 5
     assert rabbit.terminal(task_id) is None
     assert await rabbit.depth(rabbit.in_q) == 1
+
+
+def _importing(pid: int) -> bool:
+    """The process is in its heavy imports: aiohttp's and aio-pika's compiled parts load."""
+    try:
+        return "multidict" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_a_signal_during_start_up_exits_0(sig: signal.Signals, launch: Launch) -> None:
+    """Found by a sweep: SIGTERM or SIGINT in the first ~0.3 s killed the process (-15, or a
+    KeyboardInterrupt traceback). Now it exits 0 at once: nothing is held yet."""
+    dispatcher = launch(f"http://127.0.0.1:{free_port()}/")
+    pid = dispatcher.proc.pid
+    await eventually(lambda: _importing(pid), 10, "the imports under way", step=0.001)
+    dispatcher.signal(sig)
+    assert await dispatcher.exit_code(10) == 0
+    assert "Traceback" not in dispatcher.proc.logs()

@@ -9,6 +9,7 @@ import pytest
 
 from conveyor.events import EventKind, MessageFormat
 from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit, eventually, start_function
+from tests.support.processes import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -167,6 +168,30 @@ async def test_one_shot_with_an_empty_queue_exits_after_idle_seconds(
     began = time.monotonic()
     assert await dispatcher.exit_code(15) == 0
     assert 1 <= time.monotonic() - began < 10
+
+
+async def test_one_shot_exits_0_after_idle_seconds_while_the_broker_is_unreachable(
+    function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a sweep: a Job whose broker was down never exited (the idle clock only started
+    once consuming). Now it counts from the start: no message within it, exit 0."""
+    nobody = f"amqp://guest:guest@127.0.0.1:{free_port()}/"
+    dispatcher = launch(function.url, amqp=nobody, one_shot=1, idle_exit_seconds=2)
+    began = time.monotonic()
+    assert await dispatcher.exit_code(20) == 0
+    assert 2 <= time.monotonic() - began < 15
+
+
+async def test_one_shot_exits_0_after_idle_seconds_while_its_queue_is_not_declared(
+    function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a sweep: a Job whose queue did not exist waited for it forever. Now it exits 0
+    once IDLE_EXIT_SECONDS have passed since its start without a message."""
+    dispatcher = launch(function.url, one_shot=1, idle_exit_seconds=2)
+    began = time.monotonic()
+    assert await dispatcher.exit_code(20) == 0
+    assert 2 <= time.monotonic() - began < 15
+    assert "waiting for the gateway to declare" in dispatcher.proc.logs()
 
 
 async def test_function_slow_to_start_loses_no_task(

@@ -15,7 +15,7 @@ import typing
 from typing import Any
 
 import pytest
-from pydantic import AliasChoices, Field, ValidationError, create_model
+from pydantic import AliasChoices, Field, ValidationError, create_model, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from conveyor.dispatcher_settings import (
@@ -23,6 +23,7 @@ from conveyor.dispatcher_settings import (
     SettingsError,
     ShutdownMode,
     dispatcher_variable,
+    is_http_url,
 )
 from conveyor.logs import LogFormat
 
@@ -56,15 +57,26 @@ class _Base(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
 
 
+def _callable(cls: type, url: str | None) -> str | None:
+    if url is not None and not is_http_url(url):
+        raise ValueError("not an http(s) URL with a host and a port")
+    return url
+
+
 def reference() -> type[BaseSettings]:
-    """DispatcherSettings as the pydantic-settings class it used to be."""
+    """DispatcherSettings as the pydantic-settings class it used to be, with the URLs it calls
+    checked as it checks them since."""
     fields: dict[str, Any] = {}
+    validators: dict[str, Any] = {}
     for f in dataclasses.fields(DispatcherSettings):
         alias = AliasChoices(
             dispatcher_variable(f.name, prefixed=True), dispatcher_variable(f.name)
         )
-        fields[f.name] = (HINTS[f.name], Field(f.default, validation_alias=alias, **f.metadata))
-    return create_model("Reference", __base__=_Base, **fields)
+        bounds = {k: v for k, v in f.metadata.items() if k != "http_url"}
+        fields[f.name] = (HINTS[f.name], Field(f.default, validation_alias=alias, **bounds))
+        if f.metadata.get("http_url"):
+            validators[f"{f.name}_callable"] = field_validator(f.name)(_callable)
+    return create_model("Reference", __base__=_Base, __validators__=validators, **fields)
 
 
 def outcomes(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
@@ -148,3 +160,56 @@ def test_types_and_names() -> None:
     assert dispatcher_variable("queue", prefixed=True) == "CONVEYOR_QUEUE"
     with pytest.raises(KeyError):
         dispatcher_variable("no_such_setting")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        *(("IDLE_EXIT_SECONDS", v) for v in ("0", "-1", "nan", "inf")),
+        *(("TASK_TIMEOUT", v) for v in ("1e12", "inf")),
+        ("CANCEL_MEMORY_SECONDS", "1e300"),
+        *(("DISPATCHER_PORT", v) for v in ("70000", "0", "-1")),
+        *(("PROGRESS_PORT", v) for v in ("65536", "-1")),
+        ("METRICS_PORT", "99999"),
+    ],
+)
+def test_values_the_dispatcher_cannot_run_with_are_refused(variable: str, value: str) -> None:
+    """Found by a sweep: these passed start-up, then a one-shot Job left its task waiting, or a
+    clock or a bind overflowed. Now each is a SettingsError naming the variable."""
+    with pytest.raises(SettingsError, match=f"^{variable} must be"):
+        DispatcherSettings.from_env({variable: value})
+
+
+def test_the_largest_values_that_work_are_accepted() -> None:
+    settings = DispatcherSettings.from_env(
+        {
+            "TASK_TIMEOUT": str(2**31 - 1),  # the longest taskTimeout a service can have
+            "IDLE_EXIT_SECONDS": "0.5",
+            "DISPATCHER_PORT": "65535",
+            "PROGRESS_PORT": "0",  # 0: no progress port, as before
+            "FUNCTION_URL": "http://[::1]:8080/run?x=1",
+            "FUNCTION_READY_URL": "https://fn.example/ready",
+        }
+    )
+    assert (settings.task_timeout, settings.dispatcher_port) == (2**31 - 1, 65535)
+
+
+@pytest.mark.parametrize("variable", ["FUNCTION_URL", "FUNCTION_READY_URL"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "ftp://127.0.0.1:8080/",
+        "127.0.0.1:8080",
+        "localhost:8080",
+        "/run",
+        "http:///run",
+        "http://127.0.0.1:99999/",
+        "http://127.0.0.1:0/",
+        "http://127.0.0.1:port/",
+    ],
+)
+def test_function_urls_must_be_http_with_a_host_and_a_port(variable: str, url: str) -> None:
+    """Found by a sweep: `ftp://…`, no scheme or port 99999 passed start-up, then failed every
+    task with the URL for its errorMessage. Now it is a SettingsError naming the variable."""
+    with pytest.raises(SettingsError, match=f"^{variable} must be an http"):
+        DispatcherSettings.from_env({variable: url})

@@ -12,7 +12,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from fastapi_swagger import patch_fastapi
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -20,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor import heap, tracing
 from conveyor.settings import GatewaySettings
-from gateway import admin_api, api, dashboard, errors, metrics, pgpool
+from gateway import admin_api, api, api_docs, dashboard, errors, metrics, pgpool
 from gateway.responses import Json
 from gateway.runtime import Runtime
 
@@ -62,16 +61,10 @@ def create_app(
         "Authentication: HTTP Basic with your clientId and clientSecret.",
         lifespan=lifespan,
         default_response_class=Json,
-        docs_url=None,  # the page below, with its files from this process, not from a CDN
+        docs_url=None,  # gateway.api_docs: its files from this process, not from a CDN
         swagger_ui_oauth2_redirect_url=None,
     )
-    patch_fastapi(
-        app,
-        redirect_from_root_to_docs=False,
-        swagger_js_url="/docs/swagger-ui-bundle.js",
-        swagger_css_url="/docs/swagger-ui.css",
-        swagger_favicon_url="/docs/favicon.png",
-    )
+    app.include_router(api_docs.router)
     app.include_router(api.router)
     app.include_router(admin_api.router)
     app.include_router(dashboard.router)

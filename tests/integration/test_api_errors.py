@@ -357,3 +357,21 @@ def test_operations_endpoints(gateway: GatewayProcess) -> None:
         assert {"200", "403", "404"} <= set(poll["responses"])
         assert http.get("/docs").status_code == 200
         assert error_of(http.get("/nope")) == (404, 404000)
+
+
+def test_the_docs_page_loads_its_files_from_where_it_was_served(gateway: GatewayProcess) -> None:
+    """Found by a sweep: /docs wrote its script's and style sheet's absolute URLs from the
+    request's Host header (`http://attacker.example/docs/swagger-ui-bundle.js`), so a cache
+    keyed without the Host could serve a page running someone else's script on the gateway's
+    origin, where Swagger UI keeps the credentials typed in; behind TLS, the `http://` URLs
+    were blocked as mixed content. They are paths now, and the page says where scripts come
+    from (Content-Security-Policy)."""
+    with gateway.http() as http:
+        page = http.get("/docs", headers={"Host": "attacker.example"})
+        assert page.status_code == 200
+        assert "attacker.example" not in page.text
+        sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+        assert sources and all(s.startswith("/docs/") for s in sources), sources
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        for source in sources:
+            assert http.get(source).status_code == 200, source

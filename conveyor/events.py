@@ -231,18 +231,27 @@ def _task_id(value: Any) -> str:
 def _parse_time(value: Any) -> datetime | None:
     if value is None:
         return None
-    if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=UTC)
     try:
-        parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        parsed = (
+            value
+            if isinstance(value, datetime)
+            else datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        )
     except ValueError:
         raise WireError("time is not RFC 3339") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=UTC)
+    try:  # a time Python cannot read back in UTC (year 1 at +14:00 is 1 BC) is no time
+        return parsed.astimezone(UTC)
+    except OverflowError:
+        raise WireError("time out of range") from None
 
 
 def _progress(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise WireError("progress is not a number")
+    if isinstance(value, int):  # any number of digits: clamped before a float overflows
+        value = min(100, max(0, value))
     value = float(value)
     if not math.isfinite(value):
         raise WireError("progress is not finite")

@@ -22,6 +22,9 @@ PROGRESS_URL = "x-conveyor-progress-url"
 
 # -- AMQP headers on `<queue>-in` -------------------------------------------------------
 CE_EXPIRES = "ce-conveyorexpires"  # the `conveyorexpires` extension, as the binding spells it
+
+# -- AMQP headers on `<queue>-out` ------------------------------------------------------
+CE_STARTED = "ce-conveyorstarted"  # a terminal event's `conveyorstarted`: when its call began
 DELIVERY_COUNT = "x-delivery-count"  # RabbitMQ's, on quorum queues
 REQUEUES = "x-conveyor-requeues"  # deliveries a graceful requeue folded into a new message
 RETURNS = "x-conveyor-returns"  # times the gateway gave a submission the broker returned back

@@ -46,7 +46,7 @@ from psycopg.types.json import Jsonb
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 from conveyor import headers as h
-from conveyor import topology, tracing
+from conveyor import storable, topology, tracing
 from conveyor.amqp import from_amqp
 from conveyor.events import (
     MessageFormat,
@@ -460,7 +460,7 @@ class ResultConsumer:
                 continue
             try:
                 candidates[uuid.UUID(decode_submission(delivery.wire()).task_id)] = delivery
-            except (WireError, ValueError):
+            except Exception:
                 continue  # poison: _plan says why
         if not candidates:
             return set()
@@ -555,9 +555,10 @@ class ResultConsumer:
                 return Plan(DEAD_LETTERED, self._dead_lettered(delivery, queue))
             event = decode_event(delivery.wire())
             return Plan(event.kind.value, lifecycle.transition(event, queue))
-        except (WireError, Poison) as exc:
+        except Exception as exc:  # whatever a message makes a reader raise, it is set aside
+            reason = str(exc) if isinstance(exc, WireError | Poison) else repr(exc)[:200]
             terminal = None if delivery.dead_lettered else _terminal(delivery)
-            return _unusable(str(exc), terminal, queue)
+            return _unusable(reason, terminal, queue)
 
     def _dead_lettered(self, delivery: Delivery, queue: str) -> lifecycle.Transition:
         wire = delivery.wire()
@@ -594,10 +595,15 @@ def _terminal(delivery: Delivery) -> tuple[str, uuid.UUID] | None:
     fields, read without the deep parts (`_shallow`) that may be what no parser here takes.
     None for any other message."""
     wire = delivery.wire()
-    body = b"{}" if is_cloudevent(wire.headers) else _shallow(wire.body)
+    if is_cloudevent(wire.headers):  # its data and its times may be what cannot be read
+        unread = (h.CE_TIME, h.CE_STARTED)
+        headers = {k: v for k, v in wire.headers.items() if k not in unread}
+        wire = replace(wire, body=b"{}", content_type="application/json", headers=headers)
+    else:
+        wire = replace(wire, body=_shallow(wire.body))
     try:
-        event = decode_event(replace(wire, body=body))
-    except WireError:
+        event = decode_event(wire)
+    except Exception:
         return None
     return (event.kind.value, uuid.UUID(event.task_id)) if event.kind.terminal else None
 
@@ -660,7 +666,8 @@ def _counted(kind: str, outcome: lifecycle.Outcome) -> bool:
 def _death_reason(headers: dict[str, Any]) -> str | None:
     """Why the broker dead-lettered a message, from its `x-death` header."""
     reason = headers.get("x-first-death-reason")
-    for death in headers.get("x-death") or []:
+    deaths = headers.get("x-death")
+    for death in deaths if isinstance(deaths, list | tuple) else []:
         if isinstance(death, dict) and death.get("reason") is not None:
             reason = death["reason"]
             break
@@ -718,7 +725,9 @@ def _dead_letter_message(headers: dict[str, Any]) -> str:
 
 
 def _json_safe_headers(headers: dict[str, Any]) -> dict[str, str]:
-    return {str(k)[:200]: repr(v)[:500] for k, v in list(headers.items())[:50]}
+    """Kept as text jsonb takes (a NUL in a header's name refused the row, and the message
+    was handed back for ever)."""
+    return {storable.text(str(k)[:200]): repr(v)[:500] for k, v in list(headers.items())[:50]}
 
 
 async def _set_aside(conn: psycopg.AsyncConnection[Any], delivery: Delivery, reason: str) -> None:
@@ -727,7 +736,7 @@ async def _set_aside(conn: psycopg.AsyncConnection[Any], delivery: Delivery, rea
         _POISON,
         {
             "queue": delivery.queue,
-            "reason": reason[:1000],
+            "reason": storable.text(reason[:1000]),
             "headers": Jsonb(_json_safe_headers(dict(delivery.message.headers or {}))),
             "body": body[:POISON_BODY_LIMIT],
             "body_size": len(body),

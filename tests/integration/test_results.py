@@ -672,6 +672,73 @@ def test_malformed_events_are_set_aside_and_acked(
             assert http.get("/healthz").status_code == 200
 
 
+def _ce(task_id: str, kind: str = "succeeded", **more: Any) -> dict[str, Any]:
+    """A CloudEvent's headers as a worker might write them, `more` added."""
+    return {
+        "ce-specversion": "1.0",
+        "ce-id": str(uuid.uuid4()),
+        "ce-source": "/x",
+        "ce-type": f"io.conveyor.task.{kind}",
+        "ce-subject": task_id,
+        **more,
+    }
+
+
+@pytest.mark.timeout(90)
+def test_poison_of_every_shape_ends_its_task_and_holds_back_nothing(
+    replicas: list[GatewayProcess], svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a sweep: a progress of 400 digits (OverflowError), a NUL in a header's name
+    (jsonb refused the poison row itself) and an `x-death` that is a number (TypeError) were
+    never set aside: each was handed back in a tight loop, with every event batched beside
+    it; a terminal event sent as text/plain was set aside but its task not ended; a
+    `ce-time` of year 1 at +14:00 (1 BC in UTC) was stored, after which the task's poll
+    answered 500 and the notifier crashed on it. Each ends its task, or is set aside saying
+    why, and the events behind it are applied."""
+    gateway = replicas[0]
+    out, dlq = topology.out_queue(svc.queue_name), topology.dead_letter_queue(svc.queue_name)
+    progressed, plain, ancient, last = (_submit(gateway, svc, {}) for _ in range(4))
+    json_type = "application/json"
+    publish(amqp_url, out, [_event(svc, EventKind.STARTED, progressed, host="h", attempt="a")])
+    _poll_until(gateway, svc, progressed, status="IN_PROGRESS")  # two replicas consume: in turn
+    publish(
+        amqp_url,
+        out,
+        [
+            WireMessage(
+                b'{"progress":' + b"9" * 400 + b"}",
+                _ce(progressed, "progress", **{"ce-conveyorattempt": "a"}),
+                json_type,
+                "m1",
+            ),
+            WireMessage(
+                b"{}", {**_ce(str(uuid.uuid4()), "bogus"), "x-bad\x00key": "v"}, json_type, "m2"
+            ),
+            WireMessage(b"{}", _ce(str(uuid.uuid4()), **{"ce-foo\x00": "v"}), json_type, "m3"),
+            WireMessage(b'{"response":1}', _ce(plain), "text/plain", "m4"),
+            WireMessage(
+                b'{"response":1}',
+                _ce(ancient, **{"ce-time": "0001-01-01T00:00:00+14:00"}),
+                json_type,
+                "m5",
+            ),
+        ],
+    )
+    publish(amqp_url, dlq, [WireMessage(b"{}", {"x-death": 5}, json_type, "m6")])
+    publish(amqp_url, out, [_event(svc, EventKind.SUCCEEDED, last, response={"ok": True})])
+
+    assert _poll_until(gateway, svc, last, status="SUCCESS")["response"] == {"ok": True}
+    assert _poll_until(gateway, svc, progressed, progress=100.0)["status"] == "IN_PROGRESS"
+    for task_id in (plain, ancient):
+        failed = _poll_until(gateway, svc, task_id, status="FAILURE")
+        assert "could not be stored" in failed["errorMessage"], failed
+    wait_until(lambda: len(_poison(platform, out)) >= 4, what="poison stored")
+    wait_until(lambda: len(_poison(platform, dlq)) >= 1, what="the dead letter set aside")
+    wait_until(lambda: _drained(amqp_url, out) and _drained(amqp_url, dlq), what="drained")
+    reasons = platform.sql("SELECT reason, headers::text FROM poison_messages")
+    assert not any("\x00" in reason or "\\u0000" in headers for reason, headers in reasons)
+
+
 # -- dead letters ----------------------------------------------------------------
 
 

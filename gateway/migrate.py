@@ -18,7 +18,10 @@ MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 def alembic_config(database_url: str) -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
-    config.set_main_option("sqlalchemy.url", normalize_database_url(database_url))
+    # The options are a ConfigParser's, where `%` is interpolation: a password percent-encoded
+    # in the URL (`p%40ss`) is written `%%` to be read back as it is.
+    url = normalize_database_url(database_url).replace("%", "%%")
+    config.set_main_option("sqlalchemy.url", url)
     return config
 
 

@@ -206,3 +206,20 @@ def test_every_move_of_a_queue_name_is_recorded(database_url: str) -> None:
             conn.execute("UPDATE services SET queue_name = 'x' WHERE name = 't'")
             conn.execute("DELETE FROM services WHERE name = 's'")
             assert moved() == [("t", "t")]
+
+
+def test_a_password_percent_encoded_in_the_url_migrates(database_url: str) -> None:
+    """Found by a review: a password with `@` or `/` is percent-encoded in the URL
+    (`p%40ss`), and Alembic's configuration read `%` as its interpolation syntax:
+    `conveyor db upgrade` failed ("invalid interpolation syntax"), so the migration Job
+    never made the schema. (The server here trusts its clients: the password is only
+    read.)"""
+    with scratch_database(database_url, migrate=False) as url:
+        user, _, rest = url.partition("@")
+        encoded = f"{user}:p%40ss%2Fw%25rd@{rest}"
+        upgrade(encoded)
+        with psycopg.connect(libpq(url)) as conn:
+            found = conn.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = 'tasks'"
+            ).fetchone()
+        assert found == (1,)

@@ -150,6 +150,8 @@ class Outbox:
         self.keep_confirmed = keep_confirmed
         # (when confirmed, task row id), oldest first: the ripe ones are a prefix
         self._confirmed: deque[tuple[float, int]] = deque()
+        # Until when the fast path leaves submissions to the relay (see `publish_now`).
+        self._fast_path_resumes = 0.0
         broker.on_reconnect(self._distrust_recent)
 
     def _distrust_recent(self) -> None:
@@ -167,12 +169,18 @@ class Outbox:
     # -- fast path ---------------------------------------------------------
 
     async def publish_now(self, row_id: int, submission: Submission, queue_name: str) -> bool:
-        """Publishes right after the commit; False leaves the task to the relay."""
-        if not self.broker.connected:
+        """Publishes right after the commit; False leaves the task to the relay.
+
+        A publish that failed leaves the next ones to the relay for a publish timeout: a
+        broker that takes publishes and confirms none (a memory or disk alarm blocks every
+        publishing connection) made each submission wait out the timeout for as long as the
+        alarm lasted, where the relay waits in the background."""
+        if not self.broker.connected or time.monotonic() < self._fast_path_resumes:
             return False
         try:
             await self._send(submission, queue_name, "fast")
         except PublishError as exc:
+            self._fast_path_resumes = time.monotonic() + self.broker.publish_timeout
             log.warning("fast-path publish failed; relay will retry", extra={"error": str(exc)})
             return False
         metrics.child(metrics.PUBLISHED, "fast").inc()

@@ -52,7 +52,8 @@ def rabbitmq_trigger(wiring: Wiring, auth_name: str) -> Doc:
         "metadata": {
             "protocol": "http",
             "mode": "QueueLength",
-            "value": str(wiring.concurrency),
+            # What one replica holds unacked, which protocol http counts: CONCURRENCY + buffer.
+            "value": str(wiring.prefetch),
             "activationValue": "0",
             "queueName": in_queue(wiring.queue),
         },

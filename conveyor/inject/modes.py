@@ -30,6 +30,7 @@ from conveyor.inject.keda import (
 from conveyor.inject.pod import (
     KNATIVE_PROGRESS_PORT,
     choose_dispatcher_port,
+    disable_service_links,
     ensure_grace,
     find_dispatcher,
     pod_spec,
@@ -249,6 +250,7 @@ def _inject_knative(
     url = f"http://{name}.$(POD_NAMESPACE).svc.cluster.local/"
     upsert_dispatcher(dpod, wiring, url, port)
     ensure_grace(dpod, wiring, name_of(deployment), warnings)
+    disable_service_links(dpod, name_of(deployment), warnings)
     deployment["spec"].pop("replicas", None)
     policy = _progress_policy(name, namespace, companions.take("NetworkPolicy", namespace, target))
     return [doc, deployment, policy, *keda_objects(target, name, namespace, wiring, companions)]

@@ -16,9 +16,9 @@ from conveyor.inject.wiring import (
     HOSTNAME,
     IDLE_EXIT_SECONDS,
     METRICS_PORT,
-    METRICS_PORT_PREFIXED,
     ONE_SHOT,
     POD_IP,
+    PREFETCH_BUFFER,
     PROGRESS_PORT,
     QUEUE,
     SHUTDOWN_MODE,
@@ -28,6 +28,8 @@ from conveyor.inject.wiring import (
     env_literal,
     int_or_none,
     resolve,
+    setting_literal,
+    spellings,
 )
 
 DISPATCHER_CONTAINER = "conveyor-dispatcher"
@@ -131,7 +133,7 @@ def _used_ports(pod: Doc) -> set[int]:
 
 def choose_dispatcher_port(pod: Doc, existing: Doc | None, function: int | None) -> int:
     used = _used_ports(pod) | ({function} if function else set())
-    current = int_or_none(env_literal(existing, DISPATCHER_PORT), DISPATCHER_PORT)
+    current = int_or_none(setting_literal(existing, DISPATCHER_PORT), DISPATCHER_PORT)
     port = current or DEFAULT_DISPATCHER_PORT
     while port in used:
         port += 1
@@ -182,11 +184,7 @@ def _probe(port: int, metrics_port: int | None, path: str, period: int) -> Doc:
 
 def metrics_port(container: Doc) -> int | None:
     """The dispatcher's METRICS_PORT (CONVEYOR_ first, as the dispatcher reads it), if set."""
-    for name in (METRICS_PORT_PREFIXED, METRICS_PORT):
-        value = env_literal(container, name)
-        if value is not None:
-            return int_or_none(value, name) or None
-    return None
+    return int_or_none(setting_literal(container, METRICS_PORT), METRICS_PORT) or None
 
 
 def container_security_context() -> Doc:
@@ -215,6 +213,10 @@ def _dispatcher_env(wiring: Wiring, function_url: str, port: int) -> list[Doc]:
     env += [
         {"name": FUNCTION_URL, "value": function_url},
         {"name": CONCURRENCY, "value": str(wiring.concurrency)},
+    ]
+    if wiring.prefetch_buffer:  # 0, the default, is left out
+        env.append({"name": PREFETCH_BUFFER, "value": str(wiring.prefetch_buffer)})
+    env += [
         {"name": SHUTDOWN_MODE, "value": str(wiring.shutdown_mode)},
         {"name": DRAIN_TIMEOUT, "value": str(wiring.drain_timeout)},
         {"name": DISPATCHER_PORT, "value": str(port)},
@@ -229,21 +231,32 @@ def _dispatcher_env(wiring: Wiring, function_url: str, port: int) -> list[Doc]:
     return env
 
 
-MANAGED_ENV = {
-    QUEUE,
-    AMQP_URL,
-    "POD_NAMESPACE",
-    FUNCTION_URL,
-    CONCURRENCY,
-    SHUTDOWN_MODE,
-    DRAIN_TIMEOUT,
-    DISPATCHER_PORT,
-    ONE_SHOT,
-    IDLE_EXIT_SECONDS,
-    PROGRESS_PORT,
-    POD_IP,
-    HOSTNAME,
-}
+# The dispatcher variables inject writes, in both spellings: a user's copy in the other one
+# (or in another case: the dispatcher reads names in any case) would silently win over inject's.
+MANAGED_SETTINGS = frozenset(
+    spelling
+    for variable in (
+        QUEUE,
+        AMQP_URL,
+        FUNCTION_URL,
+        CONCURRENCY,
+        PREFETCH_BUFFER,
+        SHUTDOWN_MODE,
+        DRAIN_TIMEOUT,
+        DISPATCHER_PORT,
+        ONE_SHOT,
+        IDLE_EXIT_SECONDS,
+        PROGRESS_PORT,
+        POD_IP,
+        HOSTNAME,
+    )
+    for spelling in spellings(variable)
+)
+
+
+def _managed(name: str) -> bool:
+    """Whether inject owns this env entry (rewrites it, or drops it when it writes none)."""
+    return name == "POD_NAMESPACE" or name.upper() in MANAGED_SETTINGS
 
 
 def _field_env(name: str, path: str) -> Doc:
@@ -256,7 +269,7 @@ def upsert_dispatcher(pod: Doc, wiring: Wiring, function_url: str, port: int) ->
     if container is None:
         container = {"name": DISPATCHER_CONTAINER}
         pod["containers"] = [container, *(pod.get("containers") or [])]
-    user_env = [e for e in container.get("env") or [] if e.get("name") not in MANAGED_ENV]
+    user_env = [e for e in container.get("env") or [] if not _managed(e["name"])]
     container["image"] = wiring.image
     container.setdefault("imagePullPolicy", "IfNotPresent")
     container["command"] = ["conveyor", "dispatcher"]
@@ -302,6 +315,19 @@ def ensure_grace(pod: Doc, wiring: Wiring, owner: str, warnings: list[str]) -> N
         )
 
 
+def disable_service_links(pod: Doc, owner: str, warnings: list[str]) -> None:
+    """No `<SERVICE>_PORT=tcp://…` variables in the pod: a Service named `metrics`, `progress`
+    or `conveyor-dispatcher` in the namespace would set METRICS_PORT, PROGRESS_PORT or
+    CONVEYOR_DISPATCHER_PORT, and every dispatcher would refuse to start. Turned off even when
+    the author turned them on (the function reaches Services by their DNS names)."""
+    if pod.get("enableServiceLinks") not in (None, False):
+        warnings.append(
+            f"{owner}: enableServiceLinks turned off: a Service's <NAME>_PORT variables can "
+            "collide with the dispatcher's settings; reach Services by their DNS names"
+        )
+    pod["enableServiceLinks"] = False
+
+
 def _annotate_function(template: Doc, name: str) -> None:
     meta = template.setdefault("metadata", {})
     meta.setdefault("annotations", {})[FUNCTION_ANNOTATION] = name
@@ -323,4 +349,5 @@ def wire_pod(
     restrict_pod(pod, {id(function), id(dispatcher)})
     _annotate_function(template, str(function.get("name")))
     ensure_grace(pod, wiring, owner, warnings)
+    disable_service_links(pod, owner, warnings)
     return wiring

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor import __version__
-from conveyor.dispatcher_settings import ShutdownMode, dispatcher_variable
+from conveyor.dispatcher_settings import PREFIX, ShutdownMode, dispatcher_variable
 from conveyor.inject.documents import Doc, InjectError
 
 # The dispatcher's variables, named by its settings (dispatcher_settings), never re-spelled.
@@ -16,6 +16,7 @@ QUEUE = dispatcher_variable("queue", prefixed=True)
 AMQP_URL = dispatcher_variable("amqp_url", prefixed=True)
 FUNCTION_URL = dispatcher_variable("function_url")
 CONCURRENCY = dispatcher_variable("concurrency")
+PREFETCH_BUFFER = dispatcher_variable("prefetch_buffer")
 SHUTDOWN_MODE = dispatcher_variable("shutdown_mode")
 DRAIN_TIMEOUT = dispatcher_variable("drain_timeout")
 DISPATCHER_PORT = dispatcher_variable("dispatcher_port")
@@ -26,7 +27,6 @@ PROGRESS_PORT = dispatcher_variable("progress_port")
 POD_IP = dispatcher_variable("pod_ip")
 # Not managed: an operator sets it to serve /healthz, /readyz and /metrics on all interfaces.
 METRICS_PORT = dispatcher_variable("metrics_port")
-METRICS_PORT_PREFIXED = dispatcher_variable("metrics_port", prefixed=True)
 
 DEFAULT_IMAGE = f"conveyor/dispatcher:{__version__}"
 DEFAULT_AMQP_SECRET = "conveyor-rabbitmq"
@@ -66,6 +66,13 @@ class Wiring:
     image: str
     amqp_secret: str
     idle_exit_seconds: int = DEFAULT_IDLE_EXIT_SECONDS
+    prefetch_buffer: int = 0
+
+    @property
+    def prefetch(self) -> int:
+        """Messages one dispatcher holds unacked, which KEDA's trigger counts (SPEC §7). In job
+        mode 1 (concurrency 1, no buffer), as ONE_SHOT's prefetch is."""
+        return self.concurrency + self.prefetch_buffer
 
 
 _MODE_DEFAULTS: dict[Mode, dict[str, Any]] = {
@@ -93,12 +100,33 @@ def env_literal(container: Doc | None, name: str) -> str | None:
     return None
 
 
-def _env_secret_name(container: Doc | None, name: str) -> str | None:
-    for entry in (container or {}).get("env") or []:
-        if isinstance(entry, dict) and entry.get("name") == name:
-            ref = ((entry.get("valueFrom") or {}).get("secretKeyRef")) or {}
-            return ref.get("name")
+def spellings(variable: str) -> tuple[str, str]:
+    """Both names of a dispatcher variable, in the order DispatcherSettings.from_env reads
+    them: `CONVEYOR_<NAME>` wins over `<NAME>`."""
+    field = variable.upper().removeprefix(PREFIX).lower()
+    return dispatcher_variable(field, prefixed=True), dispatcher_variable(field)
+
+
+def setting_entry(container: Doc | None, variable: str) -> Doc | None:
+    """The env entry the dispatcher takes ``variable`` from (either spelling, any case, as it
+    reads them; of duplicates the last, which the kubelet lets win), or None."""
+    entries = [e for e in (container or {}).get("env") or [] if isinstance(e, dict)]
+    for spelling in spellings(variable):
+        found = [e for e in entries if str(e.get("name")).upper() == spelling]
+        if found:
+            return found[-1]
     return None
+
+
+def setting_literal(container: Doc | None, variable: str) -> str | None:
+    """The literal value the dispatcher reads for ``variable``; None when unset or valueFrom."""
+    entry = setting_entry(container, variable) or {}
+    return str(entry["value"]) if "value" in entry else None
+
+
+def _env_secret_name(container: Doc | None, name: str) -> str | None:
+    ref = ((setting_entry(container, name) or {}).get("valueFrom") or {}).get("secretKeyRef")
+    return (ref or {}).get("name")
 
 
 def int_or_none(value: str | None, what: str) -> int | None:
@@ -114,24 +142,28 @@ def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None)
     """Option, else the value an earlier injection wrote, else the mode's default."""
     defaults = _MODE_DEFAULTS[mode]
     concurrency = options.concurrency or int_or_none(
-        env_literal(existing, CONCURRENCY), CONCURRENCY
+        setting_literal(existing, CONCURRENCY), CONCURRENCY
     )
+    buffer = int_or_none(setting_literal(existing, PREFETCH_BUFFER), PREFETCH_BUFFER) or 0
+    if buffer < 0:
+        raise InjectError(f"{PREFETCH_BUFFER} must not be negative, not {buffer}")
     if mode is Mode.JOB:
         if options.concurrency not in (None, 1):
             raise InjectError("--concurrency must be 1 in job mode: each Job takes one message")
-        concurrency = 1
-    shutdown = options.shutdown_mode or env_literal(existing, SHUTDOWN_MODE)
+        # ONE_SHOT takes one message at a time whatever the buffer: none is written.
+        concurrency, buffer = 1, 0
+    shutdown = options.shutdown_mode or setting_literal(existing, SHUTDOWN_MODE)
     drain = options.drain_timeout
     if drain is None:
-        drain = int_or_none(env_literal(existing, DRAIN_TIMEOUT), DRAIN_TIMEOUT)
-    idle = int_or_none(env_literal(existing, IDLE_EXIT_SECONDS), IDLE_EXIT_SECONDS)
+        drain = int_or_none(setting_literal(existing, DRAIN_TIMEOUT), DRAIN_TIMEOUT)
+    idle = int_or_none(setting_literal(existing, IDLE_EXIT_SECONDS), IDLE_EXIT_SECONDS)
     try:
         shutdown_mode = ShutdownMode(shutdown) if shutdown else defaults["shutdown_mode"]
     except ValueError:
         raise InjectError(f"SHUTDOWN_MODE must be requeue or drain, not {shutdown!r}") from None
     return Wiring(
         mode=mode,
-        queue=options.queue or env_literal(existing, QUEUE) or name,
+        queue=options.queue or setting_literal(existing, QUEUE) or name,
         concurrency=concurrency or defaults["concurrency"],
         shutdown_mode=shutdown_mode,
         drain_timeout=defaults["drain_timeout"] if drain is None else drain,
@@ -140,4 +172,5 @@ def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None)
         or _env_secret_name(existing, AMQP_URL)
         or DEFAULT_AMQP_SECRET,
         idle_exit_seconds=DEFAULT_IDLE_EXIT_SECONDS if idle is None else idle,
+        prefetch_buffer=buffer,
     )

@@ -249,6 +249,9 @@ def check_dispatcher(d: Dispatcher) -> None:
         assert grace < DEPLOYMENT_GRACE_LIMIT, f"{where}: grace {grace} >= 2 min"
     mounts = {m["mountPath"] for m in d.container.get("volumeMounts") or []}
     assert "/tmp" in mounts, where
+    # A Service named `metrics` or `conveyor-dispatcher` would otherwise set METRICS_PORT or
+    # CONVEYOR_DISPATCHER_PORT to tcp://… in the pod, and the dispatcher would not start.
+    assert d.pod.spec.get("enableServiceLinks") is False, f"{where}: enableServiceLinks"
 
 
 def function_container(d: Dispatcher) -> Doc:

@@ -1,0 +1,201 @@
+"""`conveyor inject` and the environment the dispatcher actually runs with: each injected pod's
+env goes through the kubelet's rules (Service links first, the container's own env over them,
+`$(VAR)` expanded) and `DispatcherSettings.from_env`, and what the dispatcher would run with
+must agree with what inject derived from it (KEDA's `value`, the grace period)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from conveyor.dispatcher_settings import DispatcherSettings, ShutdownMode
+from conveyor.inject import InjectOptions, inject_yaml, load_documents
+from conveyor.inject.documents import dump_documents
+from tests.k8s import checks
+from tests.k8s.test_inject import BARE_DEPLOYMENT, BARE_JOB, BARE_KSVC, one
+
+BARE = {"sidecar": BARE_DEPLOYMENT, "job": BARE_JOB, "knative": BARE_KSVC}
+# What the downward API and the operator's Secret give the pod.
+FIELDS = {
+    "metadata.name": "fn-7d9c-x2b",
+    "metadata.namespace": "default",
+    "status.podIP": "10.0.0.7",
+}
+AMQP = "amqp://user:pass@rabbitmq:5672/"
+
+
+def inject(text: str, **options: Any) -> tuple[list[dict], list[str]]:
+    out, warnings = inject_yaml(text, InjectOptions(**options))
+    return load_documents(out), warnings
+
+
+def dispatcher(docs: list[dict]) -> checks.Dispatcher:
+    (d,) = checks.dispatchers(docs)
+    return d
+
+
+def reinject_with(text: str, env: list[dict]) -> tuple[list[dict], list[str]]:
+    """Injects, adds ``env`` to the dispatcher as a user would, and injects again."""
+    docs, _ = inject(text)
+    dispatcher(docs).container["env"] += env
+    return inject(dump_documents(docs))
+
+
+def service_links(name: str, ip: str, port: int) -> dict[str, str]:
+    """The variables the kubelet adds for a Service of the namespace (Docker links' names)."""
+    prefix = name.upper().replace("-", "_")
+    url = f"tcp://{ip}:{port}"
+    return {
+        f"{prefix}_SERVICE_HOST": ip,
+        f"{prefix}_SERVICE_PORT": str(port),
+        f"{prefix}_PORT": url,
+        f"{prefix}_PORT_{port}_TCP": url,
+        f"{prefix}_PORT_{port}_TCP_PROTO": "tcp",
+        f"{prefix}_PORT_{port}_TCP_PORT": str(port),
+        f"{prefix}_PORT_{port}_TCP_ADDR": ip,
+    }
+
+
+def process_env(d: checks.Dispatcher, services: tuple[str, ...] = ()) -> dict[str, str]:
+    """The dispatcher process's environment: Service links (unless the pod turns them off),
+    then the container's env over them, in order, `$(VAR)` expanded."""
+    env: dict[str, str] = {}
+    if d.pod.spec.get("enableServiceLinks", True) is not False:
+        for name in services:
+            env |= service_links(name, "10.96.0.12", 9090)
+    for entry in d.container.get("env") or []:
+        source = entry.get("valueFrom") or {}
+        if "fieldRef" in source:
+            value = FIELDS[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            value = AMQP
+        else:
+            value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), str(entry["value"]))
+        env[entry["name"]] = value
+    return env
+
+
+def settings(d: checks.Dispatcher, services: tuple[str, ...] = ()) -> DispatcherSettings:
+    return DispatcherSettings.from_env(process_env(d, services))
+
+
+def trigger_value(docs: list[dict]) -> int:
+    owner = docs[0] if docs[0]["kind"] == "ScaledJob" else one(docs, "ScaledObject")
+    return int(owner["spec"]["triggers"][0]["metadata"]["value"])
+
+
+# ------------------------------------------------------------ KEDA's value and the buffer
+
+
+@pytest.mark.parametrize("variable", ["PREFETCH_BUFFER", "CONVEYOR_PREFETCH_BUFFER"])
+@pytest.mark.parametrize("mode", ["sidecar", "knative"])
+def test_keda_value_counts_the_prefetch_buffer(mode: str, variable: str) -> None:
+    """Found by a review: with a PREFETCH_BUFFER the trigger's value stayed CONCURRENCY, and KEDA
+    over-scaled on the buffered messages. Now it is CONCURRENCY + PREFETCH_BUFFER (SPEC §7)."""
+    docs, _ = reinject_with(BARE[mode], [{"name": variable, "value": "4"}])
+    run = settings(dispatcher(docs))
+    assert (run.concurrency, run.prefetch_buffer) == (4, 4)
+    assert trigger_value(docs) == run.concurrency + run.prefetch_buffer
+    checks.check_scaling(docs)
+    assert inject(dump_documents(docs))[0] == docs
+
+
+def test_job_mode_value_stays_one_whatever_the_buffer() -> None:
+    """Found by a review: a PREFETCH_BUFFER in job mode was kept though ONE_SHOT takes one
+    message at a time, so the env and the trigger disagreed. Now job mode writes no buffer."""
+    docs, _ = reinject_with(BARE["job"], [{"name": "PREFETCH_BUFFER", "value": "4"}])
+    run = settings(dispatcher(docs))
+    assert run.one_shot and trigger_value(docs) == 1
+    assert run.prefetch_buffer == 0
+    checks.check_scaling(docs)
+
+
+# ------------------------------------------------------- both spellings of a setting
+
+
+@pytest.mark.parametrize("prefix", ["CONVEYOR_", "conveyor_"])
+def test_prefixed_drain_settings_set_the_grace_period(prefix: str) -> None:
+    """Found by a review: inject read only DRAIN_TIMEOUT, the dispatcher CONVEYOR_DRAIN_TIMEOUT
+    first: grace 45 s for a 300 s drain. Now inject reads it as the dispatcher does."""
+    docs, warnings = reinject_with(
+        BARE_DEPLOYMENT,
+        [
+            {"name": f"{prefix}SHUTDOWN_MODE", "value": "drain"},
+            {"name": f"{prefix}DRAIN_TIMEOUT", "value": "300"},
+        ],
+    )
+    d = dispatcher(docs)
+    run = settings(d)
+    assert (run.shutdown_mode, run.drain_timeout) == (ShutdownMode.DRAIN, 300)
+    assert d.pod.spec["terminationGracePeriodSeconds"] > run.drain_timeout
+    assert any("job mode" in w for w in warnings)  # 300 s in a Deployment is still warned of
+    assert (d.env["SHUTDOWN_MODE"], d.env["DRAIN_TIMEOUT"]) == ("drain", "300")
+
+
+def test_prefixed_concurrency_sets_the_keda_value() -> None:
+    """Found by a review: a CONVEYOR_CONCURRENCY of 8 ran 8 calls while KEDA's value said 4.
+    Now inject reads it, writes CONCURRENCY=8 once, and the trigger agrees."""
+    docs, _ = reinject_with(BARE_DEPLOYMENT, [{"name": "CONVEYOR_CONCURRENCY", "value": "8"}])
+    run = settings(dispatcher(docs))
+    assert run.concurrency == 8
+    assert trigger_value(docs) == 8
+    checks.check_scaling(docs)
+
+
+# A copy in the other spelling of a variable inject writes, with what it would change.
+OTHER_SPELLINGS = {
+    "CONVEYOR_ONE_SHOT": "1",
+    "CONVEYOR_FUNCTION_URL": "http://127.0.0.1:9999/",
+    "CONVEYOR_HOSTNAME": "fixed-name",
+    "CONVEYOR_DISPATCHER_PORT": "8080",  # the function's own port
+    "QUEUE": "elsewhere",  # inject writes CONVEYOR_QUEUE, which the dispatcher reads first
+}
+
+
+@pytest.mark.parametrize("variable", sorted(OTHER_SPELLINGS))
+def test_one_variable_per_setting(variable: str) -> None:
+    """Found by a review: a user's copy of a variable in the other spelling was kept beside
+    inject's, and the prefixed one won in the dispatcher. Now each setting is written once."""
+    docs, _ = reinject_with(
+        BARE_DEPLOYMENT, [{"name": variable, "value": OTHER_SPELLINGS[variable]}]
+    )
+    d = dispatcher(docs)
+    fields = [e["name"].upper().removeprefix("CONVEYOR_") for e in d.container["env"]]
+    assert len(fields) == len(set(fields)), fields
+    run = settings(d)
+    assert not run.one_shot
+    assert run.function_url == "http://127.0.0.1:8080/"
+    assert run.hostname == FIELDS["metadata.name"]
+    assert run.dispatcher_port != 8080
+    assert run.queue == "fn"
+    checks.check_scaling(docs)
+
+
+# -------------------------------------------------------------- Service links
+
+
+@pytest.mark.parametrize("service", ["metrics", "conveyor-dispatcher", "progress"])
+@pytest.mark.parametrize("mode", sorted(BARE))
+def test_service_links_cannot_reach_the_dispatcher(mode: str, service: str) -> None:
+    """Found by a review: a Service named `metrics` put METRICS_PORT=tcp://… in sidecar and job
+    pods and every dispatcher exited 1. Now every injected pod sets enableServiceLinks: false."""
+    docs, _ = inject(BARE[mode])
+    d = dispatcher(docs)
+    run = settings(d, services=(service,))
+    assert run.dispatcher_port == int(d.env["DISPATCHER_PORT"])
+    assert d.pod.spec["enableServiceLinks"] is False
+
+
+def test_an_explicit_enable_service_links_is_turned_off_with_a_warning() -> None:
+    """The author's `enableServiceLinks: true` would let a Service named `metrics` stop every
+    dispatcher: it is turned off, and the warning says why."""
+    text = BARE_DEPLOYMENT.replace(
+        "    spec:\n      containers:",
+        "    spec:\n      enableServiceLinks: true\n      containers:",
+    )
+    docs, warnings = inject(text)
+    assert dispatcher(docs).pod.spec["enableServiceLinks"] is False
+    assert any("enableServiceLinks" in w for w in warnings), warnings
+    assert inject(dump_documents(docs))[1] == []

@@ -228,6 +228,12 @@ async def connect_robust(
         except CONNECTION_ERRORS as exc:
             await connection.close()
             last = exc
+        except BaseException:
+            # Cancelled mid-connect (a shutdown): closed here, or its reconnection task, which
+            # swallows cancellations, kept the process alive after its shutdown was complete.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), timeout)
+            raise
     assert last is not None
     raise last
 

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from conveyor.dispatcher_settings import DEFAULT_AMQP_HEARTBEAT, DEFAULT_AMQP_URL
+from conveyor.events import MAX_TIMEOUT
 from conveyor.logs import LogFormat
+
+# The ranges a setting may take: a value outside them is refused at start, naming the variable.
+# Unchecked, 0, a negative number or NaN started a gateway that misbehaved quietly (a loop
+# interval of 0 spun a core; a NaN time to live made every submission 500). Durations end
+# where PostgreSQL's intervals and Python's clocks still hold them.
+Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT)]
+SecondsOrNone = Annotated[float, Field(ge=0, le=MAX_TIMEOUT)]  # 0: none at all
+Count = Annotated[int, Field(ge=1)]
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/conveyor"
 
@@ -27,8 +36,20 @@ def normalize_database_url(url: str) -> str:
     return url
 
 
+SETTINGS_MODELS = ("CommonSettings", "GatewaySettings")  # a ValidationError's `title`
+
+
+def refusals(error: ValidationError) -> list[str]:
+    """One line per setting refused, named as it is set (`CONVEYOR_RELAY_INTERVAL`), with
+    what it should be: what a command prints instead of pydantic's traceback."""
+    return [
+        f"CONVEYOR_{'_'.join(str(part) for part in problem['loc']).upper()}: {problem['msg']}"
+        for problem in error.errors()
+    ]
+
+
 class CommonSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore", allow_inf_nan=False)
 
     # One broker URL, or several nodes of a cluster separated by `;` (conveyor/connection.py).
     amqp_url: str = DEFAULT_AMQP_URL
@@ -40,69 +61,69 @@ class CommonSettings(BaseSettings):
 
 class GatewaySettings(CommonSettings):
     database_url: str = DEFAULT_DATABASE_URL
-    db_pool_size: int = 10
+    db_pool_size: Count = 10
     # A connection is lent at most this long: a frozen or silently cut-off server fails what
     # waits on it (503 503001; loops retry) instead of holding it for as long as it lasts.
-    db_timeout: float = Field(10.0, gt=0)
-    max_body_bytes: int = 1024 * 1024
+    db_timeout: Seconds = 10.0
+    max_body_bytes: Count = 1024 * 1024
     # A request must arrive whole (head and body) within this many seconds of its connection,
     # or of the answer before it: a client that trickles it, or sends nothing, is dropped.
-    request_read_timeout: float = Field(60.0, gt=0)
+    request_read_timeout: Seconds = 60.0
     # A batch submission (POST …/tasks/batch): how many tasks, and its own size limit.
-    max_batch_items: int = 1000
-    max_batch_bytes: int = 16 * 1024 * 1024
+    max_batch_items: Count = 1000
+    max_batch_bytes: Count = 16 * 1024 * 1024
     # How far ahead a task may be scheduled (notBefore / delaySeconds), seconds.
-    max_delay: int = Field(30 * 24 * 3600, ge=0)
+    max_delay: int = Field(30 * 24 * 3600, ge=0, le=MAX_TIMEOUT)
     # bcrypt verifications are cached under a keyed hash of the credentials.
-    auth_cache_ttl: float = 30.0
+    auth_cache_ttl: SecondsOrNone = 30.0
     # Failed authentications per (client id, source address) pair, per minute, before that
     # pair's wrong secrets are refused without bcrypt when possible (the right one never is).
-    auth_failures_per_minute: int = 20
+    auth_failures_per_minute: Count = 20
     # The proxies (addresses or CIDRs, comma-separated; `*` for any) whose X-Forwarded-For
     # names a request's source, for the throttle above. Empty: the connection's peer is.
     forwarded_allow_ips: str = ""
     # Crash redeliveries allowed before a submission is dead-lettered (SPEC §7.1).
-    delivery_limit: int = 5
+    delivery_limit: Count = 5
     # A PENDING task older than this (bounded by its service's retention) fails.
-    pending_ttl: float = 24 * 3600
+    pending_ttl: Seconds = 24 * 3600
     # Tasks of any status older than this are purged whatever their service says.
-    purge_max_age: float = 90 * 24 * 3600
-    purge_batch_size: int = 5000
+    purge_max_age: Seconds = 90 * 24 * 3600
+    purge_batch_size: Count = 5000
     # Signs every callback (HMAC-SHA256); the gateway refuses to start without a real one.
     callback_signing_secret: str = ""
     callback_allow_http: bool = False
     callback_allow_private: bool = False
     # Comma-separated host names exempt from the SSRF guard.
     callback_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    callback_timeout: float = 10.0
-    callback_attempts: int = 3
-    callback_backoff: float = 1.0
+    callback_timeout: Seconds = 10.0
+    callback_attempts: Count = 3
+    callback_backoff: SecondsOrNone = 1.0
     # Callbacks delivered at once by one gateway: a slow target holds one slot, not the rest.
-    callback_concurrency: int = 20
+    callback_concurrency: Count = 20
     # Of those, how many one target (host and port) is sure of; beyond them it takes only
     # slots that leave as many free: a consumer whose endpoint hangs delays its own callbacks,
     # not everyone's.
-    callback_per_target: int = 5
+    callback_per_target: Count = 5
     # A claimed callback is renewed while it is delivered; a dead replica's go out after this.
-    callback_lease: float = 30.0
+    callback_lease: Seconds = 30.0
     # How long a publish may take in all (reconnecting if it must, then the broker's confirm).
-    publish_timeout: float = 5.0
+    publish_timeout: Seconds = 5.0
     # A confirmed submission stays in the outbox this long, and is published again if the
     # broker connection drops meanwhile: a crashed broker may lose what it just confirmed.
-    outbox_keep_confirmed: float = 5.0
-    relay_interval: float = 1.0
+    outbox_keep_confirmed: SecondsOrNone = 5.0
+    relay_interval: Seconds = 1.0
     # A comment line on each task event stream (SSE) after this many quiet seconds.
-    stream_heartbeat: float = Field(15.0, gt=0)
-    reaper_interval: float = 30.0
+    stream_heartbeat: Seconds = 15.0
+    reaper_interval: Seconds = 30.0
     # How often the gateway checks whether autovacuum, when off, left its tables' planner
     # statistics stale (gateway/planner_statistics.py).
-    analyze_interval: float = Field(5.0, gt=0)
+    analyze_interval: Seconds = 5.0
     # An IN_PROGRESS task whose worker says nothing for its service's taskTimeout times maxAttempts
     # plus this margin fails: its worker is gone, or its result was lost.
-    silence_margin: float = 300.0
-    service_refresh_interval: float = 5.0
+    silence_margin: SecondsOrNone = 300.0
+    service_refresh_interval: Seconds = 5.0
     # The per-service gauges of /metrics (tasks by status, queue depths) are this fresh.
-    stats_interval: float = Field(15.0, gt=0)
+    stats_interval: Seconds = 15.0
 
     @property
     def outbox_grace(self) -> float:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -31,12 +31,22 @@ MAX_HEADER_BYTES = 64 * 1024
 HEADERS_TOO_LARGE = errors.ErrorKind(431, 431001, "Request header fields too large.")
 
 
+async def _take_over(rt: Runtime, loops_later: Callable[[], Awaitable[None]]) -> None:
+    await loops_later()
+    log.info("this process runs the background loops now")
+    rt.start_background()
+
+
 def create_app(
-    settings: GatewaySettings | None = None, background: bool = True, server: bool = False
+    settings: GatewaySettings | None = None,
+    background: bool = True,
+    server: bool = False,
+    loops_later: Callable[[], Awaitable[None]] | None = None,
 ) -> FastAPI:
     """`server`: this app is its process's whole life (`conveyor gateway`), so what it loaded
     at start is frozen out of the cyclic collector (`conveyor.heap`); an app made in a test
-    process is not."""
+    process is not. `loops_later`, without `background`: returns when this process is to
+    run the background loops after all (a worker of `--workers` that took them over)."""
     settings = settings or GatewaySettings()
 
     @asynccontextmanager
@@ -45,11 +55,17 @@ def create_app(
         rt = Runtime(settings)
         app.state.runtime = rt
         await rt.start(background=background)
+        taking_over = None
+        if loops_later is not None and not background:
+            taking_over = asyncio.create_task(_take_over(rt, loops_later))
         if server:
             log.info("serving", extra={"frozen": heap.serve(metrics.GC_PAUSES)})
         try:
             yield
         finally:
+            if taking_over is not None:
+                taking_over.cancel()
+                await asyncio.gather(taking_over, return_exceptions=True)
             await rt.stop()
             if tracing.enabled:
                 await asyncio.to_thread(tracing.shutdown)  # the last spans are exported

@@ -36,7 +36,10 @@ def ensure_database(database_url: str) -> bool:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
         if exists:
             return False
-        conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+        try:
+            conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+        except (psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
+            return False  # another upgrade made it meanwhile
         return True
 
 
@@ -51,9 +54,18 @@ def drop_database(database_url: str) -> None:
         )
 
 
+# Held by whoever changes the schema: two upgrades at once (two migration Jobs) take turns,
+# where they raced and all but one failed; the next one finds the work done.
+_SCHEMA_LOCK = "SELECT pg_advisory_lock(hashtext('conveyor.schema'))"
+
+
 def upgrade(database_url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(database_url), revision)
+    with psycopg.connect(libpq(database_url), autocommit=True) as holder:
+        holder.execute(_SCHEMA_LOCK)  # released when `holder` closes
+        command.upgrade(alembic_config(database_url), revision)
 
 
 def downgrade(database_url: str, revision: str = "base") -> None:
-    command.downgrade(alembic_config(database_url), revision)
+    with psycopg.connect(libpq(database_url), autocommit=True) as holder:
+        holder.execute(_SCHEMA_LOCK)
+        command.downgrade(alembic_config(database_url), revision)

@@ -115,7 +115,6 @@ class Runtime:
         return None if row is None else row.secret_hash
 
     async def start(self, background: bool = True) -> None:
-        self.background = background
         self._connecting = asyncio.create_task(self._connect_broker())
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "outbox-flush": self.outbox.flush_loop,
@@ -123,23 +122,33 @@ class Runtime:
             # Every process: a scrape may reach any worker of `--workers`.
             "service-stats": lambda: self.stats.refresh_loop(self.settings.stats_interval),
         }
+        for name, loop in loops.items():
+            self.loops.spawn(name, loop)
         if background:
-            s = self.settings
-            loops |= {
-                "outbox-relay": self.outbox.relay_loop,
-                "results-subscriptions": self.results.subscriptions_loop,
-                "results-apply": self.results.apply_loop,
-                "notifier": self.notifier.loop,
-                "reaper": lambda: reaper_loop(
-                    self.pool,
-                    s.pending_ttl,
-                    s.reaper_interval,
-                    self.notifier.wake,
-                    self.hearing,
-                    s.silence_margin,
-                ),
-                "planner-statistics": lambda: analyze_loop(self.pool, s.analyze_interval),
-            }
+            self.start_background()
+
+    def start_background(self) -> None:
+        """The loops one process of a group runs: relay, results, notifier, reaper; at start,
+        or once a worker of `--workers` takes them over (gateway/workers.py)."""
+        if self.background:
+            return
+        self.background = True
+        s = self.settings
+        loops: dict[str, Callable[[], Awaitable[None]]] = {
+            "outbox-relay": self.outbox.relay_loop,
+            "results-subscriptions": self.results.subscriptions_loop,
+            "results-apply": self.results.apply_loop,
+            "notifier": self.notifier.loop,
+            "reaper": lambda: reaper_loop(
+                self.pool,
+                s.pending_ttl,
+                s.reaper_interval,
+                self.notifier.wake,
+                self.hearing,
+                s.silence_margin,
+            ),
+            "planner-statistics": lambda: analyze_loop(self.pool, s.analyze_interval),
+        }
         for name, loop in loops.items():
             self.loops.spawn(name, loop)
 

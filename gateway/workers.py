@@ -3,13 +3,16 @@ runs the background loops.
 
 uvicorn's supervisor starts the workers on one shared socket and starts a new one when a worker
 dies. Which worker runs the loops is decided by an exclusive lock on a file the supervisor names:
-the first worker to take it runs them; the kernel releases it when that process dies, and the
-worker started in its place takes it. So there is never a second relay, result consumer or
-notifier in the group, and never none for longer than a restart.
+the first worker to take it runs them; the kernel releases it when that process dies. Every
+other worker keeps trying it (`LOCK_RETRY`), and the first to take it starts the loops: after a
+SIGHUP uvicorn starts the new workers before it stops the old ones, and a lock tried only at
+start was then taken by none. So there is never a second relay, result consumer or notifier in
+the group, and never none for longer than a restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 
@@ -22,6 +25,7 @@ from gateway.app import create_app
 LOCK_ENV = "CONVEYOR_GATEWAY_LOOPS_LOCK"
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode
 _held: list[int] = []  # the lock's descriptor, open for the life of the process
+LOCK_RETRY = 1.0  # seconds between two tries of a worker that does not hold the lock
 
 
 def takes_the_loops(path: str) -> bool:
@@ -35,8 +39,19 @@ def takes_the_loops(path: str) -> bool:
     return True
 
 
+async def _lock_taken(path: str) -> None:
+    while not takes_the_loops(path):
+        await asyncio.sleep(LOCK_RETRY)
+
+
 def worker_app() -> FastAPI:
     """The app of one worker (uvicorn's factory, called in each worker process)."""
     settings = GatewaySettings()
     logs.configure(settings.log_level, settings.log_format)
-    return create_app(settings, background=takes_the_loops(os.environ[LOCK_ENV]), server=True)
+    path = os.environ[LOCK_ENV]
+    return create_app(
+        settings,
+        background=takes_the_loops(path),
+        server=True,
+        loops_later=lambda: _lock_taken(path),
+    )

@@ -20,10 +20,19 @@ def main() -> None:
         from dispatcher.main import main as dispatcher
 
         sys.exit(dispatcher())
+    from pydantic import ValidationError
+
     from conveyor.cli.app import app
+    from conveyor.settings import SETTINGS_MODELS, refusals
 
     try:
         app()
+    except ValidationError as exc:  # a setting it cannot run with: named, one line each
+        if exc.title not in SETTINGS_MODELS:
+            raise
+        for refusal in refusals(exc):
+            print(f"error: {refusal}", file=sys.stderr)
+        sys.exit(2)
     except ModuleNotFoundError as exc:  # a command of a component whose extra is missing
         component = "dispatcher" if sys.argv[1:2] == ["dispatcher"] else "gateway"
         print(

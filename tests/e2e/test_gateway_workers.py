@@ -71,3 +71,27 @@ def test_one_worker_runs_the_loops_and_its_replacement_takes_them_over(
         scraped = httpx.get(f"{gateway.url}/metrics", timeout=5).text
         values = [float(x.split()[-1]) for x in scraped.splitlines() if x.startswith(line)]
         assert values == [2.0], values
+
+
+def test_after_workers_are_restarted_one_of_them_runs_the_loops(
+    procs: Processes, database_url: str, amqp_url: str
+) -> None:
+    """Found by a sweep: SIGHUP makes uvicorn start new workers before it stops the old ones,
+    so when the worker holding the loops' lock was replaced last, every new worker had
+    already tried the lock and failed, and none ran the loops (tasks stayed PENDING, every
+    /readyz said 200). A worker without the loops keeps trying the lock."""
+    gateway = GatewayProcess(
+        procs, gateway_env(database_url, amqp_url), "gateway-hup", "--workers", "2"
+    )
+    assert len(_answering(gateway.url, want=2)) == 2
+    for _ in range(2):  # the first restart leaves the loops with the last worker started
+        before = set(_answering(gateway.url, want=2))
+        gateway.proc.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        after: dict[int, bool] = {}
+        while time.monotonic() < deadline:
+            after = _answering(gateway.url, want=2, timeout=5)
+            if len(after) == 2 and not set(after) & before and any(after.values()):
+                break
+            time.sleep(0.5)
+        assert not set(after) & before and sorted(after.values()) == [False, True], after

@@ -14,8 +14,13 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import subprocess
+import threading
 import time
 import uuid
+from pathlib import Path
 
 import aio_pika
 import pytest
@@ -25,6 +30,8 @@ from aiormq.exceptions import ChannelInvalidStateError
 from conveyor import topology
 from conveyor.connection import CONNECTION_ERRORS, connect, connect_robust
 from dispatcher.consumer import Broker
+from tests.support.gateway import GatewayProcess, gateway_env
+from tests.support.processes import processes
 from tests.support.tcpproxy import TcpProxy
 
 HEARTBEAT = 2  # seconds
@@ -163,3 +170,31 @@ def test_a_connection_is_back_within_about_a_second_of_the_broker(
     back = asyncio.run(scenario())
     print(f"publishing again {back:.2f} s after the broker came back")
     assert back <= 2.5, f"publishes resumed {back:.1f} s after the broker"
+
+
+@pytest.mark.timeout(120)
+def test_a_gateway_stopped_while_its_first_connection_waits_exits(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Found by a sweep: a gateway stopped (Ctrl-C) while its first broker connection was
+    still being made (a node that takes the connection and never speaks, or a start-up cut
+    short by a port in use) said "Application shutdown complete" and then lived on, trying
+    to reconnect every second, until a second signal: the connection being made was never
+    closed. Now it exits."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.append(silent.accept()[0]), daemon=True).start()
+    port = silent.getsockname()[1]
+    env = gateway_env(database_url, f"amqp://guest:guest@127.0.0.1:{port}/")
+    with processes(tmp_path) as procs:
+        gateway = GatewayProcess(procs, env, "gateway-silent-broker")
+        time.sleep(1.0)  # its first connection is under way, and will not complete
+        gateway.proc.signal(signal.SIGINT)
+        try:
+            code = gateway.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the gateway lived on after SIGINT:\n" + gateway.proc.tail())
+        assert code == 0, gateway.proc.tail()
+    silent.close()
+    for conn in held:
+        conn.close()

@@ -6,14 +6,19 @@ result in PostgreSQL's catalogue, not through the migration tool's own view.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import psycopg
 import pytest
 from sqlalchemy import create_engine
 
 from gateway.database_url import libpq
-from gateway.migrate import alembic_config, downgrade, upgrade
+from gateway.migrate import alembic_config, downgrade, drop_database, upgrade
 from gateway.models import metadata
 from tests.support.amqp import scratch_database
+from tests.support.processes import REPO
 
 TABLES = {
     "services",
@@ -223,3 +228,28 @@ def test_a_password_percent_encoded_in_the_url_migrates(database_url: str) -> No
                 "SELECT count(*) FROM information_schema.tables WHERE table_name = 'tasks'"
             ).fetchone()
         assert found == (1,)
+
+
+def test_upgrades_at_once_all_succeed(database_url: str) -> None:
+    """Found by a sweep: `conveyor db upgrade`s at once (two migration Jobs, a rollout and
+    a retry) raced, and all but one failed with a traceback (`DuplicateDatabase`, or a
+    unique violation in the catalogue), failing its Job. They take turns now."""
+    with scratch_database(database_url, migrate=False) as url:
+        drop_database(url)  # a database to create, as on a fresh install
+        env = {**os.environ, "CONVEYOR_DATABASE_URL": url}
+        runs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "conveyor", "db", "upgrade"],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(3)
+        ]
+        outcomes = [(run.wait(timeout=120), run.stderr.read()[-1500:]) for run in runs]
+        assert [code for code, _ in outcomes] == [0, 0, 0], outcomes
+        with psycopg.connect(libpq(url)) as conn:
+            version = conn.execute("SELECT count(*) FROM alembic_version").fetchone()
+        assert version == (1,)

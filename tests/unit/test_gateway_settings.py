@@ -1,0 +1,71 @@
+"""The gateway's settings refuse values it cannot run with, at start, in one line.
+
+Found by a black-box test: most numeric CONVEYOR_* settings took 0, negative or NaN values
+and the gateway started and misbehaved quietly: RELAY_INTERVAL=0 spun a core with nothing
+to do, PENDING_TTL=nan made every submission 500, PENDING_TTL=0 accepted tasks that never
+ran. The values that were refused came out as a 44-line traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from conveyor.settings import GatewaySettings
+from tests.support.processes import REPO
+
+HOSTILE = [
+    ("RELAY_INTERVAL", "0"),
+    ("RELAY_INTERVAL", "-1"),
+    ("REAPER_INTERVAL", "0"),
+    ("SERVICE_REFRESH_INTERVAL", "0"),
+    ("PENDING_TTL", "nan"),
+    ("PENDING_TTL", "0"),
+    ("PUBLISH_TIMEOUT", "nan"),
+    ("DB_TIMEOUT", "inf"),
+    ("CALLBACK_LEASE", "nan"),
+    ("CALLBACK_CONCURRENCY", "0"),
+    ("CALLBACK_ATTEMPTS", "0"),
+    ("CALLBACK_TIMEOUT", "-1"),
+    ("DELIVERY_LIMIT", "-1"),
+    ("DB_POOL_SIZE", "0"),
+    ("MAX_BODY_BYTES", "0"),
+    ("MAX_BATCH_ITEMS", "0"),
+    ("PURGE_BATCH_SIZE", "0"),
+    ("SILENCE_MARGIN", "-5"),
+    ("PENDING_TTL", "1e300"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), HOSTILE)
+def test_values_the_gateway_cannot_run_with_are_refused(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(f"CONVEYOR_{name}", value)
+    with pytest.raises(ValidationError):
+        GatewaySettings()
+
+
+def test_the_defaults_are_accepted() -> None:
+    GatewaySettings()
+
+
+def test_a_refused_setting_is_one_line_naming_it() -> None:
+    env = {**os.environ, "CONVEYOR_RELAY_INTERVAL": "0", "CONVEYOR_PENDING_TTL": "nan"}
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "gateway", "--port", "1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2, done.stderr[-2000:]
+    assert any("CONVEYOR_RELAY_INTERVAL" in line for line in lines), lines
+    assert any("CONVEYOR_PENDING_TTL" in line for line in lines), lines

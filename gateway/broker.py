@@ -21,6 +21,11 @@ class PublishError(RuntimeError):
     """The broker did not confirm: the outbox keeps the task for the relay."""
 
 
+class PublishTimeout(PublishError):
+    """Nor did it refuse, within `publish_timeout`: a broker that blocks publishers (a memory
+    or disk alarm), or a queue that cannot take messages now."""
+
+
 class Broker:
     def __init__(
         self, url: str, publish_timeout: float = 5.0, heartbeat: int | None = None
@@ -98,7 +103,7 @@ class Broker:
             async with asyncio.timeout(self.publish_timeout):
                 await self._publish(message, routing_key, exchange)
         except TimeoutError:  # _publish turns every error of its own into PublishError
-            raise PublishError(f"publish to {target} not confirmed in time") from None
+            raise PublishTimeout(f"publish to {target} not confirmed in time") from None
 
     async def _publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:
         if not self.connected:

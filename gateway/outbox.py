@@ -45,7 +45,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from conveyor import topology, tracing
 from conveyor.events import MessageFormat, Submission, encode_submission
 from gateway import lifecycle, metrics
-from gateway.broker import Broker, PublishError
+from gateway.broker import Broker, PublishError, PublishTimeout
 from gateway.catalog import Service
 from gateway.pgpool import Pool
 
@@ -150,8 +150,8 @@ class Outbox:
         self.keep_confirmed = keep_confirmed
         # (when confirmed, task row id), oldest first: the ripe ones are a prefix
         self._confirmed: deque[tuple[float, int]] = deque()
-        # Until when the fast path leaves submissions to the relay (see `publish_now`).
-        self._fast_path_resumes = 0.0
+        # Per queue, until when the fast path leaves its submissions to the relay (`publish_now`).
+        self._fast_path_resumes: dict[str, float] = {}
         broker.on_reconnect(self._distrust_recent)
 
     def _distrust_recent(self) -> None:
@@ -171,18 +171,23 @@ class Outbox:
     async def publish_now(self, row_id: int, submission: Submission, queue_name: str) -> bool:
         """Publishes right after the commit; False leaves the task to the relay.
 
-        A publish that failed leaves the next ones to the relay for a publish timeout: a
-        broker that takes publishes and confirms none (a memory or disk alarm blocks every
-        publishing connection) made each submission wait out the timeout for as long as the
-        alarm lasted, where the relay waits in the background."""
-        if not self.broker.connected or time.monotonic() < self._fast_path_resumes:
+        A publish to a queue that timed out leaves that queue's next ones to the relay for a
+        publish timeout: a broker that takes publishes and confirms none (a memory or disk
+        alarm blocks every publishing connection) made each submission wait out the timeout
+        for as long as the alarm lasted, where the relay waits in the background. Only that
+        queue, and only a timeout: the other services' submissions keep their fast path."""
+        if not self.broker.connected:
+            return False
+        if time.monotonic() < self._fast_path_resumes.get(queue_name, 0.0):
             return False
         try:
             await self._send(submission, queue_name, "fast")
         except PublishError as exc:
-            self._fast_path_resumes = time.monotonic() + self.broker.publish_timeout
+            if isinstance(exc, PublishTimeout):
+                self._fast_path_resumes[queue_name] = time.monotonic() + self.broker.publish_timeout
             log.warning("fast-path publish failed; relay will retry", extra={"error": str(exc)})
             return False
+        self._fast_path_resumes.pop(queue_name, None)
         metrics.child(metrics.PUBLISHED, "fast").inc()
         self._note_confirmed([row_id])
         return True

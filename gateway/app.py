@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor import heap, tracing
 from conveyor.settings import GatewaySettings
-from gateway import admin_api, api, api_docs, dashboard, errors, metrics, pgpool
+from gateway import admin_api, api, api_docs, dashboard, errors, metrics, pgpool, schema
 from gateway.responses import Json
 from gateway.runtime import Runtime
 
@@ -175,6 +175,18 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     for kind in pgpool.CONNECTION_ERRORS:
         app.add_exception_handler(kind, database_away)
+
+    async def schema_missing(_: Request, exc: Exception) -> Json:
+        """A table or column this code needs is not there: `conveyor db upgrade` has not run
+        (yet). The client is told to come back, the log says what to run."""
+        log.error(
+            f"the database lacks this gateway's schema: {schema.UPGRADE}",
+            extra={"error": exc.__class__.__name__},
+        )
+        return _error_response(errors.ApiError(errors.UNAVAILABLE, headers=dict(errors.RETRY_SOON)))
+
+    for missing in schema.MISSING:
+        app.add_exception_handler(missing, schema_missing)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(_: Request, exc: ClientDisconnect) -> Response:

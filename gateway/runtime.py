@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from tenacity import AsyncRetrying, wait_exponential
 
 from conveyor.settings import GatewaySettings
+from gateway import schema
 from gateway.access_cache import AccessCache
 from gateway.auth import Authenticator
 from gateway.broker import Broker
@@ -100,6 +101,8 @@ class Runtime:
         self.loops = Supervisor()
         self.background = False
         self._connecting: asyncio.Task[None] | None = None
+        # Until the database is found to hold our schema (checked at start and by /readyz).
+        self.schema_problem: str | None = "not checked yet: the database did not answer"
 
     async def _client_hash(self, client_id: str) -> str | None:
         return await self._hash("SELECT secret_hash FROM clients WHERE client_id = %s", client_id)
@@ -116,6 +119,8 @@ class Runtime:
 
     async def start(self, background: bool = True) -> None:
         self._connecting = asyncio.create_task(self._connect_broker())
+        if await self._check_schema() and self.schema_problem is not None:
+            log.error(self.schema_problem)  # and /readyz says it, until the schema is there
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "outbox-flush": self.outbox.flush_loop,
             "listener": self.listener.listen_loop,
@@ -165,23 +170,36 @@ class Runtime:
             with attempt:
                 await self.broker.connect()
 
-    async def ready(self) -> dict[str, bool]:
-        database = True
+    async def _check_schema(self) -> bool:
+        """Whether the database answered; `schema_problem` says what it lacks, if anything.
+        Once our schema is there it stays: it is not checked again."""
         try:
             async with asyncio.timeout(2), self.pool.connection() as conn:
-                await conn.execute("SELECT 1")
+                if self.schema_problem is None:
+                    await conn.execute("SELECT 1")
+                else:
+                    self.schema_problem = await schema.problem(conn)
         except Exception:
-            database = False
+            return False
+        return True
+
+    async def ready(self) -> dict[str, bool]:
+        database = await self._check_schema()
         return {
             "database": database,
+            "schema": self.schema_problem is None,
             "broker": self.broker.connected,
             "loops": not self.loops.down(),
         }
 
-    def problems(self) -> dict[str, dict[str, str]]:
-        """What /readyz names: loops waiting for a restart, services whose queues exist with
-        other arguments (their results are still consumed)."""
-        return {"loops": self.loops.down(), "services": self.results.broken()}
+    def problems(self) -> dict[str, dict[str, str] | str | None]:
+        """What /readyz names: the schema the database lacks, loops waiting for a restart,
+        services whose queues exist with other arguments (their results are still consumed)."""
+        return {
+            "schema": self.schema_problem,
+            "loops": self.loops.down(),
+            "services": self.results.broken(),
+        }
 
     async def stop(self) -> None:
         if self._connecting is not None:

@@ -1,0 +1,67 @@
+"""A gateway whose database is not (or not yet fully) migrated says so and what to run,
+instead of answering every request 500; it serves once `conveyor db upgrade` has run.
+
+Real processes on databases of the test's own (never the session's).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from gateway.migrate import upgrade
+from tests.support.amqp import scratch_database
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.processes import Processes
+
+UPGRADE = "conveyor db upgrade"
+
+
+def _error(answer: httpx.Response) -> tuple[int, int]:
+    return answer.status_code, answer.json()["error"]["number"]
+
+
+def _ready_within(http: httpx.Client, seconds: float) -> httpx.Response:
+    deadline = time.monotonic() + seconds
+    while True:
+        answer = http.get("/readyz")
+        if answer.status_code == 200 or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("revision", [None, "0012"], ids=["empty", "one-behind"])
+def test_a_gateway_on_an_unmigrated_database_says_to_upgrade_then_serves(
+    database_url: str, amqp_url: str, procs: Processes, revision: str | None
+) -> None:
+    with scratch_database(database_url, migrate=False) as url:
+        if revision is not None:
+            upgrade(url, revision)
+        svc = Platform(url).service() if revision is not None else None
+        gateway = GatewayProcess(procs, gateway_env(url, amqp_url))
+        with gateway.http(svc.clients[0] if svc else None) as http:
+            ready = http.get("/readyz")
+            assert ready.status_code == 503, ready.text
+            assert ready.json()["checks"]["schema"] is False
+            assert UPGRADE in ready.json()["schema"]
+            if revision is not None:
+                assert "0012" in ready.json()["schema"]
+            if svc is None:  # no clients table: not a 403
+                answer = http.post(gateway.tasks_url("x"), json={"body": {}}, auth=("a", "b"))
+            else:  # a column an idempotent submission needs is not there yet
+                answer = http.post(
+                    gateway.tasks_url(svc.name), json={"body": {}}, headers={"Idempotency-Key": "k"}
+                )
+            assert _error(answer) == (503, 503001), answer.text
+            assert answer.headers["retry-after"] == "1"
+        log = gateway.proc.logs()
+        assert UPGRADE in log
+
+        upgrade(url)
+        svc = svc or Platform(url).service()
+        with gateway.http(svc.clients[0]) as http:
+            assert _ready_within(http, 20).status_code == 200
+            created = http.post(gateway.tasks_url(svc.name), json={"body": {}})
+            assert created.status_code == 201, created.text

@@ -346,6 +346,7 @@ def test_operations_endpoints(gateway: GatewayProcess) -> None:
         ready = http.get("/readyz")
         assert ready.status_code == 200 and ready.json()["checks"] == {
             "database": True,
+            "schema": True,
             "broker": True,
             "loops": True,
         }

@@ -3,7 +3,9 @@
 It migrates the database, applies the demo platform file, then runs and
 supervises the gateway, the sleeper function and its dispatcher as child
 processes, prefixing each output line with the child's name. A child that dies
-is restarted with backoff. Ctrl-C or SIGTERM stops the dispatcher first (so it
+is restarted with backoff; one that cannot start (it dies soon after each of
+GIVE_UP_AFTER starts in a row) stops everything, exit 1, rather than being tried
+forever, and a port already taken is named before anything starts. Ctrl-C or SIGTERM stops the dispatcher first (so it
 requeues what it holds), then the rest, SIGKILLs whatever is still alive after
 10 s, and exits 0.
 
@@ -18,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -34,6 +38,7 @@ SHUTDOWN_GRACE_S = 10.0
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 HEALTHY_RUN_S = 30.0
+GIVE_UP_AFTER = 5  # starts in a row, each ended within HEALTHY_RUN_S
 READY_POLL_S = 0.5
 LINE_LIMIT = 1 << 20
 
@@ -169,12 +174,22 @@ async def pump(stream: asyncio.StreamReader, emit: Callable[[str], None]) -> Non
 class Supervised:
     """Runs one program, restarting it with backoff until the supervisor stops."""
 
-    def __init__(self, program: Program, output: Output, stopping: asyncio.Event) -> None:
+    def __init__(
+        self,
+        program: Program,
+        output: Output,
+        stopping: asyncio.Event,
+        first_backoff: float = FIRST_BACKOFF_S,
+        give_up_after: int = GIVE_UP_AFTER,
+    ) -> None:
         self.program = program
         self.output = output
         self.stopping = stopping
+        self.first_backoff = first_backoff
+        self.give_up_after = give_up_after
         self.process: asyncio.subprocess.Process | None = None
         self.starts = 0
+        self.gave_up = False
 
     def emit(self, text: str) -> None:
         self.output.line(self.program.name, self.program.color, text)
@@ -184,14 +199,24 @@ class Supervised:
         return self.process is not None and self.process.returncode is None
 
     async def run(self) -> None:
-        backoff = FIRST_BACKOFF_S
+        backoff = self.first_backoff
+        short_runs = 0
         while not self.stopping.is_set():
             started = time.monotonic()
             code = await self.run_once()
             if self.stopping.is_set():
                 return
             if time.monotonic() - started >= HEALTHY_RUN_S:
-                backoff = FIRST_BACKOFF_S
+                backoff, short_runs = self.first_backoff, 0
+            short_runs += 1
+            if short_runs >= self.give_up_after:
+                self.emit(
+                    f"exited {short_runs} times in a row soon after its start (last code {code}):"
+                    " giving up, stopping everything; its lines above say why"
+                )
+                self.gave_up = True
+                self.stopping.set()
+                return
             self.emit(f"exited unexpectedly (code {code}); restarting in {backoff:g}s")
             if await sleep_unless(self.stopping, backoff):
                 return
@@ -231,11 +256,17 @@ class Supervised:
 class Supervisor:
     """Starts the programs, and stops them in order on request."""
 
-    def __init__(self, programs: list[Program], output: Output) -> None:
+    def __init__(self, programs: list[Program], output: Output, **restarts: Any) -> None:
+        """`restarts`: `first_backoff`, `give_up_after` (see Supervised)."""
         self.output = output
         self.stopping = asyncio.Event()
-        self.children = [Supervised(p, output, self.stopping) for p in programs]
+        self.children = [Supervised(p, output, self.stopping, **restarts) for p in programs]
         self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def failed(self) -> bool:
+        """A child could not be kept running."""
+        return any(child.gave_up for child in self.children)
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(child.run()) for child in self.children]
@@ -335,8 +366,31 @@ def install_signals(stopping: asyncio.Event, output: Output) -> None:
         loop.add_signal_handler(signum, request_stop, signum)
 
 
+def taken_ports(ports: Ports) -> list[str]:
+    """The ports something already listens on, each with the setting that moves it."""
+    taken = []
+    for name, port in (
+        ("GATEWAY", ports.gateway),
+        ("FUNCTION", ports.function),
+        ("DISPATCHER", ports.dispatcher),
+    ):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(
+                    f"port {port} is in use: stop what listens there or set CONVEYOR_UP_{name}_PORT"
+                )
+    return taken
+
+
 async def up(ports: Ports, console: Console) -> int:
     output = Output(console)
+    if taken := taken_ports(ports):
+        for line in taken:
+            output.note(line)
+        return 1
     supervisor = Supervisor(platform_programs(ports), output)
     install_signals(supervisor.stopping, output)
     for step in setup_steps():
@@ -352,7 +406,7 @@ async def up(ports: Ports, console: Console) -> int:
     await supervisor.stopping.wait()
     await supervisor.stop()
     output.note("stopped")
-    return 0
+    return 1 if supervisor.failed else 0
 
 
 def main() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from scripts.up import Output, Ports, Program, Supervisor, platform_programs
+from scripts.up import Output, Ports, Program, Supervisor, platform_programs, up
 
 PYTHON = sys.executable
 
@@ -132,3 +133,38 @@ def test_ports_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         8080,
         "http://127.0.0.1:18000",
     )
+
+
+async def test_a_child_that_cannot_start_stops_everything_instead_of_looping() -> None:
+    con, buffer = console()
+    supervisor = Supervisor(
+        [
+            Program("broken", py("print('port in use', flush=True); exit(1)")),
+            Program("fine", py("import time; time.sleep(60)")),
+        ],
+        Output(con),
+        first_backoff=0.05,
+        give_up_after=3,
+    )
+    supervisor.start()
+    await asyncio.wait_for(supervisor.stopping.wait(), 20)
+    await supervisor.stop(grace=2)
+
+    broken, fine = supervisor.children
+    assert broken.starts == 3 and supervisor.failed
+    assert not fine.alive
+    assert "giving up" in buffer.getvalue()
+
+
+async def test_a_port_in_use_is_named_before_anything_starts() -> None:
+    con, buffer = console()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        code = await up(Ports(gateway=port, function=port + 1, dispatcher=port + 2), con)
+    assert code == 1
+    assert time.monotonic() - started < 5  # no migration, no child started
+    assert f"port {port} is in use" in buffer.getvalue()
+    assert "CONVEYOR_UP_GATEWAY_PORT" in buffer.getvalue()

@@ -29,6 +29,7 @@ from gateway.platform_file import (
     PlatformError,
     PlatformSpec,
     ServiceSpec,
+    validate,
 )
 
 
@@ -78,6 +79,26 @@ async def upsert_service(conn: AsyncConnection[Any], spec: ServiceSpec) -> Chang
     row = await (await conn.execute(_SERVICE_UPSERT, _service_params(spec))).fetchone()
     action = "unchanged" if row is None else ("created" if row.created else "updated")
     return Change("service", spec.name, action)
+
+
+_STORED_SERVICE = """
+    SELECT queue_name AS "queueName", capacity, json_schema AS "jsonSchema",
+           message_format AS "messageFormat", task_timeout AS "taskTimeout",
+           max_attempts AS "maxAttempts", retention_seconds AS retention
+      FROM services WHERE name = %s FOR UPDATE
+    """
+
+
+async def update_service(
+    conn: AsyncConnection[Any], name: str, changes: dict[str, Any]
+) -> tuple[ServiceSpec, Change]:
+    """`changes` over the service's stored settings (over the defaults for a new service):
+    `service create` on an existing service changes only what it is told, unlike `apply`,
+    where the file is the whole truth. The row is locked until the transaction ends."""
+    row = await (await conn.execute(_STORED_SERVICE, (name,))).fetchone()
+    stored = {} if row is None else row._asdict()
+    spec = validate(ServiceSpec, {**stored, **changes, "name": name})
+    return spec, await upsert_service(conn, spec)
 
 
 async def message_formats(
@@ -139,6 +160,8 @@ def _hash_for(spec: OperatorSpec, stored: str | None) -> str:
 
 async def upsert_client(conn: AsyncConnection[Any], spec: ClientSpec) -> Change:
     stored = await _own_hash(conn, spec.id, "client")
+    if stored is None:
+        await _refuse_a_former_clients_id(conn, spec.id)
     wanted = _hash_for(spec, stored)
     action = "unchanged"
     if stored is None:
@@ -150,6 +173,23 @@ async def upsert_client(conn: AsyncConnection[Any], spec: ClientSpec) -> Change:
     if await _set_grants(conn, spec) and action == "unchanged":
         action = "updated"
     return Change("client", spec.id, action)
+
+
+async def _refuse_a_former_clients_id(conn: AsyncConnection[Any], client_id: str) -> None:
+    """A new client is refused the id of a deleted one while that one's tasks remain: tasks
+    name their owner by id only, so the newcomer would read them and share their
+    Idempotency-Keys. No index leads with tasks.client_id: this scans the tasks, once per
+    client created (never on a client that exists)."""
+    cursor = await conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM tasks WHERE client_id = %s) AS remain", (client_id,)
+    )
+    row = await cursor.fetchone()
+    if row is not None and row.remain:
+        raise PlatformError(
+            f"client {client_id}: tasks of a deleted client of that id remain, and a new client"
+            " would read them: choose another id, or wait until they are gone (finished tasks"
+            " go past their service's retention, with `conveyor purge`)"
+        )
 
 
 async def _set_secret_hash(
@@ -217,6 +257,7 @@ async def create_client(conn: AsyncConnection[Any], client_id: str) -> str:
     await conn.execute(_PRINCIPALS_LOCK)
     if await _own_hash(conn, client_id, "client") is not None:
         raise PlatformError(f"client {client_id} already exists")
+    await _refuse_a_former_clients_id(conn, client_id)
     secret = generate_secret()
     await _set_secret_hash(conn, client_id, hash_secret(secret))
     return secret
@@ -283,8 +324,15 @@ async def delete_service(conn: AsyncConnection[Any], name: str) -> DeletedServic
 
 
 async def grant(
-    conn: AsyncConnection[Any], client_id: str, service: str, capacity: int | None
-) -> None:
+    conn: AsyncConnection[Any],
+    client_id: str,
+    service: str,
+    capacity: int | None,
+    *,
+    keep_capacity: bool = False,
+) -> int | None:
+    """The grant, with `capacity` (None: unlimited), or with the capacity it has already
+    when `keep_capacity` (the CLI's `grant` without --capacity); returns the capacity now."""
     cursor = await conn.execute(
         "SELECT EXISTS (SELECT 1 FROM clients WHERE client_id = %s) AS client,"
         " EXISTS (SELECT 1 FROM services WHERE name = %s) AS service",
@@ -297,13 +345,18 @@ async def grant(
         raise PlatformError(f"unknown client '{client_id}'")
     if not has_service:
         raise PlatformError(f"unknown service '{service}'")
-    await conn.execute(
+    cursor = await conn.execute(
         """
-        INSERT INTO authorizations (client_id, service, capacity) VALUES (%s, %s, %s)
-        ON CONFLICT (client_id, service) DO UPDATE SET capacity = EXCLUDED.capacity
+        INSERT INTO authorizations (client_id, service, capacity) VALUES (%(c)s, %(s)s, %(n)s)
+        ON CONFLICT (client_id, service) DO UPDATE SET capacity = CASE WHEN %(keep)s
+            THEN authorizations.capacity ELSE EXCLUDED.capacity END
+        RETURNING capacity
         """,
-        (client_id, service, capacity),
+        {"c": client_id, "s": service, "n": capacity, "keep": keep_capacity},
     )
+    granted = await cursor.fetchone()
+    assert granted is not None
+    return granted.capacity
 
 
 async def revoke(conn: AsyncConnection[Any], client_id: str, service: str) -> bool:
@@ -319,9 +372,10 @@ async def listing(conn: AsyncConnection[Any]) -> dict[str, list[dict[str, Any]]]
         " retention_seconds FROM services ORDER BY name"
     )
     service_rows = [row._asdict() for row in await services.fetchall()]
-    clients = await conn.execute(
-        "SELECT c.client_id, coalesce(string_agg(a.service || coalesce('(' || a.capacity"
-        " || ')', ''), ', ' ORDER BY a.service), '') AS grants FROM clients c"
+    clients = await conn.execute(  # each grant with its capacity (null: unlimited)
+        "SELECT c.client_id, coalesce(json_agg(json_build_object('service', a.service,"
+        " 'capacity', a.capacity) ORDER BY a.service) FILTER (WHERE a.service IS NOT NULL),"
+        " '[]') AS grants FROM clients c"
         " LEFT JOIN authorizations a USING (client_id) GROUP BY c.client_id ORDER BY 1"
     )
     return {
@@ -329,10 +383,6 @@ async def listing(conn: AsyncConnection[Any]) -> dict[str, list[dict[str, Any]]]
         "clients": [row._asdict() for row in await clients.fetchall()],
         "operators": await operators(conn),
     }
-
-
-def service_spec(**values: Any) -> ServiceSpec:
-    return ServiceSpec.model_validate({k: v for k, v in values.items() if v is not None})
 
 
 __all__ = ["Change", "MessageFormat", "PlatformError", "apply"]

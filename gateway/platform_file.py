@@ -7,7 +7,7 @@ typo never silently drops a setting.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import jsonschema
 import yaml
@@ -19,24 +19,41 @@ _DURATION = re.compile(r"^\s*(\d+)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
+# The columns' range (gateway/models.py: capacities and taskTimeout are `Integer`): a larger
+# number is refused here, naming its field, rather than by PostgreSQL as a traceback.
+INT4_MAX = 2**31 - 1
+# The purge deletes what ended before `now() - retention`, a timestamp that must stay after
+# year 1: a longer retention would fail every purge, of every service.
+MAX_RETENTION = 1000 * 365 * 86400
+
+Model = TypeVar("Model", bound=BaseModel)
+
 
 class PlatformError(ValueError):
     pass
 
 
 def parse_duration(value: Any) -> int:
-    """`7d`, `12h`, `30m`, `45s` or a number of seconds."""
+    """`7d`, `12h`, `30m`, `45s` or a number of seconds, up to MAX_RETENTION."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    match = _DURATION.match(str(value))
-    if not match or int(match.group(1)) <= 0:
-        raise ValueError(f"not a duration: {value!r} (use e.g. 7d, 12h, 30m, 45s)")
-    return int(match.group(1)) * _UNITS[match.group(2)]
+        seconds = value
+    else:
+        match = _DURATION.match(str(value))
+        if not match or int(match.group(1)) <= 0:
+            raise ValueError(f"not a duration: {value!r} (use e.g. 7d, 12h, 30m, 45s)")
+        seconds = int(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > MAX_RETENTION:
+        raise ValueError(f"at most {MAX_RETENTION} seconds (1000 years)")
+    return seconds
 
 
-def _check_name(value: str) -> str:
+def check_name(value: str) -> str:
+    """The rule of every id and name, in a platform file and on the command line alike: it
+    goes into URLs, queue names and Basic auth (which splits at the first ':')."""
     if not _NAME.match(value):
-        raise ValueError("use letters, digits, '.', '_' or '-' (at most 100)")
+        raise ValueError(
+            "use 1 to 100 letters, digits, '.', '_' or '-', the first a letter or digit"
+        )
     return value
 
 
@@ -44,14 +61,14 @@ class ServiceSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str
     queueName: str | None = None
-    capacity: int | None = Field(None, ge=0)
+    capacity: int | None = Field(None, ge=0, le=INT4_MAX)
     jsonSchema: dict[str, Any] | None = None
     messageFormat: MessageFormat = MessageFormat.CLOUDEVENTS
-    taskTimeout: int = Field(300, gt=0)
+    taskTimeout: int = Field(300, gt=0, le=INT4_MAX)
     maxAttempts: int = Field(3, ge=1, le=100)
     retention: int = 7 * 86400
 
-    _name = field_validator("name", "queueName")(lambda cls, v: v if v is None else _check_name(v))
+    _name = field_validator("name", "queueName")(lambda cls, v: v if v is None else check_name(v))
 
     @field_validator("retention", mode="before")
     @classmethod
@@ -76,9 +93,10 @@ class ServiceSpec(BaseModel):
 class GrantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     service: str
-    capacity: int | None = Field(None, ge=0)
+    capacity: int | None = Field(None, ge=0, le=INT4_MAX)
 
 
+MIN_SECRET_BYTES = 8  # counted in bytes, as bcrypt reads them and docs/operations.md says
 MAX_SECRET_BYTES = 72  # bcrypt reads no further (and bcrypt 5 refuses longer secrets)
 
 
@@ -87,15 +105,17 @@ class OperatorSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     id: str
-    secret: str | None = Field(None, min_length=8)
+    secret: str | None = None
     secretHash: str | None = None
 
-    _id = field_validator("id")(lambda cls, v: _check_name(v))
+    _id = field_validator("id")(lambda cls, v: check_name(v))
 
     @model_validator(mode="after")
     def _one_secret(self) -> OperatorSpec:
         if (self.secret is None) == (self.secretHash is None):
             raise ValueError("give exactly one of secret or secretHash")
+        if self.secret is not None and len(self.secret.encode()) < MIN_SECRET_BYTES:
+            raise ValueError(f"secret is shorter than {MIN_SECRET_BYTES} bytes")
         if self.secret is not None and len(self.secret.encode()) > MAX_SECRET_BYTES:
             raise ValueError(f"secret is longer than bcrypt's {MAX_SECRET_BYTES} bytes")
         if self.secretHash is not None and not self.secretHash.startswith("$2"):
@@ -150,9 +170,42 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def validate(model: type[Model], data: Any) -> Model:
+    """`data` as `model`, or a PlatformError telling what is wrong in one line by field: the
+    platform file's and the command line's values are held to the same rules."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise PlatformError(_describe(exc)) from None
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader whose constructors' own errors (`!!int` on a word: a ValueError naming the
-    word) become YAML errors at the node's position, like every other problem of the file."""
+    word) become YAML errors at the node's position, like every other problem of the file,
+    and which refuses a key given twice in one mapping (PyYAML would keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            self._refuse_duplicate_keys(node)
+        return super().construct_mapping(node, deep)
+
+    def _refuse_duplicate_keys(self, node: yaml.MappingNode) -> None:
+        """The mapping's own scalar keys are unique; keys merged in by `<<` may be overridden."""
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str | int | float):
+                continue  # not hashable, or not a key a platform file has
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"{_key_name(key)} given twice (first at line {seen[key].line + 1})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
@@ -164,6 +217,19 @@ class _Loader(yaml.SafeLoader):
             raise yaml.constructor.ConstructorError(
                 None, None, f"not a valid !!{tag} value", node.start_mark
             ) from None
+
+
+_KEYS = frozenset(
+    key
+    for model in (PlatformSpec, ServiceSpec, GrantSpec, ClientSpec)
+    for key in model.model_fields
+)
+
+
+def _key_name(key: object) -> str:
+    """A duplicate key by name when it is one of the file's keys, else by kind: any other
+    word could be a secret on a misplaced line, and the message goes to logs."""
+    return f"key {key}" if isinstance(key, str) and key in _KEYS else "a key"
 
 
 # A quoted word of PyYAML's problem text (an alias, a tag, a constructor's error) may be a
@@ -204,7 +270,4 @@ def load(text: str) -> PlatformSpec:
         raise PlatformError(
             "the platform file must be a mapping with services, clients and operators"
         )
-    try:
-        return PlatformSpec.model_validate(data)
-    except ValidationError as exc:
-        raise PlatformError(_describe(exc)) from None
+    return validate(PlatformSpec, data)

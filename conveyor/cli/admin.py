@@ -15,10 +15,13 @@ from conveyor.settings import GatewaySettings
 
 if TYPE_CHECKING:
     from aio_pika.abc import AbstractConnection
+    from pydantic import BaseModel
 
     from conveyor.events import MessageFormat
-    from gateway.admin import DeletedService
+    from gateway.admin import Change, DeletedService
     from gateway.platform_file import ServiceSpec
+
+    Model = TypeVar("Model", bound=BaseModel)
 
 app = typer.Typer(help="Declare services, clients, grants and operators.", no_args_is_help=True)
 service_app = typer.Typer(help="Services.", no_args_is_help=True)
@@ -37,6 +40,33 @@ T = TypeVar("T")
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)
+
+
+def _valid_id(kind: str, value: str) -> None:
+    """Ids and names are held to the platform file's rule (`check_name`) before anything is
+    written; the value itself is not echoed (it may be long, or span lines)."""
+    from gateway.platform_file import check_name
+
+    try:
+        check_name(value)
+    except ValueError as exc:
+        _fail(f"{kind}: {exc}")
+
+
+def _validated(model: type[Model], data: dict[str, Any]) -> Model:
+    """`data` held to the platform file's rules for `model`: one line naming the field."""
+    from gateway.platform_file import PlatformError, validate
+
+    try:
+        return validate(model, data)
+    except PlatformError as exc:
+        _fail(str(exc))
+    raise AssertionError("unreachable")
+
+
+def _not_both(given: bool, removed: bool, option: str, removal: str) -> None:
+    if given and removed:
+        _fail(f"give {option} or {removal}, not both")
 
 
 def _run(action: Callable[[Any], Awaitable[T]]) -> T:
@@ -190,33 +220,56 @@ def apply_file(
 @service_app.command("create")
 def service_create(
     name: str,
-    queue: str | None = typer.Option(None, help="Queue prefix (default: the name)"),
-    capacity: int | None = typer.Option(None),
+    queue: str | None = typer.Option(None, help="Queue prefix (new service: the name)"),
+    capacity: int | None = typer.Option(None, help="capacity (new service: unlimited)"),
+    unlimited: bool = typer.Option(False, "--unlimited", help="Remove the capacity limit"),
     schema: Path | None = typer.Option(None, help="JSON Schema file for task bodies"),
-    message_format: str = typer.Option("cloudevents", "--format", help="cloudevents or legacy"),
-    timeout: int = typer.Option(300, help="taskTimeout in seconds"),
-    max_attempts: int = typer.Option(3),
-    retention: str = typer.Option("7d"),
+    no_schema: bool = typer.Option(False, "--no-schema", help="Remove the JSON Schema"),
+    message_format: str | None = typer.Option(
+        None, "--format", help="cloudevents (new service's default) or legacy"
+    ),
+    timeout: int | None = typer.Option(None, help="taskTimeout in seconds (new service: 300)"),
+    max_attempts: int | None = typer.Option(None, help="(new service: 3)"),
+    retention: str | None = typer.Option(None, help="(new service: 7d)"),
 ) -> None:
-    """Create or update one service and declare its queues."""
-    from pydantic import ValidationError
+    """Create a service, or change an existing one's given settings; declare its queues.
 
+    On an existing service an option not given keeps its stored value (`apply`, by
+    contrast, sets every setting to the file's).
+    """
+    _valid_id("service name", name)
+    _not_both(capacity is not None, unlimited, "--capacity", "--unlimited")
+    _not_both(schema is not None, no_schema, "--schema", "--no-schema")
+    try:
+        body_schema = json.loads(schema.read_text()) if schema else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        _fail(str(exc))
+    given = {
+        "queueName": queue,
+        "capacity": capacity,
+        "jsonSchema": body_schema,
+        "messageFormat": message_format,
+        "taskTimeout": timeout,
+        "maxAttempts": max_attempts,
+        "retention": retention,
+    }
+    changes = {key: value for key, value in given.items() if value is not None}
+    if unlimited:
+        changes["capacity"] = None
+    if no_schema:
+        changes["jsonSchema"] = None
+    typer.echo(str(_run(lambda conn: _update_declaring(conn, name, changes))))
+
+
+async def _update_declaring(conn: Any, name: str, changes: dict[str, Any]) -> Change:
+    """`changes` to the service `name`, then its topology, as `_declaring` does for `apply`:
+    the spec to declare is known only once the stored settings are read."""
     from gateway import admin
 
-    try:
-        spec = admin.service_spec(
-            name=name,
-            queueName=queue,
-            capacity=capacity,
-            jsonSchema=json.loads(schema.read_text()) if schema else None,
-            messageFormat=message_format,
-            taskTimeout=timeout,
-            maxAttempts=max_attempts,
-            retention=retention,
-        )
-    except (ValidationError, OSError, json.JSONDecodeError) as exc:
-        _fail(str(exc))
-    typer.echo(str(_run(_declaring(lambda conn: admin.upsert_service(conn, spec), [spec]))))
+    before = await admin.message_formats(conn, [name])
+    spec, change = await admin.update_service(conn, name, changes)
+    await _declare([spec], before)
+    return change
 
 
 @service_app.command("list")
@@ -262,9 +315,13 @@ async def _tell_dispatchers(deleted: DeletedService) -> bool:
 
 @client_app.command("create")
 def client_create(client_id: str) -> None:
-    """Create a client; its generated secret is printed once, and only its hash is kept."""
+    """Create a client; its generated secret is printed once, and only its hash is kept.
+
+    The id of a deleted client is refused while that client's tasks remain.
+    """
     from gateway import admin
 
+    _valid_id("client id", client_id)
     secret = _run(lambda conn: admin.create_client(conn, client_id))
     typer.echo(f"clientId: {client_id}\nclientSecret: {secret}\n(shown once: store it now)")
 
@@ -308,12 +365,28 @@ def operator_delete(operator_id: str) -> None:
 
 
 @app.command()
-def grant(client_id: str, service: str, capacity: int | None = typer.Option(None, min=0)) -> None:
-    """Allow CLIENT_ID to use SERVICE, optionally with its own capacity."""
-    from gateway import admin
+def grant(
+    client_id: str,
+    service: str,
+    capacity: int | None = typer.Option(None, help="The client's own capacity on SERVICE"),
+    unlimited: bool = typer.Option(False, "--unlimited", help="Remove the grant's capacity"),
+) -> None:
+    """Allow CLIENT_ID to use SERVICE, optionally with its own capacity.
 
-    _run(lambda conn: admin.grant(conn, client_id, service, capacity))
-    typer.echo(f"granted {service} to {client_id}")
+    A new grant is unlimited unless --capacity is given.
+    An existing one keeps its capacity unless --capacity or --unlimited is given.
+    """
+    from gateway import admin
+    from gateway.platform_file import GrantSpec
+
+    _valid_id("client id", client_id)
+    _valid_id("service name", service)
+    _not_both(capacity is not None, unlimited, "--capacity", "--unlimited")
+    _validated(GrantSpec, {"service": service, "capacity": capacity})
+    keep = capacity is None and not unlimited
+    granted = _run(lambda conn: admin.grant(conn, client_id, service, capacity, keep_capacity=keep))
+    limit = "unlimited" if granted is None else f"capacity {granted}"
+    typer.echo(f"granted {service} to {client_id} ({limit})")
 
 
 @app.command()

@@ -513,9 +513,8 @@ def test_client_create_grant_list_revoke(
 
     cli("grant", client, service, "--capacity", "2")
     assert _post(gateway, service, (client, secret)).status_code == 201
-    listing = cli("list").stdout
-    assert f'"client_id": "{client}"' in listing
-    assert f'"grants": "{service}(2)"' in listing
+    listed = json.loads(cli("list").stdout)["clients"]
+    assert {"client_id": client, "grants": [{"service": service, "capacity": 2}]} in listed
 
     cli("revoke", client, service)
     revoked = _post(gateway, service, (client, secret))  # the grant cache is emptied by NOTIFY
@@ -667,3 +666,264 @@ def test_deleting_a_service_ends_its_unfinished_tasks_at_once(
         ) == [("interrupted", True)]
     finally:
         remove_service(platform, amqp_url, svc)
+
+
+# -- found by a black-box tester: updates, ids and ranges ----------------------------------
+
+
+def _service_row(platform: Platform, name: str) -> list[Any]:
+    return platform.sql(
+        "SELECT queue_name, capacity, json_schema, message_format, task_timeout, max_attempts,"
+        " retention_seconds FROM services WHERE name = %(n)s",
+        {"n": name},
+    )
+
+
+@pytest.mark.timeout(90)
+def test_service_create_on_an_existing_service_changes_only_the_options_given(
+    cli: Any, tmp_path: Path, platform: Platform, amqp_url: str
+) -> None:
+    """`service create NAME --capacity 5` on an applied service reset every other setting to
+    its default: its queue moved to NAME, its schema went, timeout 300, attempts 3."""
+    service, queue = _unique("adm-upd"), _unique("adm-upd-q")
+    schema = {"type": "object", "required": ["n"]}
+    applied = {
+        "name": service,
+        "queueName": queue,
+        "capacity": 50,
+        "jsonSchema": schema,
+        "taskTimeout": 60,
+        "maxAttempts": 5,
+        "retention": "1d",
+    }
+    try:
+        cli("apply", "-f", str(_write(tmp_path, {"services": [applied]})))
+
+        done = cli("service", "create", service, "--capacity", "5")
+
+        assert done.stdout.splitlines() == [f"service {service}: updated"]
+        assert _service_row(platform, service) == [(queue, 5, schema, "cloudevents", 60, 5, 86400)]
+        cli("service", "create", service, "--timeout", "90", "--retention", "2d")
+        assert _service_row(platform, service) == [
+            (queue, 5, schema, "cloudevents", 90, 5, 2 * 86400)
+        ]
+        cli("service", "create", service, "--unlimited", "--no-schema")
+        assert _service_row(platform, service) == [
+            (queue, None, None, "cloudevents", 90, 5, 2 * 86400)
+        ]
+        again = cli("service", "create", service)
+        assert again.stdout.splitlines() == [f"service {service}: unchanged"]
+        both = cli("service", "create", service, "--capacity", "1", "--unlimited", check=False)
+        assert both.returncode == 1 and "Traceback" not in both.stderr, both.stderr
+        assert _service_row(platform, service)[0][1] is None
+    finally:
+        remove_service(platform, amqp_url, Service(service, queue))
+
+
+@pytest.mark.timeout(90)
+def test_grant_without_capacity_keeps_an_existing_grants_capacity(
+    cli: Any, platform: Platform, names: list[str]
+) -> None:
+    """`grant C S` without --capacity on a grant of capacity 2 made it unlimited (NULL)."""
+    service, client = _unique("adm-grant"), _unique("adm-grant-c")
+    names.append(service)
+    cli("service", "create", service)
+    cli("client", "create", client)
+
+    def capacity() -> list[Any]:
+        return platform.sql(
+            "SELECT capacity FROM authorizations WHERE client_id = %(c)s", {"c": client}
+        )
+
+    cli("grant", client, service, "--capacity", "2")
+    kept = cli("grant", client, service)
+    assert capacity() == [(2,)]
+    assert kept.stdout.splitlines() == [f"granted {service} to {client} (capacity 2)"]
+    listed = json.loads(cli("list").stdout)
+    (entry,) = [c for c in listed["clients"] if c["client_id"] == client]
+    assert entry["grants"] == [{"service": service, "capacity": 2}]
+    (line,) = [json.loads(x) for x in cli("client", "list").stdout.splitlines() if client in x]
+    assert line["grants"] == [{"service": service, "capacity": 2}]
+
+    lifted = cli("grant", client, service, "--unlimited")
+    assert capacity() == [(None,)]
+    assert lifted.stdout.splitlines() == [f"granted {service} to {client} (unlimited)"]
+    both = cli("grant", client, service, "--capacity", "3", "--unlimited", check=False)
+    assert both.returncode == 1 and "Traceback" not in both.stderr, both.stderr
+    assert capacity() == [(None,)]
+
+
+_BAD_IDS = ["", "a:b", "a\nb", "a b", "--x", "x" * 100_000]
+
+
+@pytest.mark.parametrize(
+    "bad", _BAD_IDS, ids=["empty", "colon", "newline", "space", "dash", "long"]
+)
+def test_the_cli_refuses_the_ids_a_platform_file_refuses(
+    cli: Any, platform: Platform, bad: str
+) -> None:
+    """`client create` took any id ('' or 'a:b', which can never log in: Basic auth splits at
+    the first colon); every command now holds ids to the platform file's rule."""
+    service, client = _unique("adm-ids"), _unique("adm-ids-c")
+    cli("client", "create", client)
+    for args in (
+        ("client", "create", "--", bad),
+        ("grant", "--", bad, service),
+        ("grant", "--", client, bad),
+        ("service", "create", "--", bad),
+    ):
+        done = cli(*args, check=False)
+        assert done.returncode == 1, (args[:2], done.stdout, done.stderr)
+        assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "use 1 to 100 letters, digits" in done.stderr, done.stderr
+        assert len(done.stderr) < 300, done.stderr
+    assert _row(platform, "clients", "client_id", bad) == []
+    assert platform.sql("SELECT 1 FROM services WHERE name = %(n)s", {"n": bad}) == []
+
+
+@pytest.mark.timeout(90)
+def test_a_deleted_clients_id_is_not_given_to_a_new_client_while_its_tasks_remain(
+    cli: Any, tmp_path: Path, platform: Platform, gateway: GatewayProcess
+) -> None:
+    """A new client of a deleted client's id read its tasks and shared its Idempotency-Keys."""
+    client = _unique("adm-reuse")
+    cli("client", "create", client)
+    task_id = uuid.uuid4()
+    platform.sql(
+        "INSERT INTO tasks (task_id, client_id, service, request, status, response, end_date)"
+        " VALUES (%(t)s, %(c)s, 'gone', '{}', 'SUCCESS', '{\"private\": 1}', now())",
+        {"t": task_id, "c": client},
+    )
+    cli("client", "delete", client)
+
+    created = cli("client", "create", client, check=False)
+    applied = cli(
+        "apply",
+        "-f",
+        str(_write(tmp_path, {"clients": [{"id": client, "secret": "new-owner-secret"}]})),
+        check=False,
+    )
+
+    for done in (created, applied):
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert done.stdout == "" and "Traceback" not in done.stderr
+        assert f"{client}" in done.stderr and "tasks" in done.stderr, done.stderr
+        assert "conveyor purge" in done.stderr, done.stderr
+    assert _row(platform, "clients", "client_id", client) == []
+
+    platform.sql("DELETE FROM tasks WHERE task_id = %(t)s", {"t": task_id})
+    assert "clientSecret" in cli("client", "create", client).stdout
+
+
+_HUGE = "99999999999999"
+
+
+@pytest.mark.parametrize(
+    ("entry", "field"),
+    [
+        ({"services": [{"name": "adm-huge", "capacity": int(_HUGE)}]}, "services.0.capacity"),
+        ({"services": [{"name": "adm-huge", "taskTimeout": int(_HUGE)}]}, "services.0.taskTimeout"),
+        ({"services": [{"name": "adm-huge", "retention": f"{_HUGE}d"}]}, "services.0.retention"),
+        (
+            {
+                "services": [{"name": "adm-huge"}],
+                "clients": [
+                    {
+                        "id": "adm-huge-c",
+                        "secret": "huge-secret",
+                        "grants": [{"service": "adm-huge", "capacity": int(_HUGE)}],
+                    }
+                ],
+            },
+            "clients.0.grants.0.capacity",
+        ),
+    ],
+)
+def test_a_number_beyond_its_column_is_refused_by_field_in_a_platform_file(
+    cli: Any, tmp_path: Path, platform: Platform, entry: dict[str, Any], field: str
+) -> None:
+    done = cli("apply", "-f", str(_write(tmp_path, entry)), check=False)
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: {field}: "), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert platform.sql("SELECT 1 FROM services WHERE name = 'adm-huge'") == []
+
+
+def test_a_number_beyond_its_column_is_refused_by_field_on_the_command_line(
+    cli: Any, platform: Platform, names: list[str]
+) -> None:
+    service, client = _unique("adm-huge"), _unique("adm-huge-c")
+    names.append(service)
+    cli("service", "create", service)
+    cli("client", "create", client)
+    for args, field in (
+        (("service", "create", service, "--capacity", "9" * 20), "capacity"),
+        (("service", "create", service, "--timeout", _HUGE), "taskTimeout"),
+        (("grant", client, service, "--capacity", _HUGE), "capacity"),
+    ):
+        done = cli(*args, check=False)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert done.stderr.startswith(f"error: {field}: "), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert _service_row(platform, service)[0][1] is None
+    assert platform.sql("SELECT 1 FROM authorizations WHERE client_id = %(c)s", {"c": client}) == []
+
+
+def test_a_key_given_twice_in_one_mapping_is_refused_by_name_and_line(
+    cli: Any, tmp_path: Path, platform: Platform
+) -> None:
+    """PyYAML keeps the last of two equal keys: `name:` twice renamed the entry silently."""
+    first, second = _unique("adm-dup"), _unique("adm-dup")
+    path = tmp_path / "platform.yaml"
+    path.write_text(f"services:\n  - name: {first}\n    capacity: 2\n    name: {second}\n")
+
+    done = cli("apply", "-f", str(path), check=False)
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("error: not valid YAML"), done.stderr
+    assert "key name given twice" in done.stderr and "line 4" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert (
+        platform.sql(
+            "SELECT 1 FROM services WHERE name IN (%(a)s, %(b)s)", {"a": first, "b": second}
+        )
+        == []
+    )
+
+
+def test_a_merge_key_may_still_be_overridden(cli: Any, tmp_path: Path, platform: Platform) -> None:
+    """YAML's merge keys (`<<: *defaults`) give values a mapping's own keys override."""
+    service = _unique("adm-merge")
+    path = tmp_path / "platform.yaml"
+    path.write_text(
+        f"services:\n  - &d {{name: {service}-a, capacity: 2}}\n  - <<: *d\n    name: {service}\n"
+    )
+    done = cli("apply", "-f", str(path), "--no-declare", check=False)
+    assert done.returncode == 0, done.stderr
+    assert platform.sql("SELECT capacity FROM services WHERE name = %(n)s", {"n": service}) == [
+        (2,)
+    ]
+    platform.sql("DELETE FROM services WHERE name LIKE %(n)s", {"n": f"{service}%"})
+
+
+@pytest.mark.parametrize(
+    ("secret", "accepted"), [("éééé", True), ("ééé", False), ("1234567", False)]
+)
+def test_a_secrets_minimum_is_counted_in_bytes_as_documented(
+    cli: Any, tmp_path: Path, platform: Platform, secret: str, accepted: bool
+) -> None:
+    """docs/operations.md: a secret is 8 to 72 bytes; "éééé" (8 bytes) was refused."""
+    operator = _unique("adm-bytes")
+    path = _write(tmp_path, {"operators": [{"id": operator, "secret": secret}]})
+
+    done = cli("apply", "-f", str(path), check=False)
+
+    if accepted:
+        assert done.stdout.splitlines() == [f"operator {operator}: created"], done.stderr
+    else:
+        assert done.returncode == 1 and "operators.0: secret is shorter than 8 bytes" in (
+            done.stderr
+        ), done.stderr
+        assert _row(platform, "operators", "operator_id", operator) == []
+    platform.sql("DELETE FROM operators WHERE operator_id = %(o)s", {"o": operator})

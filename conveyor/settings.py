@@ -36,6 +36,22 @@ def normalize_database_url(url: str) -> str:
     return url
 
 
+def _names_a_database(url: str) -> None:
+    """Read as libpq reads it, and naming its database: libpq would quietly take the user's
+    name for a missing one, and `conveyor db upgrade` would try to create "" (psycopg is the
+    gateway's: the dispatcher never reads this setting)."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    _, found, rest = url.partition("://")
+    try:
+        params = conninfo_to_dict(f"postgresql://{rest}" if found else url)
+    except psycopg.ProgrammingError as exc:
+        raise ValueError(f"not a PostgreSQL URL or conninfo: {str(exc).splitlines()[0]}") from None
+    if not params.get("dbname"):
+        raise ValueError("names no database (e.g. postgresql://user@host:5432/conveyor)")
+
+
 SETTINGS_MODELS = ("CommonSettings", "GatewaySettings")  # a ValidationError's `title`
 
 
@@ -149,7 +165,9 @@ class GatewaySettings(CommonSettings):
     @field_validator("database_url")
     @classmethod
     def _normalize(cls, value: str) -> str:
-        return normalize_database_url(value)
+        url = normalize_database_url(value)
+        _names_a_database(url)
+        return url
 
     @field_validator("callback_allowed_hosts", mode="before")
     @classmethod

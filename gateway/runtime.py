@@ -33,6 +33,9 @@ from gateway.service_stats import ServiceStats, register_gauges
 from gateway.supervisor import Supervisor
 from gateway.task_events import TaskEvents
 
+# How often a gateway waiting for `conveyor db upgrade` looks again.
+SCHEMA_RECHECK = 1.0
+
 log = logging.getLogger("conveyor.gateway")
 
 
@@ -101,8 +104,10 @@ class Runtime:
         self.loops = Supervisor()
         self.background = False
         self._connecting: asyncio.Task[None] | None = None
-        # Until the database is found to hold our schema (checked at start and by /readyz).
+        # What the database lacks of our schema (checked at start and by every /readyz).
         self.schema_problem: str | None = "not checked yet: the database did not answer"
+        self._schema_wait: asyncio.Task[None] | None = None
+        self._loops_spawned = False
 
     async def _client_hash(self, client_id: str) -> str | None:
         return await self._hash("SELECT secret_hash FROM clients WHERE client_id = %s", client_id)
@@ -119,8 +124,25 @@ class Runtime:
 
     async def start(self, background: bool = True) -> None:
         self._connecting = asyncio.create_task(self._connect_broker())
-        if await self._check_schema() and self.schema_problem is not None:
+        self.background = background
+        answered = await self._check_schema()
+        if self.schema_problem is None:
+            self._spawn_loops()
+            return
+        if answered:
             log.error(self.schema_problem)  # and /readyz says it, until the schema is there
+        self._schema_wait = asyncio.create_task(self._spawn_loops_once_the_schema_is_there())
+
+    async def _spawn_loops_once_the_schema_is_there(self) -> None:
+        """Started on tables not made yet, every loop would crash and be restarted, a traceback
+        each time, for as long as nobody runs the upgrade."""
+        while not (await self._check_schema() and self.schema_problem is None):
+            await asyncio.sleep(SCHEMA_RECHECK)
+        log.info("the database holds this gateway's schema now: starting its loops")
+        self._spawn_loops()
+
+    def _spawn_loops(self) -> None:
+        self._loops_spawned = True
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "outbox-flush": self.outbox.flush_loop,
             "listener": self.listener.listen_loop,
@@ -129,8 +151,8 @@ class Runtime:
         }
         for name, loop in loops.items():
             self.loops.spawn(name, loop)
-        if background:
-            self.start_background()
+        if self.background:
+            self._spawn_background()
 
     def start_background(self) -> None:
         """The loops one process of a group runs: relay, results, notifier, reaper; at start,
@@ -138,6 +160,10 @@ class Runtime:
         if self.background:
             return
         self.background = True
+        if self._loops_spawned:  # else with the others, once the schema is there
+            self._spawn_background()
+
+    def _spawn_background(self) -> None:
         s = self.settings
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "outbox-relay": self.outbox.relay_loop,
@@ -171,16 +197,16 @@ class Runtime:
                 await self.broker.connect()
 
     async def _check_schema(self) -> bool:
-        """Whether the database answered; `schema_problem` says what it lacks, if anything.
-        Once our schema is there it stays: it is not checked again."""
+        """Whether the database answered; `schema_problem` says what it lacks, if anything
+        (also when a downgrade took it from under a running gateway)."""
         try:
             async with asyncio.timeout(2), self.pool.connection() as conn:
-                if self.schema_problem is None:
-                    await conn.execute("SELECT 1")
-                else:
-                    self.schema_problem = await schema.problem(conn)
+                problem = await schema.problem(conn)
         except Exception:
             return False
+        if problem is not None and self.schema_problem is None:
+            log.error(problem)
+        self.schema_problem = problem
         return True
 
     async def ready(self) -> dict[str, bool]:
@@ -202,6 +228,9 @@ class Runtime:
         }
 
     async def stop(self) -> None:
+        if self._schema_wait is not None:
+            self._schema_wait.cancel()
+            await asyncio.gather(self._schema_wait, return_exceptions=True)
         if self._connecting is not None:
             self._connecting.cancel()
             await asyncio.gather(self._connecting, return_exceptions=True)

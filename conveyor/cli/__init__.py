@@ -33,7 +33,16 @@ def main() -> None:
         for refusal in refusals(exc):
             print(f"error: {refusal}", file=sys.stderr)
         sys.exit(2)
-    except ModuleNotFoundError as exc:  # a command of a component whose extra is missing
+    except Exception as exc:
+        _fail_plainly(exc)
+
+
+def _fail_plainly(exc: Exception) -> None:
+    """A missing extra or an operator's situation (conveyor.cli.failures) in one line; any
+    other exception is raised on, traceback and all."""
+    from conveyor.cli.failures import explain
+
+    if isinstance(exc, ModuleNotFoundError):  # a command of a component whose extra is missing
         component = "dispatcher" if sys.argv[1:2] == ["dispatcher"] else "gateway"
         print(
             f"error: {exc.name} is not installed; this command needs"
@@ -41,3 +50,8 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+    message = explain(exc)
+    if message is None:
+        raise exc
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from gateway.migrate import upgrade
+from gateway.migrate import downgrade, upgrade
 from tests.support.amqp import scratch_database
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
@@ -56,8 +56,10 @@ def test_a_gateway_on_an_unmigrated_database_says_to_upgrade_then_serves(
                 )
             assert _error(answer) == (503, 503001), answer.text
             assert answer.headers["retry-after"] == "1"
+            time.sleep(2)  # what the loops would log meanwhile, were they started
         log = gateway.proc.logs()
         assert UPGRADE in log
+        assert "Traceback" not in log  # the loops wait for the schema instead of crashing
 
         upgrade(url)
         svc = svc or Platform(url).service()
@@ -65,3 +67,7 @@ def test_a_gateway_on_an_unmigrated_database_says_to_upgrade_then_serves(
             assert _ready_within(http, 20).status_code == 200
             created = http.post(gateway.tasks_url(svc.name), json={"body": {}})
             assert created.status_code == 201, created.text
+
+            downgrade(url, "0012")  # from under the running gateway
+            ready = http.get("/readyz")
+            assert ready.status_code == 503 and "0012" in ready.json()["schema"], ready.text

@@ -38,6 +38,9 @@ HOSTILE = [
     ("PURGE_BATCH_SIZE", "0"),
     ("SILENCE_MARGIN", "-5"),
     ("PENDING_TTL", "1e300"),
+    ("DATABASE_URL", "garbage"),  # libpq reads neither a URL nor a conninfo in it
+    ("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/"),  # no database named
+    ("DATABASE_URL", "host=127.0.0.1 user=postgres"),
 ]
 
 

@@ -1,0 +1,37 @@
+"""What an operator is told when a command meets a database it cannot use.
+
+An unreachable server, a database not migrated yet, a revision Alembic does not know: these
+are situations, not bugs, so each is one line on stderr and exit 1 instead of a traceback of
+50 lines. Anything else still ends in its traceback: that one is ours to fix.
+"""
+
+from __future__ import annotations
+
+
+def explain(exc: BaseException) -> str | None:
+    """One line for an operator's situation; None for anything else. Imports lazily: a
+    dispatcher-only image has neither psycopg nor alembic."""
+    try:
+        import psycopg
+        from alembic.util import CommandError
+
+        from gateway.schema import UPGRADE
+    except ModuleNotFoundError:
+        return None
+    if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
+        return f"the database lacks Conveyor's schema, or part of it: {UPGRADE}"
+    if isinstance(exc, psycopg.OperationalError):
+        return f"cannot use the database: {_first_line(exc)}"
+    if isinstance(exc, CommandError):
+        return (
+            f"{_first_line(exc)} (a revision this version does not know: mistyped, or"
+            " from a newer version of Conveyor)"
+            if "Can't locate revision" in str(exc)
+            else _first_line(exc)
+        )
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else exc.__class__.__name__

@@ -13,7 +13,9 @@ I/O differs. API errors raise `ConveyorError`, and so does an answer the SDK can
 `httpx.TransportError` subclasses unchanged, except while `follow` or `wait` waits: they
 ride out a gateway unreachable, or answering 502/503/504, for up to `OUTAGE_WINDOW_S` (a
 restart, a rolling deploy, a database failover), polling meanwhile (pausing as its
-`Retry-After` says), and raise only after that.
+`Retry-After` says), and raise only after that. What the SDK cannot send (a task id or
+service that is not one path segment, an Idempotency-Key a header cannot carry, NaN in a body,
+a negative interval, a timeout not above 0) raises ValueError at the call, before any request.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -35,6 +38,7 @@ import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 
 from conveyor import __version__
+from conveyor import headers as h
 
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 10.0
@@ -46,7 +50,16 @@ OUTAGE_WINDOW_S = 30.0
 STREAM_READ_TIMEOUT_S = 60.0
 UNAVAILABLE_STATUSES = frozenset({502, 503, 504})  # ridden out while following, like no answer
 _SHORTEST_TIMEOUT_S = 0.01  # a request made at the deadline still gets a (tiny) timeout
+# ... and a longer one while no state was seen: a short timeout against a healthy gateway
+# then still sees the task, and ends in TaskWaitTimeout rather than in a transport error.
+_FIRST_ANSWER_S = 0.5
 _DEFAULT = httpx.USE_CLIENT_DEFAULT  # (None would mean no timeout at all to httpx)
+# A header value the gateway reads back unchanged: visible ASCII, spaces only inside (HTTP
+# strips them at either end); httpx cannot send other characters, nor h11 a line break.
+_HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+# What cannot be in one path segment: the gateway decodes %2F before routing, and control
+# characters have no place in a URL.
+_NOT_IN_A_SEGMENT = re.compile(r"[/\x00-\x1f\x7f-\x9f]")
 
 
 class ConveyorError(Exception):
@@ -126,8 +139,64 @@ class _Call:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+def _segment(value: str, what: str) -> str:
+    """`value` as one path segment, or ValueError: '/' would still split it (the gateway
+    decodes %2F before routing), and httpx resolves '.' and '..' away, so such an id would
+    reach another route, or none, instead of being answered 404 for what it is."""
+    if value in ("", ".", "..") or _NOT_IN_A_SEGMENT.search(value):
+        raise ValueError(
+            f"{what} {value!r} cannot be one segment of the URL path"
+            " (it is empty, '.' or '..', or has a '/' or a control character)"
+        )
+    return quote(value, safe="")
+
+
 def _tasks_path(service: str) -> str:
-    return f"/v1/services/{quote(service, safe='')}/tasks"
+    return f"/v1/services/{_segment(service, 'service')}/tasks"
+
+
+def _task_path(service: str, task_id: str) -> str:
+    return f"{_tasks_path(service)}/{_segment(task_id, 'task id')}"
+
+
+def _key_headers(idempotency_key: str | None) -> dict[str, str]:
+    """The Idempotency-Key header (none for None), or ValueError for a key the gateway would
+    refuse (1 to 200 characters) or could not read back as sent (see _HEADER_VALUE)."""
+    if idempotency_key is None:
+        return {}
+    if len(idempotency_key) > h.MAX_IDEMPOTENCY_KEY or not _HEADER_VALUE.fullmatch(idempotency_key):
+        raise ValueError(
+            f"Idempotency-Key {idempotency_key[:50]!r} cannot be sent: it must be 1 to"
+            f" {h.MAX_IDEMPOTENCY_KEY} visible ASCII characters (spaces only inside)"
+        )
+    return {"Idempotency-Key": idempotency_key}
+
+
+def _json_ready(payload: dict[str, Any]) -> dict[str, Any]:
+    """`payload`, or ValueError naming where a NaN or Infinity is: JSON has no such numbers
+    (httpx would refuse them with a bare "Out of range float values")."""
+    try:
+        json.dumps(payload, allow_nan=False)
+    except ValueError:
+        path, number = _first_non_finite(payload)
+        raise ValueError(
+            f"the request cannot be sent as JSON: {path} is {number!r}, and NaN and Infinity"
+            " are not JSON numbers"
+        ) from None
+    return payload
+
+
+def _first_non_finite(payload: dict[str, Any]) -> tuple[str, float]:
+    """Where json.dumps found a NaN or Infinity (iterative: a body may be deeply nested)."""
+    stack: list[tuple[Any, str]] = [(payload, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path, value
+        if isinstance(value, dict | list | tuple):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((v, f"{path}/{k}" if path else str(k)) for k, v in reversed(list(items)))
+    return "a value", math.nan  # unreachable: json.dumps found one
 
 
 def task_item(
@@ -149,19 +218,18 @@ def task_item(
 
 
 def _submit_call(service: str, item: dict[str, Any], idempotency_key: str | None) -> _Call:
-    payload = item
-    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    return _Call("POST", _tasks_path(service), payload, headers)
+    headers = _key_headers(idempotency_key)
+    return _Call("POST", _tasks_path(service), _json_ready(item), headers)
 
 
 def _batch_call(service: str, tasks: list[dict[str, Any]], idempotency_key: str | None) -> _Call:
     """`tasks`: items as the API takes them (`task_item`), `{"body": {...}, ...}`."""
-    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    return _Call("POST", f"{_tasks_path(service)}/batch", {"tasks": tasks}, headers)
+    headers = _key_headers(idempotency_key)
+    return _Call("POST", f"{_tasks_path(service)}/batch", _json_ready({"tasks": tasks}), headers)
 
 
 def _events_path(service: str, task_id: str) -> str:
-    return f"{_tasks_path(service)}/{quote(task_id, safe='')}/events"
+    return f"{_task_path(service, task_id)}/events"
 
 
 def _is_stream(response: httpx.Response) -> bool:
@@ -233,11 +301,11 @@ def _stream_task(sse: ServerSentEvent) -> Task | None:
 
 
 def _cancel_call(service: str, task_id: str) -> _Call:
-    return _Call("POST", f"{_tasks_path(service)}/{quote(task_id, safe='')}/cancel")
+    return _Call("POST", f"{_task_path(service, task_id)}/cancel")
 
 
 def _get_call(service: str, task_id: str) -> _Call:
-    return _Call("GET", f"{_tasks_path(service)}/{quote(task_id, safe='')}")
+    return _Call("GET", _task_path(service, task_id))
 
 
 class _Unreadable(ValueError):
@@ -388,12 +456,25 @@ def _task(data: dict[str, Any]) -> Task:
     )
 
 
+def _following(service: str, task_id: str, timeout: float | None, interval: float) -> _Pacer:
+    """The pacer of a `follow`, once its arguments are checked (ValueError), so that a caller
+    learns of a mistake at the call, not at the first outage."""
+    _task_path(service, task_id)
+    return _Pacer(timeout, interval)
+
+
 class _Pacer:
     """The schedule shared by both flavours while following a task: how long each request may
     take (never past the deadline), how long to pause, when to give up, and how long the
     gateway may stay unreachable or unavailable (502/503/504) before its error is raised."""
 
     def __init__(self, timeout: float | None, interval: float) -> None:
+        """ValueError, at the call, for a timeout or interval that is not a number of seconds
+        (a negative pause would crash the first wait on an outage; a NaN, every comparison)."""
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a finite number of seconds above 0, not {timeout}")
+        if not (math.isfinite(interval) and interval >= 0):
+            raise ValueError(f"interval must be a finite number of seconds >= 0, not {interval}")
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._interval = interval
         self._unreachable_since: float | None = None
@@ -405,7 +486,8 @@ class _Pacer:
 
     def _within(self, seconds: float) -> float:
         left = self.left()
-        return seconds if left is None else max(min(seconds, left), _SHORTEST_TIMEOUT_S)
+        shortest = _SHORTEST_TIMEOUT_S if self.last is not None else _FIRST_ANSWER_S
+        return seconds if left is None else max(min(seconds, left), min(seconds, shortest))
 
     def poll_timeout(self, timeout: float) -> httpx.Timeout:
         """The client's `timeout`, cut to the time left; TaskWaitTimeout once it is none."""
@@ -558,10 +640,18 @@ class ConveyorClient(_FromEnv):
 
         A gateway unreachable or answering 502/503/504 is waited for up to OUTAGE_WINDOW_S
         (pausing as its Retry-After says), then its error is raised. Raises TaskWaitTimeout
-        after `timeout` seconds: no request outlives the deadline. When no state was ever
-        seen by then, the error of the request the deadline cut (an httpx.TransportError, or
-        a ConveyorError of an unavailable gateway) is raised instead, at the deadline."""
-        pacer = _Pacer(timeout, interval)
+        after `timeout` seconds: no request outlives the deadline (but for a first state,
+        given half a second: a short timeout against a healthy gateway ends in TaskWaitTimeout
+        too). When no state was ever seen by then, the error of the request the deadline cut
+        (an httpx.TransportError, or a ConveyorError of an unavailable gateway) is raised
+        instead, at the deadline.
+
+        ValueError at the call, before any request, for a timeout, interval, service or task
+        id the SDK cannot use."""
+        pacer = _following(service, task_id, timeout, interval)
+        return self._follow(service, task_id, pacer)
+
+    def _follow(self, service: str, task_id: str, pacer: _Pacer) -> Iterator[Task]:
         if not (yield from self._stream(service, task_id, pacer)):
             yield from self._poll(service, task_id, pacer)
 
@@ -589,9 +679,11 @@ class ConveyorClient(_FromEnv):
                             if task.done:
                                 return True
                 except (httpx.StreamError, httpx.TransportError) as exc:
-                    if deadline is not None and deadline.passed.is_set() and pacer.last:
-                        raise TaskWaitTimeout(pacer.last) from exc
-                    raise
+                    if deadline is None or not deadline.passed.is_set():
+                        raise
+                    if pacer.last is None:
+                        return False  # cut before its first event: one last poll gets it
+                    raise TaskWaitTimeout(pacer.last) from exc
                 finally:
                     if deadline is not None:
                         deadline.cancel()
@@ -699,7 +791,7 @@ class AsyncConveyorClient(_FromEnv):
         had already finished otherwise."""
         return _parse_task(await self._send(_cancel_call(service, task_id)))
 
-    async def follow(
+    def follow(
         self,
         service: str,
         task_id: str,
@@ -712,11 +804,20 @@ class AsyncConveyorClient(_FromEnv):
 
         A gateway unreachable or answering 502/503/504 is waited for up to OUTAGE_WINDOW_S
         (pausing as its Retry-After says), then its error is raised. Raises TaskWaitTimeout
-        after `timeout` seconds: no request outlives the deadline. When no state was ever
-        seen by then, the error of the request the deadline cut (an httpx.TransportError, or
-        a ConveyorError of an unavailable gateway) is raised instead, at the deadline."""
-        pacer = _Pacer(timeout, interval)
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        after `timeout` seconds: no request outlives the deadline (but for a first state,
+        given half a second: a short timeout against a healthy gateway ends in TaskWaitTimeout
+        too). When no state was ever seen by then, the error of the request the deadline cut
+        (an httpx.TransportError, or a ConveyorError of an unavailable gateway) is raised
+        instead, at the deadline.
+
+        ValueError at the call, before any request, for a timeout, interval, service or task
+        id the SDK cannot use."""
+        pacer = _following(service, task_id, timeout, interval)
+        return self._follow(service, task_id, pacer)
+
+    async def _follow(self, service: str, task_id: str, pacer: _Pacer) -> AsyncIterator[Task]:
+        left = pacer.left()
+        deadline = None if left is None else asyncio.get_running_loop().time() + left
         opening = pacer.stream_timeout(self.config.timeout)
         try:
             async with aconnect_sse(
@@ -734,9 +835,9 @@ class AsyncConveyorClient(_FromEnv):
                                     if task.done:
                                         return
                     except TimeoutError:
-                        if pacer.last is None:
-                            raise
-                        raise TaskWaitTimeout(pacer.last) from None
+                        if pacer.last is not None:
+                            raise TaskWaitTimeout(pacer.last) from None
+                        # cut before its first event: one last poll below gets it
         except (httpx.StreamError, httpx.TransportError) as exc:
             pacer.give_up_at_deadline(exc)  # else the gateway went away: polling rides it out
         except ConveyorError as exc:

@@ -20,6 +20,9 @@ RETRY = "x-conveyor-retry"  # the dispatcher's own retries within one delivery, 
 DEADLINE = "x-conveyor-deadline"  # RFC 3339: the call is cut then
 PROGRESS_URL = "x-conveyor-progress-url"
 
+# -- the task API's own request header -------------------------------------------------
+MAX_IDEMPOTENCY_KEY = 200  # characters: the gateway refuses longer keys, the SDK sends none
+
 # -- AMQP headers on `<queue>-in` -------------------------------------------------------
 CE_EXPIRES = "ce-conveyorexpires"  # the `conveyorexpires` extension, as the binding spells it
 

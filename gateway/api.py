@@ -62,7 +62,6 @@ class DirectRoute(APIRoute):
 
 router = APIRouter(route_class=DirectRoute)
 MAX_SERVICE_NAME = 200
-MAX_IDEMPOTENCY_KEY = 200
 # Deeper documents overflow recursive JSON encoders downstream (json, orjson: 254).
 MAX_DEPTH = 128
 # A stopping server lets its event streams end on their own (uvicorn waits 5 s in all).
@@ -185,8 +184,8 @@ def _check_storable(payload: dict[str, Any], first_depth: int = 1) -> None:
 
 def _idempotency_key(request: Request) -> str | None:
     key = request.headers.get("idempotency-key")
-    if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY):
-        raise errors.invalid("Idempotency-Key", f"1 to {MAX_IDEMPOTENCY_KEY} characters")
+    if key is not None and not (0 < len(key) <= h.MAX_IDEMPOTENCY_KEY):
+        raise errors.invalid("Idempotency-Key", f"1 to {h.MAX_IDEMPOTENCY_KEY} characters")
     return key
 
 
@@ -227,7 +226,7 @@ _CREATE_DOC: dict[str, Any] = {
                 "name": "Idempotency-Key",
                 "in": "header",
                 "required": False,
-                "schema": {"type": "string", "maxLength": MAX_IDEMPOTENCY_KEY},
+                "schema": {"type": "string", "maxLength": h.MAX_IDEMPOTENCY_KEY},
                 "description": "Repeats within 24 h return the same taskId with 200",
             }
         ],

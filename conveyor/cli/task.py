@@ -11,6 +11,7 @@ printed without its control characters (an escape sequence would drive the termi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -55,9 +56,43 @@ ServiceOpt = Annotated[
 TargetArgs = Annotated[
     list[str], typer.Argument(metavar="[SERVICE] TASK_ID", help="The task, optionally its service.")
 ]
-IntervalOpt = Annotated[float, typer.Option("--interval", help="Seconds between polls.")]
+
+
+def _seconds(text: str, above_zero: bool) -> float:
+    """A finite number of seconds, refused up front otherwise: a negative or NaN one would
+    crash the wait at its first pause (the SDK refuses it too, but only once submitted)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds < 0 or (above_zero and seconds == 0):
+        raise typer.BadParameter(f"must be a finite number {'above' if above_zero else '>='} 0")
+    return seconds
+
+
+def parse_interval(text: str) -> float:
+    return _seconds(text, above_zero=False)
+
+
+def parse_timeout(text: str) -> float:
+    """Above 0: a deadline already passed could only end in an error."""
+    return _seconds(text, above_zero=True)
+
+
+IntervalOpt = Annotated[
+    float,
+    typer.Option(
+        "--interval", parser=parse_interval, metavar="SECONDS", help="Seconds between polls."
+    ),
+]
 TimeoutOpt = Annotated[
-    float | None, typer.Option("--timeout", help="Give up after this many seconds.")
+    float | None,
+    typer.Option(
+        "--timeout",
+        parser=parse_timeout,
+        metavar="SECONDS",
+        help="Give up after this many seconds.",
+    ),
 ]
 
 
@@ -88,7 +123,10 @@ class Credentials:
             fail(
                 "set CONVEYOR_CLIENT_ID and CONVEYOR_CLIENT_SECRET (or --client-id/--client-secret)"
             )
-        return ConveyorClient(self.gateway, self.client_id, self.client_secret)
+        try:
+            return ConveyorClient(self.gateway, self.client_id, self.client_secret)
+        except httpx.InvalidURL as exc:
+            fail(f"--gateway (CONVEYOR_GATEWAY_URL) is not a URL: {clean(exc)}", 2)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -98,9 +136,13 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 @contextmanager
 def reported_errors(gateway: str) -> Iterator[None]:
-    """Turns client errors into a one-line message and exit code 1."""
+    """Turns client errors into a one-line message and exit code 1; what the SDK refused
+    before any request (ValueError: a task id that is not one path segment, an
+    Idempotency-Key it cannot send, a body with NaN) is a usage error, exit code 2."""
     try:
         yield
+    except ValueError as exc:
+        fail(clean(exc), 2)
     except ConveyorError as exc:
         detail = "".join(
             f"\n  {clean(e.get('path', ''))}: {clean(e.get('message', e))}" for e in exc.errors
@@ -130,9 +172,19 @@ def _read_json(text: str, option: str) -> Any:
         except OSError as exc:
             raise typer.BadParameter(str(exc), param_hint=option) from None
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant)
+    except _NotANumber as exc:
+        fail(f"{option} is not JSON: NaN/Infinity are not JSON numbers (found {exc})", 2)
     except ValueError as exc:
         raise typer.BadParameter(f"not valid JSON: {exc}", param_hint=option) from None
+
+
+class _NotANumber(ValueError):
+    """NaN, Infinity or -Infinity, which Python's json reads but no request can carry."""
+
+
+def _no_constant(constant: str) -> Any:
+    raise _NotANumber(constant)
 
 
 def parse_body(text: str) -> dict[str, Any]:
@@ -281,6 +333,10 @@ def submit(
     if batch is not None:
         if delay is not None or when is not None:
             fail("--delay and --not-before apply to --body; a batch file gives each task's", 2)
+        if callback is not None:
+            fail('--callback applies to --body; a batch file gives each task\'s "callback"', 2)
+        if wait:
+            fail("--wait follows one task: watch each of the batch's with `conveyor task watch`", 2)
         tasks = parse_batch(batch)
         with reported_errors(gateway), creds.client() as client:
             done = client.submit_batch(service, tasks, idempotency_key)

@@ -82,7 +82,7 @@ class FakeGateway:
             return error(403, 403001, "Forbidden.")
         raw_path = request.url.raw_path.decode().partition("?")[0]
         parts = [unquote(part) for part in raw_path.strip("/").split("/")]
-        if parts[:2] != ["v1", "services"] or parts[2] not in ("sleeper", "a/b"):
+        if parts[:2] != ["v1", "services"] or parts[2] not in ("sleeper", "a b?#"):
             return error(404, 404001, "Service not found.")
         if request.method == "POST":
             return self.create(request)
@@ -152,9 +152,11 @@ def test_submit_sends_the_body_callback_and_idempotency_key(
 def test_service_names_are_escaped_in_the_path(
     client: ConveyorClient, gateway: FakeGateway
 ) -> None:
-    client.submit("a/b", {})
+    """Within one segment ('/' is refused: the gateway would route on it, see
+    test_client_inputs.py)."""
+    client.submit("a b?#", {})
 
-    assert gateway.requests[0].url.raw_path == b"/v1/services/a%2Fb/tasks"
+    assert gateway.requests[0].url.raw_path == b"/v1/services/a%20b%3F%23/tasks"
 
 
 def test_get_parses_each_status() -> None:

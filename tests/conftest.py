@@ -9,6 +9,7 @@ database named in the URL is only used to create and drop the run's own one.
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,21 @@ ADMIN_DB_URL = normalize_database_url(
     os.environ.get("CONVEYOR_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 )
 AMQP_URL = os.environ.get("CONVEYOR_AMQP_URL", DEFAULT_AMQP_URL)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With pytest-xdist (`make test`), a worker's `pytest.exit` becomes an internal error that
+    loses its reason: the controller checks a broker that takes connections once, before any
+    worker starts. One that refuses them is left to the tests that need it, as without xdist."""
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    broker = urlsplit(AMQP_URL.split(";")[0])
+    try:
+        socket.create_connection((broker.hostname or "127.0.0.1", broker.port or 5672), 2).close()
+    except OSError:
+        return
+    _require_a_broker_that_answers(AMQP_URL)
 
 
 @pytest.fixture(scope="session")

@@ -41,10 +41,20 @@ def silent_port() -> Iterator[int]:
         conn.close()
 
 
-def test_a_silent_broker_ends_the_run_with_its_reason(silent_port: int) -> None:
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_a_silent_broker_ends_the_run_with_its_reason(silent_port: int, workers: list[str]) -> None:
     env = {**os.environ, "CONVEYOR_AMQP_URL": f"amqp://guest:guest@127.0.0.1:{silent_port}/"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", NEEDS_THE_BROKER],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *workers,
+            NEEDS_THE_BROKER,
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -41,7 +41,10 @@ async def problem(conn: psycopg.AsyncConnection[Any]) -> str | None:
         row = await (await conn.execute("SELECT version_num FROM alembic_version")).fetchone()
     except psycopg.errors.UndefinedTable:
         return f"the database has no Conveyor schema: {UPGRADE}"
-    head, known = _revisions()
+    try:
+        head, known = _revisions()
+    except Exception:  # installed without migrations/: no revision to compare with
+        return None
     current = None if row is None else row[0]
     if current == head or (current is not None and current not in known):
         return None

@@ -67,6 +67,10 @@ BATCHES_HANDED_BACK = Counter(
     "conveyor_gateway_result_batches_handed_back_total",
     "Result batches nacked back to the broker after an unexpected error",
 )
+REPLACED_CHANNELS_REOPENED = Counter(
+    "conveyor_gateway_replaced_channels_reopened_total",
+    "Replaced results channels a broker reconnection reopened, closed again",
+)
 # Where a submission's answer waits (bench.e2e reads it for its idle probes): "store" is the
 # commit of its row(s), "publish" the broker's confirm of what it published before answering.
 SUBMIT_PHASES = Histogram(

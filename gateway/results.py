@@ -29,6 +29,7 @@ import logging
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -68,6 +69,7 @@ log = logging.getLogger("conveyor.gateway.results")
 POISON_BODY_LIMIT = 64 * 1024
 BATCH_SIZE = 200
 BATCH_WINDOW = 0.005
+REPLACED_KEPT = 8  # channels a reconnection may reopen: those it found, a few at most
 DEAD_LETTERED = "dead_lettered"  # the kind of a -dlq message, beside the events' kinds
 POISON = "poison"  # the kind of a message that asks for nothing
 
@@ -168,6 +170,9 @@ class ResultConsumer:
         self.on_finished = on_finished
         self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
         self._channel: AbstractRobustChannel | None = None
+        # Channels replaced by a fresh one, closed, yet closed again should a reconnection
+        # reopen them: aio-pika's restore resets a close that lands while it reopens.
+        self._replaced: deque[AbstractRobustChannel] = deque(maxlen=REPLACED_KEPT)
         self._subscribed: dict[str, Subscription] = {}  # service -> its result queues
         # Queue names services moved away from -> consumers of the result queues left there.
         self._retired: dict[str, list[Consumer]] = {}
@@ -190,6 +195,7 @@ class ResultConsumer:
             await asyncio.sleep(self.refresh_interval)
 
     async def refresh(self) -> None:
+        await self._close_reopened()
         async with self.pool.connection() as conn:
             services = {s.name: s for s in await catalog.all_services(conn)}
             moved = await catalog.moved_queues(conn)
@@ -211,6 +217,7 @@ class ResultConsumer:
             self._subscribed.clear()
             self._retired = {queue_name: [] for queue_name in self._retired}
             if old is not None:
+                self._replaced.append(old)
                 await _close_quietly(old)
         for name in set(self._broken) - set(services):
             del self._broken[name]
@@ -218,6 +225,15 @@ class ResultConsumer:
             if service.name not in self._subscribed:
                 await self._subscribe(self._channel, service)
         await self._consume_retired(self._channel, {s.queue_name for s in services.values()}, moved)
+
+    async def _close_reopened(self) -> None:
+        """A replaced channel the reconnection reopened anyway would consume every result queue
+        a second time, and the dropped channel would never be closed: closed again."""
+        for channel in self._replaced:
+            if not channel.is_closed:
+                log.warning("a replaced results channel was reopened by a reconnection; closed")
+                metrics.REPLACED_CHANNELS_REOPENED.inc()
+                await _close_quietly(channel)
 
     async def _subscribe(self, channel: AbstractChannel, service: catalog.Service) -> None:
         """Declares the service's queues on a channel of their own (a refused declaration

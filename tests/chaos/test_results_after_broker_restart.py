@@ -28,11 +28,14 @@ from tests.support.servers import RabbitNode
 pytestmark = pytest.mark.timeout(180)
 
 
-def _eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
+def _eventually(
+    check: Callable[[], bool], timeout: float, what: str, seen: Callable[[], object] = str
+) -> None:
+    """`seen()`: what the failure message shows of the state last found."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout}s")
+            raise AssertionError(f"not {what} after {timeout}s: {seen()}")
         time.sleep(0.2)
 
 
@@ -207,7 +210,8 @@ def test_the_watchdog_waits_while_results_cannot_be_heard(
         assert _status(platform, task_id) == "IN_PROGRESS"
     finally:
         private_rabbit.ctl("start_app")
-    _eventually(lambda: _consumers(amqp_url, out) == 1, 60, "consuming -out again")
+    consumers = lambda: f"{_consumers(amqp_url, out)} consumers on {out}"  # noqa: E731
+    _eventually(lambda: _consumers(amqp_url, out) == 1, 60, "consuming -out again", consumers)
     done = TaskEvent(EventKind.SUCCEEDED, task_id, response={"held": "through the outage"})
     asyncio.run(_publish(amqp_url, service.name, out, done))
     _eventually(lambda: _status(platform, task_id) != "IN_PROGRESS", 20, "finished")

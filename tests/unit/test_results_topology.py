@@ -82,3 +82,23 @@ def test_a_lost_connection_is_not_a_broken_service(lost: Exception) -> None:
     with pytest.raises(type(lost)):  # the refresh fails and runs again after the reconnection
         asyncio.run(consumer._declare(_service()))
     assert consumer.broken() == {}
+
+
+class Reopened:
+    """A replaced channel as aio-pika leaves it when our close lands while its restore reopens
+    it (`RobustChannel.reopen` resets the close): open, with its consumers back."""
+
+    def __init__(self) -> None:
+        self.is_closed = False
+
+    async def close(self) -> None:
+        self.is_closed = True
+
+
+def test_a_replaced_channel_a_reconnection_reopened_is_closed_again() -> None:
+    consumer = results.ResultConsumer(None, broker=None, delivery_limit=5)  # type: ignore[arg-type]
+    reopened, closed = Reopened(), Reopened()
+    closed.is_closed = True
+    consumer._replaced.extend([closed, reopened])  # type: ignore[list-item]
+    asyncio.run(consumer._close_reopened())
+    assert reopened.is_closed, "it would consume every result queue a second time"

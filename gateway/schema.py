@@ -31,10 +31,6 @@ def _revisions() -> tuple[str, frozenset[str]]:
     return head, frozenset(r.revision for r in script.walk_revisions())
 
 
-def needed() -> str:
-    return _revisions()[0]
-
-
 async def problem(conn: psycopg.AsyncConnection[Any]) -> str | None:
     """None if the schema is this code's or newer; else what is wrong and what to run."""
     try:

@@ -247,7 +247,7 @@ def _inject_knative(
     wiring = resolve(Mode.KNATIVE, name, options, existing)
     port = choose_dispatcher_port(dpod, existing, None)
     # Knative's cluster-local URL; POD_NAMESPACE keeps the manifest namespace-free.
-    url = f"http://{name}.$(POD_NAMESPACE).svc.cluster.local/"
+    url = f"http://{name}.$(POD_NAMESPACE).svc.cluster.local{wiring.function_path}"
     upsert_dispatcher(dpod, wiring, url, port)
     ensure_grace(dpod, wiring, name_of(deployment), warnings)
     disable_service_links(dpod, name_of(deployment), warnings)

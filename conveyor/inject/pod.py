@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from conveyor.dispatcher_settings import DispatcherSettings
@@ -28,6 +29,7 @@ from conveyor.inject.wiring import (
     env_literal,
     int_or_none,
     resolve,
+    seconds_text,
     setting_literal,
     spellings,
 )
@@ -218,12 +220,12 @@ def _dispatcher_env(wiring: Wiring, function_url: str, port: int) -> list[Doc]:
         env.append({"name": PREFETCH_BUFFER, "value": str(wiring.prefetch_buffer)})
     env += [
         {"name": SHUTDOWN_MODE, "value": str(wiring.shutdown_mode)},
-        {"name": DRAIN_TIMEOUT, "value": str(wiring.drain_timeout)},
+        {"name": DRAIN_TIMEOUT, "value": seconds_text(wiring.drain_timeout)},
         {"name": DISPATCHER_PORT, "value": str(port)},
         {"name": ONE_SHOT, "value": "1" if wiring.mode is Mode.JOB else "0"},
     ]
     if wiring.mode is Mode.JOB:
-        env.append({"name": IDLE_EXIT_SECONDS, "value": str(wiring.idle_exit_seconds)})
+        env.append({"name": IDLE_EXIT_SECONDS, "value": seconds_text(wiring.idle_exit_seconds)})
     if wiring.mode is Mode.KNATIVE:  # the function reports progress from its own pods
         env.append({"name": PROGRESS_PORT, "value": str(KNATIVE_PROGRESS_PORT)})
         env.append(_field_env(POD_IP, "status.podIP"))
@@ -306,7 +308,7 @@ def ensure_grace(pod: Doc, wiring: Wiring, owner: str, warnings: list[str]) -> N
     """terminationGracePeriodSeconds must outlast the drain (SPEC §8)."""
     grace = pod.get("terminationGracePeriodSeconds")
     if not isinstance(grace, int) or grace <= wiring.drain_timeout:
-        grace = wiring.drain_timeout + GRACE_MARGIN_SECONDS
+        grace = math.ceil(wiring.drain_timeout) + GRACE_MARGIN_SECONDS
         pod["terminationGracePeriodSeconds"] = grace
     if wiring.mode is not Mode.JOB and grace >= DEPLOYMENT_GRACE_LIMIT:
         warnings.append(
@@ -345,7 +347,8 @@ def wire_pod(
     dispatcher_port = choose_dispatcher_port(pod, existing, port)
     _make_native_sidecar(pod, function, port)
     harden_function(function, pod, port, knative=False)
-    dispatcher = upsert_dispatcher(pod, wiring, f"http://127.0.0.1:{port}/", dispatcher_port)
+    url = f"http://127.0.0.1:{port}{wiring.function_path}"
+    dispatcher = upsert_dispatcher(pod, wiring, url, dispatcher_port)
     restrict_pod(pod, {id(function), id(dispatcher)})
     _annotate_function(template, str(function.get("name")))
     ensure_grace(pod, wiring, owner, warnings)

@@ -4,8 +4,10 @@ wrote, else the mode's default (so re-injecting never silently resets them)."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from conveyor import __version__
 from conveyor.dispatcher_settings import PREFIX, ShutdownMode, dispatcher_variable
@@ -62,11 +64,12 @@ class Wiring:
     queue: str
     concurrency: int
     shutdown_mode: ShutdownMode
-    drain_timeout: int
+    drain_timeout: float
     image: str
     amqp_secret: str
-    idle_exit_seconds: int = DEFAULT_IDLE_EXIT_SECONDS
+    idle_exit_seconds: float = DEFAULT_IDLE_EXIT_SECONDS
     prefetch_buffer: int = 0
+    function_path: str = "/"
 
     @property
     def prefetch(self) -> int:
@@ -130,20 +133,97 @@ def _env_secret_name(container: Doc | None, name: str) -> str | None:
 
 
 def int_or_none(value: str | None, what: str) -> int | None:
+    """A whole number the existing dispatcher was given, as the dispatcher reads it: `4.5` is
+    refused there, so it is refused here rather than written back as 4."""
     if value is None:
         return None
     try:
-        return int(float(value))
+        return int(value.strip())
+    except ValueError:
+        raise InjectError(
+            f"the existing dispatcher's {what} is not a whole number: {value!r}"
+        ) from None
+
+
+def seconds_or_none(value: str | None, what: str, positive: bool = False) -> float | None:
+    """A duration the existing dispatcher was given, kept as it is (29.5 stays 29.5)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
     except ValueError:
         raise InjectError(f"the existing dispatcher has a non-numeric {what}: {value!r}") from None
+    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
+        bound = "greater than 0" if positive else "0 or more"
+        raise InjectError(f"the existing dispatcher's {what} must be {bound}: {value!r}")
+    return seconds
+
+
+def seconds_text(seconds: float) -> str:
+    """How a duration is written back: `30` for 30.0, `29.5` for 29.5."""
+    return str(int(seconds)) if float(seconds).is_integer() else str(seconds)
+
+
+# The settings inject computes the rest of the workload from (the KEDA trigger's queue and
+# value, the grace period, the function's URL), with the option that sets each one instead.
+_COMPUTED_FROM: dict[str, str | None] = {
+    QUEUE: "--queue",
+    FUNCTION_URL: None,
+    CONCURRENCY: "--concurrency",
+    PREFETCH_BUFFER: None,
+    SHUTDOWN_MODE: "--shutdown-mode",
+    DRAIN_TIMEOUT: "--drain-timeout",
+    IDLE_EXIT_SECONDS: None,
+    DISPATCHER_PORT: None,
+}
+
+
+def _refuse_references(mode: Mode, existing: Doc | None, options: InjectOptions) -> None:
+    """A setting inject reads from a ConfigMap or a Secret (valueFrom) cannot be known here: it
+    would be replaced by a default without a word, and the KEDA trigger would count another
+    value. The user says it instead, by the option or as a literal value."""
+    given = {
+        QUEUE: options.queue,
+        CONCURRENCY: options.concurrency,
+        SHUTDOWN_MODE: options.shutdown_mode,
+        DRAIN_TIMEOUT: options.drain_timeout,
+    }
+    # A Job takes one message at a time and is the only mode that idles out.
+    ignored = {CONCURRENCY, PREFETCH_BUFFER} if mode is Mode.JOB else {IDLE_EXIT_SECONDS}
+    for variable, option in _COMPUTED_FROM.items():
+        if variable in ignored:
+            continue
+        entry = setting_entry(existing, variable) or {}
+        if "valueFrom" not in entry or "value" in entry or given.get(variable) is not None:
+            continue
+        instead = f"pass {option}, or " if option else ""
+        raise InjectError(
+            f"the existing dispatcher takes {entry.get('name')} from valueFrom, which inject "
+            f"cannot read; it writes that setting itself: {instead}set it as a value"
+        )
+
+
+def function_path(existing: Doc | None) -> str:
+    """The path (and query) of the function's URL an earlier injection or the author wrote:
+    inject owns the URL's host and port, which come from the function's container, not the
+    path it is served on."""
+    url = setting_literal(existing, FUNCTION_URL)
+    if not url:
+        return "/"
+    parts = urlsplit(url)
+    path = parts.path or "/"
+    return f"{path}?{parts.query}" if parts.query else path
 
 
 def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None) -> Wiring:
     """Option, else the value an earlier injection wrote, else the mode's default."""
     defaults = _MODE_DEFAULTS[mode]
+    _refuse_references(mode, existing, options)
     concurrency = options.concurrency or int_or_none(
         setting_literal(existing, CONCURRENCY), CONCURRENCY
     )
+    if concurrency is not None and concurrency < 1:
+        raise InjectError(f"{CONCURRENCY} must be at least 1, not {concurrency}")
     buffer = int_or_none(setting_literal(existing, PREFETCH_BUFFER), PREFETCH_BUFFER) or 0
     if buffer < 0:
         raise InjectError(f"{PREFETCH_BUFFER} must not be negative, not {buffer}")
@@ -153,10 +233,12 @@ def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None)
         # ONE_SHOT takes one message at a time whatever the buffer: none is written.
         concurrency, buffer = 1, 0
     shutdown = options.shutdown_mode or setting_literal(existing, SHUTDOWN_MODE)
-    drain = options.drain_timeout
+    drain: float | None = options.drain_timeout
     if drain is None:
-        drain = int_or_none(setting_literal(existing, DRAIN_TIMEOUT), DRAIN_TIMEOUT)
-    idle = int_or_none(setting_literal(existing, IDLE_EXIT_SECONDS), IDLE_EXIT_SECONDS)
+        drain = seconds_or_none(setting_literal(existing, DRAIN_TIMEOUT), DRAIN_TIMEOUT)
+    idle = seconds_or_none(
+        setting_literal(existing, IDLE_EXIT_SECONDS), IDLE_EXIT_SECONDS, positive=True
+    )
     try:
         shutdown_mode = ShutdownMode(shutdown) if shutdown else defaults["shutdown_mode"]
     except ValueError:
@@ -173,4 +255,5 @@ def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None)
         or DEFAULT_AMQP_SECRET,
         idle_exit_seconds=DEFAULT_IDLE_EXIT_SECONDS if idle is None else idle,
         prefetch_buffer=buffer,
+        function_path=function_path(existing),
     )

@@ -12,7 +12,7 @@ import pytest
 
 from conveyor.dispatcher_settings import DispatcherSettings, ShutdownMode
 from conveyor.inject import InjectOptions, inject_yaml, load_documents
-from conveyor.inject.documents import dump_documents
+from conveyor.inject.documents import InjectError, dump_documents
 from tests.k8s import checks
 from tests.k8s.test_inject import BARE_DEPLOYMENT, BARE_JOB, BARE_KSVC, one
 
@@ -199,3 +199,102 @@ def test_an_explicit_enable_service_links_is_turned_off_with_a_warning() -> None
     assert dispatcher(docs).pod.spec["enableServiceLinks"] is False
     assert any("enableServiceLinks" in w for w in warnings), warnings
     assert inject(dump_documents(docs))[1] == []
+
+
+# -------------------------------------------------------- what re-injecting keeps
+
+
+@pytest.mark.parametrize(
+    ("mode", "variable", "value"),
+    [
+        ("job", "IDLE_EXIT_SECONDS", "0.5"),
+        ("sidecar", "DRAIN_TIMEOUT", "29.5"),
+        ("knative", "DRAIN_TIMEOUT", "12.25"),
+    ],
+)
+def test_a_fraction_of_a_second_is_kept_as_written(mode: str, variable: str, value: str) -> None:
+    """Found by a review: inject read these as whole numbers, so IDLE_EXIT_SECONDS=0.5 came back
+    as 0, which the dispatcher refuses (every Job's dispatcher exited 1), and a drain of 29.5 s
+    as 29. Now a duration is kept as written, and the grace period still outlasts it."""
+    docs, _ = reinject_with(BARE[mode], [{"name": variable, "value": value}])
+    d = dispatcher(docs)
+    run = settings(d)
+    assert d.env[variable] == value
+    assert getattr(run, variable.lower()) == float(value)
+    assert d.pod.spec["terminationGracePeriodSeconds"] > run.drain_timeout
+    assert inject(dump_documents(docs))[0] == docs
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("CONCURRENCY", "4.5", "not a whole number"),
+        ("CONCURRENCY", "0", "at least 1"),
+        ("PREFETCH_BUFFER", "1.5", "not a whole number"),
+        ("DRAIN_TIMEOUT", "-1", "0 or more"),
+        ("DRAIN_TIMEOUT", "nan", "0 or more"),
+    ],
+)
+def test_a_setting_the_dispatcher_refuses_is_refused_by_inject(
+    variable: str, value: str, says: str
+) -> None:
+    """The dispatcher would refuse these at start; inject used to round them (4.5 → 4) or put
+    its default in their place (0 → 4) without a word."""
+    with pytest.raises(InjectError, match=says):
+        reinject_with(BARE_DEPLOYMENT, [{"name": variable, "value": value}])
+
+
+def test_idle_exit_seconds_of_zero_is_refused_in_job_mode() -> None:
+    with pytest.raises(InjectError, match="greater than 0"):
+        reinject_with(BARE_JOB, [{"name": "IDLE_EXIT_SECONDS", "value": "0"}])
+
+
+@pytest.mark.parametrize("mode", sorted(BARE))
+def test_the_functions_path_is_kept(mode: str) -> None:
+    """Found by a review: re-injecting wrote FUNCTION_URL back as the bare port, so a function
+    served on /invoke got its tasks POSTed to /. Inject owns the host and port (they come from
+    the function's container); the path and query are the author's."""
+    docs, _ = reinject_with(
+        BARE[mode], [{"name": "FUNCTION_URL", "value": "http://127.0.0.1:8080/invoke?v=2"}]
+    )
+    d = dispatcher(docs)
+    assert d.env["FUNCTION_URL"].endswith("/invoke?v=2"), d.env["FUNCTION_URL"]
+    run = settings(d)
+    assert run.function_url.endswith("/invoke?v=2")
+    assert inject(dump_documents(docs))[0] == docs
+
+
+@pytest.mark.parametrize(
+    ("variable", "option"),
+    [
+        ("CONCURRENCY", {"concurrency": 6}),
+        ("CONVEYOR_QUEUE", {"queue": "jobs"}),
+        ("DRAIN_TIMEOUT", {"drain_timeout": 40}),
+        ("PREFETCH_BUFFER", None),
+        ("FUNCTION_URL", None),
+    ],
+)
+def test_a_setting_from_a_config_map_is_not_replaced_without_a_word(
+    variable: str, option: dict[str, Any] | None
+) -> None:
+    """Found by a review: CONCURRENCY taken from a ConfigMap came back as the literal '4' (the
+    default), exit 0, no warning. Inject must know these values (the KEDA trigger's queue and
+    value, the grace period come from them), so it says which one it cannot read and how to set
+    it; given by its option, the option's value is written."""
+    reference = {"configMapKeyRef": {"name": "fn-settings", "key": variable.lower()}}
+    docs, _ = inject(BARE_DEPLOYMENT)
+    dispatcher(docs).container["env"] += [{"name": variable, "valueFrom": reference}]
+    text = dump_documents(docs)
+    with pytest.raises(InjectError, match=f"{variable} from valueFrom"):
+        inject(text)
+    if option is None:
+        return
+    again, _ = inject(text, **option)
+    run = settings(dispatcher(again)) if variable != "CONVEYOR_QUEUE" else None
+    if variable == "CONCURRENCY":
+        assert run is not None and run.concurrency == 6 and trigger_value(again) == 6
+    if variable == "DRAIN_TIMEOUT":
+        assert run is not None and run.drain_timeout == 40
+    if variable == "CONVEYOR_QUEUE":
+        assert dispatcher(again).env["CONVEYOR_QUEUE"] == "jobs"
+    checks.check_scaling(again)

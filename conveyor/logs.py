@@ -1,6 +1,9 @@
 """Logging set-up shared by every process: JSON in production, readable on a TTY.
 
-Message bodies and secrets are never passed to a logger; records carry ids only.
+Message bodies and secrets are never passed to a logger; records carry ids only. A database
+error is the exception: PostgreSQL's DETAIL and CONTEXT quote the row or the value it refused
+("Failing row contains (…)", a task's body, its callback URL), so wherever an error is written
+(a logged traceback, `describe`) a database error says its primary message only.
 """
 
 from __future__ import annotations
@@ -8,8 +11,82 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import re
 import sys
+import traceback
 from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any
+
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
+
+# A value the server quotes in its primary message (`invalid input syntax for type uuid: "…"`)
+# is cut; names it quotes (relations, constraints: at most 63 bytes) are kept.
+_QUOTED_VALUE = re.compile(r'(invalid input (?:syntax|value) for [^:]*): .*|"[^"]{64,}"')
+
+
+def _said_by_the_database(exc: BaseException) -> str | None:
+    """A database error's primary message, without what it quotes; None for other errors.
+    Duck-typed (psycopg's `diag`), so that the dispatcher, which has no driver, can use it."""
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    if diag is None or not hasattr(exc, "sqlstate"):
+        return None
+    said = primary or str(exc).partition("\n")[0]
+    return _QUOTED_VALUE.sub(lambda m: m.group(1) or '"…"', said)
+
+
+def describe(exc: BaseException | None, limit: int = 300) -> str:
+    """One line about an error that is safe to log or to serve: `repr` for most, the class and
+    the primary message for a database error, each member of a group."""
+    if exc is None:
+        return "unknown"
+    if isinstance(exc, BaseExceptionGroup):
+        inner = ", ".join(describe(e, limit) for e in exc.exceptions)
+        return f"{type(exc).__name__}({inner})"[:limit]
+    said = _said_by_the_database(exc)
+    if said is not None:
+        return f"{type(exc).__name__}: {said}"[:limit]
+    return repr(exc)[:limit]
+
+
+def reason(exc: BaseException) -> str:
+    """An error's text for a person (`str`, else its class), a database error's primary
+    message only."""
+    said = _said_by_the_database(exc)
+    if said is not None:
+        return f"{type(exc).__name__}: {said}"
+    return str(exc) or type(exc).__name__
+
+
+def _scrub(te: traceback.TracebackException, exc: BaseException | None, seen: set[int]) -> None:
+    """Replaces the text of each database error in a formatted chain by its primary message."""
+    if exc is None or id(exc) in seen:
+        return
+    seen.add(id(exc))
+    said = _said_by_the_database(exc)
+    if said is not None:
+        te._str = said  # type: ignore[attr-defined]  # what format() writes after the class
+    if te.__cause__ is not None:
+        _scrub(te.__cause__, exc.__cause__, seen)
+    if te.__context__ is not None:
+        _scrub(te.__context__, exc.__context__, seen)
+    for member, error in zip(te.exceptions or (), getattr(exc, "exceptions", ()), strict=False):
+        _scrub(member, error, seen)
+
+
+def format_exception(exc_info: ExcInfo | tuple[None, None, None]) -> str:
+    _, exc, tb = exc_info
+    if exc is None:
+        return ""
+    te = traceback.TracebackException(type(exc), exc, tb, compact=True)
+    _scrub(te, exc, set())
+    return "".join(te.format()).rstrip("\n")
+
+
+class _Scrubbing(logging.Formatter):
+    def formatException(self, ei: Any) -> str:
+        return format_exception(ei)
 
 
 class LogFormat(enum.StrEnum):
@@ -22,7 +99,7 @@ class LogFormat(enum.StrEnum):
 _RESERVED = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message"}
 
 
-class JsonFormatter(logging.Formatter):
+class JsonFormatter(_Scrubbing):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
@@ -36,7 +113,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-class TextFormatter(logging.Formatter):
+class TextFormatter(_Scrubbing):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S")
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 
+from conveyor import logs
 from gateway import lifecycle, metrics
 from gateway.hearing import Hearing
 from gateway.pgpool import MAINTENANCE_TIMEOUT, Pool
@@ -155,5 +156,5 @@ async def reaper_loop(
             if reaped or silent:
                 on_expired()
         except Exception as exc:
-            log.warning("reaper pass failed", extra={"error": repr(exc)})
+            log.warning("reaper pass failed", extra={"error": logs.describe(exc)})
         await asyncio.sleep(interval)

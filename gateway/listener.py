@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
+from conveyor import logs
 from gateway.database_url import libpq
 
 log = logging.getLogger("conveyor.gateway.listener")
@@ -116,4 +117,4 @@ def _report_lost(state: RetryCallState) -> None:
     if isinstance(error, NotNotified):
         log.warning("the database sends no notifications (a migration is missing)")
     else:
-        log.warning("notifications lost; listening again", extra={"error": repr(error)})
+        log.warning("notifications lost; listening again", extra={"error": logs.describe(error)})

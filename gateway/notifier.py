@@ -39,7 +39,7 @@ from tenacity import (
 )
 
 from conveyor import headers as h
-from conveyor import tracing
+from conveyor import logs, tracing
 from gateway import callbacks, metrics
 from gateway.pgpool import CONNECTION_ERRORS, Pool
 from gateway.store import task_view
@@ -210,7 +210,7 @@ class Notifier:
                 async with self.pool.connection() as conn:
                     await conn.execute(_RENEW, {"lease": self.lease, **self._ours(self._claims)})
             except CONNECTION_ERRORS as exc:
-                log.warning("could not renew callback leases", extra={"error": repr(exc)})
+                log.warning("could not renew callback leases", extra={"error": logs.describe(exc)})
 
     async def _notify(self, row: Any) -> None:
         outcome = "SUCCESS"
@@ -226,7 +226,7 @@ class Notifier:
             Exception
         ) as exc:  # whatever happens, the outcome is recorded: nothing retries forever
             outcome = "FAILURE"
-            reason = str(exc) or exc.__class__.__name__
+            reason = logs.reason(exc)
             log.info("callback failed", extra={"task_id": str(row.task_id), "reason": reason})
         metrics.child(metrics.NOTIFICATIONS, outcome).inc()
         await self._record(row.id, row.claim, outcome)

@@ -42,7 +42,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
-from conveyor import topology, tracing
+from conveyor import logs, topology, tracing
 from conveyor.events import MessageFormat, Submission, encode_submission
 from gateway import lifecycle, metrics
 from gateway.broker import Broker, PublishError, PublishTimeout
@@ -230,7 +230,9 @@ class Outbox:
                 await conn.execute(_MARK_PUBLISHED, {"ids": ids})
         except Exception as exc:
             # The rows stay unpublished; the relay republishes them later (a harmless duplicate).
-            log.warning("could not mark confirmed tasks published", extra={"error": repr(exc)})
+            log.warning(
+                "could not mark confirmed tasks published", extra={"error": logs.describe(exc)}
+            )
 
     # -- relay -------------------------------------------------------------
 
@@ -315,7 +317,7 @@ def _log_backoff(state: RetryCallState) -> None:
     log.warning(
         "outbox relay backs off",
         extra={
-            "error": repr(error),
+            "error": logs.describe(error),
             "seconds": round(state.upcoming_sleep, 2),
         },
     )

@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from conveyor import logs
 from gateway import metrics
 from gateway.pgpool import MAINTENANCE_TIMEOUT, Pool
 
@@ -71,5 +72,5 @@ async def analyze_loop(pool: Pool, interval: float) -> None:
             async with pool.connection(MAINTENANCE_TIMEOUT) as conn:
                 await refresh(conn)
         except Exception as exc:  # lock timeout, outage: the next pass tries again
-            log.warning("statistics pass failed", extra={"error": repr(exc)})
+            log.warning("statistics pass failed", extra={"error": logs.describe(exc)})
         await asyncio.sleep(interval)

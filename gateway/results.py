@@ -47,7 +47,7 @@ from psycopg.types.json import Jsonb
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 from conveyor import headers as h
-from conveyor import storable, topology, tracing
+from conveyor import logs, storable, topology, tracing
 from conveyor.amqp import from_amqp
 from conveyor.events import (
     MessageFormat,
@@ -191,7 +191,7 @@ class ResultConsumer:
             try:
                 await self.refresh()
             except Exception as exc:
-                log.warning("could not refresh subscriptions", extra={"error": repr(exc)})
+                log.warning("could not refresh subscriptions", extra={"error": logs.describe(exc)})
             await asyncio.sleep(self.refresh_interval)
 
     async def refresh(self) -> None:
@@ -596,10 +596,7 @@ def _unusable(reason: str, terminal: tuple[str, uuid.UUID] | None, queue: str | 
 
 def _refused(plan: Plan, exc: Exception) -> Plan:
     """A message the database refuses alone, set aside instead."""
-    # The primary message only: PostgreSQL's DETAIL and CONTEXT may quote the data refused.
-    diag = getattr(exc, "diag", None)
-    said = (diag.message_primary if diag is not None else None) or str(exc).partition("\n")[0]
-    reason = f"database refused it: {exc.__class__.__name__}: {said[:200]}"
+    reason = f"database refused it: {logs.describe(exc, 240)}"
     change = plan.change
     terminal = (plan.kind, change.task_id) if change and change.terminal else None
     return _unusable(reason, terminal, change.params.get("queue") if change else None)

@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from conveyor import topology
+from conveyor import logs, topology
 from gateway import metrics
 from gateway.broker import Broker
 from gateway.pgpool import Pool
@@ -184,7 +184,7 @@ class ServiceStats:
                     if not channel.is_closed:
                         await channel.close()
         except Exception as exc:  # the broker down or slow: depths unknown, figures still shown
-            log.warning("queue depths unavailable", extra={"error": repr(exc)})
+            log.warning("queue depths unavailable", extra={"error": logs.describe(exc)})
         return found
 
     @staticmethod

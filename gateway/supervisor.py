@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
+from conveyor import logs
 from gateway import metrics
 
 log = logging.getLogger("conveyor.gateway.supervisor")
@@ -73,7 +74,7 @@ class Supervisor:
 
     def _crashed(self, name: str, state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome else None
-        self._down[name] = repr(error)[:300]
+        self._down[name] = logs.describe(error)
         metrics.child(metrics.LOOP_RESTARTS, name).inc()
         log.error(
             "background loop crashed; restarting",

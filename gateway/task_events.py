@@ -39,7 +39,7 @@ import anyio
 import psycopg
 from sse_starlette import ServerSentEvent
 
-from conveyor import strict_json
+from conveyor import logs, strict_json
 from gateway import access_cache, errors, metrics
 from gateway.listener import Listener
 from gateway.pgpool import CONNECTION_ERRORS, Pool
@@ -147,7 +147,7 @@ class TaskEvents:
                     except errors.ApiError:
                         return  # purged, or access revoked meanwhile: the stream just ends
                     except CONNECTION_ERRORS as exc:  # the database is away: retry, slowly
-                        log.info("task stream could not read", extra={"error": repr(exc)})
+                        log.info("task stream could not read", extra={"error": logs.describe(exc)})
                         await _wait(changed, UNHEARD_POLL)
                         continue
                     if (fresh["status"], fresh["progress"]) != (data["status"], data["progress"]):

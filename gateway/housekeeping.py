@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 
 from conveyor import logs
-from gateway import lifecycle, metrics
+from gateway import lifecycle, metrics, supervisor
 from gateway.hearing import Hearing
 from gateway.pgpool import MAINTENANCE_TIMEOUT, Pool
 
@@ -155,6 +155,8 @@ async def reaper_loop(
                 log.warning("failed silent in-progress tasks", extra={"count": silent})
             if reaped or silent:
                 on_expired()
+            supervisor.pass_succeeded()
         except Exception as exc:
+            supervisor.pass_failed(exc)
             log.warning("reaper pass failed", extra={"error": logs.describe(exc)})
         await asyncio.sleep(interval)

@@ -18,6 +18,7 @@ import psycopg
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from conveyor import logs
+from gateway import supervisor
 from gateway.database_url import libpq
 
 log = logging.getLogger("conveyor.gateway.listener")
@@ -103,6 +104,7 @@ class Listener:
                 if subscriber.on_connected is not None:
                     await subscriber.on_connected(conn)
             self.listening = True
+            supervisor.pass_succeeded()
             log.info("listening", extra={"channels": sorted(self._channels)})
             # A server that goes away ends this with an OperationalError; one that vanishes
             # silently is caught by the TCP keepalives within about 10 s.
@@ -114,6 +116,8 @@ class Listener:
 
 def _report_lost(state: RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome else None
+    if error is not None:
+        supervisor.pass_failed(error)
     if isinstance(error, NotNotified):
         log.warning("the database sends no notifications (a migration is missing)")
     else:

@@ -82,6 +82,11 @@ SUBMIT_PHASES = Histogram(
 LOOP_RESTARTS = Counter(
     "conveyor_gateway_loop_restarts_total", "Background loops restarted after a crash", ["loop"]
 )
+LOOP_FAILURES = Counter(
+    "conveyor_gateway_loop_failures_total",
+    "Passes of a background loop that failed, the loop trying again by itself",
+    ["loop"],
+)
 EVENT_STREAMS = Gauge(
     "conveyor_gateway_event_streams",
     "Task event streams open (SSE)",

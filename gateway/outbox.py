@@ -44,7 +44,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from conveyor import logs, topology, tracing
 from conveyor.events import MessageFormat, Submission, encode_submission
-from gateway import lifecycle, metrics
+from gateway import lifecycle, metrics, supervisor
 from gateway.broker import Broker, PublishError, PublishTimeout
 from gateway.catalog import Service
 from gateway.pgpool import Pool
@@ -228,7 +228,9 @@ class Outbox:
         try:
             async with self.pool.connection() as conn:
                 await conn.execute(_MARK_PUBLISHED, {"ids": ids})
+            supervisor.pass_succeeded()
         except Exception as exc:
+            supervisor.pass_failed(exc)
             # The rows stay unpublished; the relay republishes them later (a harmless duplicate).
             log.warning(
                 "could not mark confirmed tasks published", extra={"error": logs.describe(exc)}
@@ -246,6 +248,7 @@ class Outbox:
             async for attempt in retrying:
                 with attempt:
                     await self._drain()
+            supervisor.pass_succeeded()
             await asyncio.sleep(self.interval)
 
     async def _drain(self) -> None:
@@ -314,6 +317,8 @@ class Outbox:
 
 def _log_backoff(state: RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome else None
+    if error is not None:
+        supervisor.pass_failed(error)
     log.warning(
         "outbox relay backs off",
         extra={

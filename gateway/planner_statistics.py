@@ -22,7 +22,7 @@ import psycopg
 from psycopg import sql
 
 from conveyor import logs
-from gateway import metrics
+from gateway import metrics, supervisor
 from gateway.pgpool import MAINTENANCE_TIMEOUT, Pool
 
 log = logging.getLogger("conveyor.gateway.planner_statistics")
@@ -71,6 +71,8 @@ async def analyze_loop(pool: Pool, interval: float) -> None:
         try:
             async with pool.connection(MAINTENANCE_TIMEOUT) as conn:
                 await refresh(conn)
+            supervisor.pass_succeeded()
         except Exception as exc:  # lock timeout, outage: the next pass tries again
+            supervisor.pass_failed(exc)
             log.warning("statistics pass failed", extra={"error": logs.describe(exc)})
         await asyncio.sleep(interval)

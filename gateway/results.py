@@ -59,7 +59,7 @@ from conveyor.events import (
     encode_submission,
     is_cloudevent,
 )
-from gateway import catalog, lifecycle, metrics
+from gateway import catalog, lifecycle, metrics, supervisor
 from gateway.broker import Broker
 from gateway.hearing import Hearing
 from gateway.pgpool import CONNECTION_ERRORS, Pool
@@ -190,7 +190,9 @@ class ResultConsumer:
         while True:
             try:
                 await self.refresh()
+                supervisor.pass_succeeded()
             except Exception as exc:
+                supervisor.pass_failed(exc)
                 log.warning("could not refresh subscriptions", extra={"error": logs.describe(exc)})
             await asyncio.sleep(self.refresh_interval)
 

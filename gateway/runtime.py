@@ -220,10 +220,12 @@ class Runtime:
 
     def problems(self) -> dict[str, dict[str, str] | str | None]:
         """What /readyz names: the schema the database lacks, loops waiting for a restart,
-        services whose queues exist with other arguments (their results are still consumed)."""
+        loops whose last pass failed (not a reason for 503: see gateway.supervisor), services
+        whose queues exist with other arguments (their results are still consumed)."""
         return {
             "schema": self.schema_problem,
             "loops": self.loops.down(),
+            "failing": self.loops.failing(),
             "services": self.results.broken(),
         }
 

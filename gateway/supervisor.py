@@ -1,18 +1,27 @@
-"""Keeps the gateway's background loops alive.
+"""Keeps the gateway's background loops alive, and says which are not doing their work.
 
 A loop that raises, or returns when it should run forever, is logged, counted
 and started again after a backoff, so one unexpected exception never leaves
 results unapplied or callbacks unsent for the life of the process. While a loop
-waits for its restart it is reported down, and `/readyz` says which.
+waits for its restart it is reported down, and `/readyz` says which (503).
+
+A loop that catches its own errors and tries again (the reaper, the relay, the listener…)
+never crashes, yet it may fail every pass. It says so with `pass_failed` and `pass_succeeded`:
+its failures are counted, and `/readyz` names it under `failing` until a pass succeeds,
+without turning 503 (the API still serves; an outage of the database or the broker has its
+own check). The loop is found through the context its supervisor set, so that a loop's
+signature stays its own and a loop run outside a supervisor (a test) reports to nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from conveyor import logs
 from gateway import metrics
@@ -31,14 +40,27 @@ class LoopCancelled(RuntimeError):
     does, closing a connection it found stuck). Only `stop()` cancels a loop for good."""
 
 
+# A run this long was healthy: a crash after it starts the backoff over (one crash a day
+# waits the first backoff, not the longest one reached during last week's outage).
+HEALTHY_RUN = 60.0
+
+
 class Supervisor:
     def __init__(self, backoff: float = 0.5, backoff_max: float = 10.0) -> None:
-        self._wait = wait_exponential(multiplier=backoff, max=backoff_max)
+        self._backoff = backoff
+        self._backoff_max = backoff_max
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._down: dict[str, str] = {}  # loop -> why it is waiting for a restart
+        self._failing: dict[str, str] = {}  # loop -> why its last pass failed
+        self._started: dict[str, float] = {}  # loop -> when its current run started
+        self._streak: dict[str, int] = {}  # loop -> crashes in a row, each soon after a start
 
     def spawn(self, name: str, loop: LoopFactory) -> None:
         self._tasks[name] = asyncio.create_task(self._keep(name, loop), name=name)
+
+    def failing(self) -> dict[str, str]:
+        """The loops whose last pass failed, with its error."""
+        return dict(self._failing)
 
     def down(self) -> dict[str, str]:
         """The loops that are not running now, with their last error."""
@@ -54,15 +76,17 @@ class Supervisor:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def _keep(self, name: str, loop: LoopFactory) -> None:
+        _current.set((self, name))  # this task's context, which the loop's own tasks inherit
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(Exception),  # cancellation ends the loop for good
-            wait=self._wait,
+            wait=lambda state: self._pause(name),
             before_sleep=lambda state: self._crashed(name, state),
             reraise=True,
         )
         async for attempt in retrying:
             with attempt:
                 self._down.pop(name, None)
+                self._started[name] = time.monotonic()
                 try:
                     await loop()
                 except asyncio.CancelledError:
@@ -71,6 +95,20 @@ class Supervisor:
                         raise  # stop(): the loop ends for good
                     raise LoopCancelled(f"{name} was cancelled from within") from None
                 raise LoopEnded(f"{name} returned")
+
+    def _pause(self, name: str) -> float:
+        """Exponential in the crashes that came soon after a start, in a row."""
+        healthy = time.monotonic() - self._started.get(name, 0.0) >= HEALTHY_RUN
+        streak = 1 if healthy else self._streak.get(name, 0) + 1
+        self._streak[name] = streak
+        return float(min(self._backoff * 2 ** (streak - 1), self._backoff_max))
+
+    def note_failed(self, name: str, error: BaseException) -> None:
+        self._failing[name] = logs.describe(error)
+        metrics.child(metrics.LOOP_FAILURES, name).inc()
+
+    def note_succeeded(self, name: str) -> None:
+        self._failing.pop(name, None)
 
     def _crashed(self, name: str, state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome else None
@@ -81,3 +119,22 @@ class Supervisor:
             exc_info=error,
             extra={"loop": name, "restart_in": round(state.upcoming_sleep, 2)},
         )
+
+
+_current: ContextVar[tuple[Supervisor, str] | None] = ContextVar("supervised_loop", default=None)
+
+
+def pass_failed(error: BaseException) -> None:
+    """The calling loop's pass failed, and the loop will try again by itself."""
+    current = _current.get()
+    if current is not None:
+        supervisor, name = current
+        supervisor.note_failed(name, error)
+
+
+def pass_succeeded() -> None:
+    """The calling loop's pass did its work: it is no longer named as failing."""
+    current = _current.get()
+    if current is not None:
+        supervisor, name = current
+        supervisor.note_succeeded(name)

@@ -60,7 +60,7 @@ def test_a_refused_submission_logs_no_task_data(
         assert MARK not in log
 
 
-def test_a_failing_reaper_pass_logs_no_task_data(
+def test_a_reaper_failing_every_pass_is_named_in_readyz_and_logs_no_task_data(
     database_url: str, amqp_url: str, procs: Processes
 ) -> None:
     with scratch_database(database_url) as url:
@@ -79,6 +79,26 @@ def test_a_failing_reaper_pass_logs_no_task_data(
         assert "reaper pass failed" in log
         assert "violates check constraint" in log
         assert MARK not in log
+
+        # Found by the same test: a loop failing every pass was invisible. It is named under
+        # `failing` now, and counted, without turning /readyz 503 (the API still serves).
+        with gateway.http() as http:
+            ready = http.get("/readyz")
+            assert ready.status_code == 200, ready.text
+            assert "violates check constraint" in ready.json()["failing"]["reaper"]
+            assert MARK not in ready.text
+            assert (
+                'conveyor_gateway_loop_failures_total{loop="reaper"}' in http.get("/metrics").text
+            )
+            with psycopg.connect(libpq(url), autocommit=True) as conn:
+                conn.execute("ALTER TABLE tasks DROP CONSTRAINT refuses")
+            deadline = time.monotonic() + 20
+            while "failing" in http.get("/readyz").json() and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert "failing" not in http.get("/readyz").json()
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+            (status,) = conn.execute("SELECT status FROM tasks").fetchone()  # type: ignore[misc]
+        assert status == "FAILURE"  # expired, once the pass could write it
 
 
 def test_a_crashed_loop_names_its_error_without_task_data(database_url: str) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from prometheus_client import REGISTRY
 
+from gateway import supervisor as supervisor_module
 from gateway.supervisor import Supervisor
 
 
@@ -91,3 +93,71 @@ async def test_a_loop_a_library_cancels_from_within_is_restarted_too() -> None:
     assert supervisor.down() == {}
     await asyncio.wait_for(supervisor.stop(), 5)  # and stop() still ends it
     assert supervisor.down() == {"cancelled-inside": "stopped"}
+
+
+def _failures(loop: str) -> float:
+    value = REGISTRY.get_sample_value("conveyor_gateway_loop_failures_total", {"loop": loop})
+    return value or 0.0
+
+
+async def test_a_loop_failing_every_pass_is_counted_and_named_until_a_pass_succeeds() -> None:
+    """Found by a black-box test: the reaper, the relay, the listener… catch their errors and
+    try again, so one failing every pass never crashed: /readyz said nothing and nothing was
+    counted, while expired tasks stayed PENDING. A pass that fails now says so."""
+    outcome = {"fail": True}
+    passes: list[bool] = []
+
+    async def retries_by_itself() -> None:
+        while True:
+            try:
+                if outcome["fail"]:
+                    raise ValueError("refused")
+                supervisor_module.pass_succeeded()
+            except ValueError as exc:
+                supervisor_module.pass_failed(exc)
+            passes.append(outcome["fail"])
+            await asyncio.sleep(0.01)
+
+    before = _failures("by-itself")
+    supervisor = Supervisor(backoff=0.01, backoff_max=0.01)
+    supervisor.spawn("by-itself", retries_by_itself)
+    while len(passes) < 3:
+        await asyncio.sleep(0.01)
+    assert "refused" in supervisor.failing()["by-itself"]
+    assert supervisor.down() == {}  # it runs: not a crash
+    assert _failures("by-itself") - before >= 3
+    outcome["fail"] = False
+    while passes[-1]:
+        await asyncio.sleep(0.01)
+    assert supervisor.failing() == {}
+    await supervisor.stop()
+    supervisor_module.pass_failed(ValueError("outside any supervised loop"))  # reports to nobody
+
+
+async def test_the_backoff_starts_over_after_a_healthy_run(monkeypatch: Any) -> None:
+    """Found by a black-box test: the backoff grew during an outage and never came back, so a
+    single crash minutes later waited the longest backoff (10 s with the loop down)."""
+    monkeypatch.setattr(supervisor_module, "HEALTHY_RUN", 0.2)
+    runs: list[float] = []
+    crash_now = asyncio.Event()
+
+    async def crashes_then_runs() -> None:
+        runs.append(asyncio.get_running_loop().time())
+        if len(runs) <= 4:  # an outage: four crashes in a row at once
+            raise RuntimeError("outage")
+        if len(runs) == 5:  # a healthy run, then one crash
+            await crash_now.wait()
+            raise RuntimeError("once")
+        await asyncio.Event().wait()
+
+    supervisor = Supervisor(backoff=0.05, backoff_max=0.4)
+    supervisor.spawn("resets", crashes_then_runs)
+    while len(runs) < 5:
+        await asyncio.sleep(0.01)
+    assert runs[4] - runs[3] >= 0.3  # 0.05, 0.1, 0.2, then 0.4
+    await asyncio.sleep(0.3)  # longer than HEALTHY_RUN
+    crash_now.set()
+    while len(runs) < 6:
+        await asyncio.sleep(0.01)
+    await supervisor.stop()
+    assert runs[5] - runs[4] - 0.3 < 0.2  # the first backoff again (0.05), not 0.4

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 
 from fastapi import FastAPI
@@ -21,6 +22,8 @@ from fastapi import FastAPI
 from conveyor import logs
 from conveyor.settings import GatewaySettings
 from gateway.app import create_app
+
+log = logging.getLogger("conveyor.gateway.workers")
 
 LOCK_ENV = "CONVEYOR_GATEWAY_LOOPS_LOCK"
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode
@@ -35,12 +38,30 @@ def takes_the_loops(path: str) -> bool:
     except BlockingIOError:
         os.close(fd)
         return False
+    except OSError:
+        os.close(fd)
+        raise
     _held.append(fd)
     return True
 
 
 async def _lock_taken(path: str) -> None:
-    while not takes_the_loops(path):
+    """Returns once this worker holds the lock. A lock file it cannot open (a directory put in
+    its place, permissions changed) is said once and tried again: the take-over must not end
+    silently, leaving the group without loops once their holder dies."""
+    said = False
+    while True:
+        try:
+            if takes_the_loops(path):
+                return
+            said = False
+        except OSError as exc:
+            if not said:
+                log.error(
+                    "cannot take the background loops' lock; trying again",
+                    extra={"path": path, "error": logs.describe(exc)},
+                )
+                said = True
         await asyncio.sleep(LOCK_RETRY)
 
 

@@ -346,12 +346,20 @@ def decode_submission(message: WireMessage, service: str = "") -> Submission:
     """Reads either format on `-in`; raises WireError on anything else."""
     if is_cloudevent(message.headers):
         event = _from_wire(message)
+        # Only a submission is a task: another event published to `-in` (a task's outcome, a
+        # type of someone else's) would have its data sent to the function as a body.
+        if event.get_type() != SUBMITTED:
+            raise WireError(f"a CloudEvent on -in must be of type {SUBMITTED}")
+        task_id = _task_id(event.get_id())
+        subject = event.get_subject()
+        if subject is not None and _task_id(subject) != task_id:  # SPEC §6.2: id = subject
+            raise WireError("a submission's subject is not its id")
         data = event.get_data()
         if not isinstance(data, dict):
             raise WireError("submission data is not a JSON object")
         ext = event.get_extension
         return Submission(
-            task_id=_task_id(event.get_id()),
+            task_id=task_id,
             service=event.get_source().rpartition("/")[2] or service,
             body=data,
             max_attempts=_optional_int(ext(EXT_MAX_ATTEMPTS)),

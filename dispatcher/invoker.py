@@ -313,7 +313,7 @@ class Invoker:
             return network_failure(exc)
         except ValueError as exc:
             # aiohttp refuses a header value with control characters (a message put on `-in`
-            # by hand, with a CR LF in its ce-type): no retry can send it.
+            # by hand, with a CR LF in its ce-source): no retry can send it.
             return Failure(truncate(f"The task could not be sent to the function: {exc}"), False)
         return classify(answer.status, body, answer.headers)
 

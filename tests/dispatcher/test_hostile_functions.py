@@ -113,8 +113,10 @@ async def test_a_number_beyond_a_double_is_kept_as_text_not_sent_as_infinity(
 async def test_a_header_with_a_line_break_is_refused_not_sent_nor_retried(
     rabbit: Rabbit, function: FakeFunction, launch: Launch
 ) -> None:
-    """A message put on `-in` by hand with a CR LF in its ce-type: the call cannot be sent
-    as is, so the task fails at once, and no header is smuggled to the function."""
+    """A message put on `-in` by hand with a CR LF in its ce-source (forwarded to the
+    function as is): the call cannot be sent as is, so the task fails at once, and no header
+    is smuggled to the function. (Its ce-type was the vector; a type other than a
+    submission's is poison now.)"""
     import uuid
 
     from conveyor.events import Submission, encode_submission
@@ -123,7 +125,7 @@ async def test_a_header_with_a_line_break_is_refused_not_sent_nor_retried(
     await dispatcher.wait_ready()
     task_id = str(uuid.uuid4())
     wire = encode_submission(Submission(task_id=task_id, service=rabbit.queue, body={}))
-    headers = {**wire.headers, "ce-type": "io.example.x\r\nX-Smuggled: 1"}
+    headers = {**wire.headers, "ce-source": "/v1/services/x\r\nX-Smuggled: 1"}
     await rabbit.publish_raw(wire.body, headers, wire.message_id)
 
     done = await rabbit.wait_terminal(task_id)

@@ -43,6 +43,13 @@ def test_poison_on_in_and_out_is_accounted_for(stack: Stack, platform: Platform)
     out_poison, unknown_out = _poison("started")
     # Well-formed, but about tasks that do not exist.
     in_poison.append(encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0})))
+    # Found by a black-box test: CloudEvents on -in that are not submissions were called.
+    in_poison.append(
+        encode_event(TaskEvent(EventKind.FAILED, unknown_in, error_message="x"), queue)
+    )
+    other_subject = encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0}))
+    other_subject.headers["ce-subject"] = str(uuid.uuid4())
+    in_poison.append(other_subject)
     out_poison.append(encode_event(TaskEvent(EventKind.SUCCEEDED, unknown_out, response={}), queue))
     # The gateway declares a new service's queues shortly after it is created.
     wait_for_queues(url, [f"{queue}-in", f"{queue}-out"])
@@ -57,7 +64,7 @@ def test_poison_on_in_and_out_is_accounted_for(stack: Stack, platform: Platform)
         )
         return dict(rows)
 
-    expected = {f"{queue}-dlq": 5, f"{queue}-out": 5}
+    expected = {f"{queue}-dlq": 7, f"{queue}-out": 5}
     wait_until(lambda: accounted() == expected, 60, what="every poison message set aside")
     for suffix in ("in", "out", "dlq"):  # nothing blocks a queue
         wait_until(

@@ -169,7 +169,7 @@ class Dispatcher:
         await self.broker.listen_for_cancels(
             self.settings.queue, self.settings.hostname, self._on_cancel
         )
-        await self._recall_cancels(self._since(datetime.now(UTC)))
+        await self._recall_cancels(self._since(None))  # before this start: all of it
         self._watch_reconnections()
         frozen = heap.serve(self.metrics.gc_pauses)  # before the first message: none in flight
         await self.broker.consume(self._on_message)
@@ -228,10 +228,13 @@ class Dispatcher:
         if (task_id := _cancelled_task(message)) is not None:
             self.cancels.heard(task_id)
 
-    def _since(self, missed_from: datetime) -> datetime:
-        """Where to read the cancel log from: nothing older than the memory holds, and a
-        minute before the first cancel that may have been missed (clocks differ)."""
+    def _since(self, missed_from: datetime | None) -> datetime:
+        """Where to read the cancel log from: at a start (None), all the memory holds; after
+        an outage, a minute before the first cancel that may have been missed (clocks
+        differ), never older than the memory."""
         memory = datetime.now(UTC) - timedelta(seconds=self.settings.cancel_memory_seconds)
+        if missed_from is None:
+            return memory
         return max(memory, min(missed_from - RECALL_OVERLAP, datetime.now(UTC)))
 
     async def _recall_cancels(self, since: datetime) -> None:

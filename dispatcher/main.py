@@ -210,12 +210,21 @@ class Dispatcher:
         if not self.accepting:
             self.in_flight.spawn(self.worker.hand_back(delivery))
             return
+        self.metrics.received.inc()
         if self.settings.one_shot:
             self.accepting = False
             self.taken.set()
-            self._run_in_background(self.broker.stop_consuming())
-        self.metrics.received.inc()
+            self.in_flight.spawn(self._handle_the_one(delivery))
+            return
         self.in_flight.spawn(self.worker.handle(delivery))
+
+    async def _handle_the_one(self, delivery: Delivery) -> None:
+        """A Job's one message. Its consumer is cancelled first: a message settled at once (a
+        cancelled task's, acked without a call) would otherwise make room for the next one,
+        which would be handed back, counted as an attempt never made."""
+        assert self.worker is not None
+        await self.broker.stop_consuming()
+        await self.worker.handle(delivery)
 
     def _on_cancel(self, message: AbstractIncomingMessage) -> None:
         """A cancel broadcast by the gateway (SPEC §11.1): remembered, its call aborted."""

@@ -69,6 +69,27 @@ def test_a_pending_task_is_cancelled_and_never_called(
     assert _cancelled(stack.poll(task_id))
 
 
+def test_a_job_that_meets_a_cancelled_task_takes_no_second_message(
+    stack: Stack, call_log: Path
+) -> None:
+    """Found by a black-box test: a ONE_SHOT dispatcher acked a cancelled task's message
+    without a call, and the broker sent it the next message before its consumer was cancelled;
+    that message was handed back, so its task's first call said X-Conveyor-Attempt: 2. A Job
+    now cancels its consumer before it settles its one message."""
+    cancelled = stack.submit({"sleep": 0})
+    queued = f"{stack.service.queue_name}-in"
+    assert wait_until(lambda: message_count(stack.amqp_url, queued) == 1, 15)
+    assert _cancel(stack, cancelled).status_code == 200
+    waiting = stack.submit({"sleep": 0})
+    assert wait_until(lambda: message_count(stack.amqp_url, queued) == 2, 15)
+    job = stack.dispatcher("job-cancelled", ONE_SHOT="1", IDLE_EXIT_SECONDS="5")
+    assert job.wait(timeout=30) == 0
+    assert calls_of(call_log, cancelled) == []
+    stack.dispatcher("pod-after-the-job")
+    assert stack.finish(waiting)["status"] == "SUCCESS"
+    assert [call[1] for call in calls_of(call_log, waiting)] == ["1"]
+
+
 def test_an_in_progress_call_is_aborted_and_the_message_acked(stack: Stack, call_log: Path) -> None:
     stack.dispatcher("pod-a")
     task_id = stack.submit({"sleep": 30})

@@ -23,7 +23,7 @@ a stream and from one connection to the next (an id not above the previous one i
 it). The row's version is read before the poll's read, so an event's id never belongs to a later
 state than its data (at worst a state is sent twice across a reconnection, never skipped), and
 once more after a terminal one, which is final: its id is exact. A Last-Event-ID that is not a
-decimal integer is ignored.
+decimal integer, or that is above any id the task was given (from its future), is ignored.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ _VERSION = "SELECT updated_at FROM tasks WHERE task_id = CAST(%(task_id)s AS uui
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 _MAX_ID_DIGITS = 19  # a Last-Event-ID longer than any id this module gives is not one of them
+# An id this far above the task's current one was never given for it (ids are its versions,
+# at most a few above when raised): an hour, far beyond any transaction's start skew.
+_AHEAD = 2 * 3600 * 1_000_000
 
 Read = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -126,6 +129,8 @@ class TaskEvents:
             try:
                 number, data = await current()
                 seen = _last_event_id(last_event_id)
+                if seen is not None and seen > number + _AHEAD:
+                    seen = None  # from this task's future: not an id it was ever given
                 if seen is None:
                     yield _event(number, data)
                 elif not _already_seen(number, seen):

@@ -295,6 +295,27 @@ def test_an_unparsable_last_event_id_is_ignored(
     reader.close()
 
 
+def test_a_last_event_id_from_the_tasks_future_is_ignored(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """Found by a black-box test: a Last-Event-ID above any id the task was given (2**53 - 1)
+    was taken as seen, and the events that followed had made-up ids above it (2**53 and on,
+    past what JavaScript holds exactly, and other than the ids the same states have on any
+    other connection). Such an id is not one of ours: ignored, as an unparsable one."""
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    fresh = _follow(gateway, svc, task_id)
+    ((fresh_id, _),) = fresh.wait_for(1)
+    fresh.close()
+    reader = _follow(gateway, svc, task_id, last_event_id=str(2**53 - 1))
+    ((first_id, data),) = reader.wait_for(1)
+    assert data["status"] == "PENDING" and first_id == fresh_id
+    _set(platform, task_id, status="IN_PROGRESS", start_date="now()", progress=10)
+    (_, (next_id, _)) = reader.wait_for(2)
+    assert int(first_id) < int(next_id) < 2**53
+    reader.close()
+
+
 def test_errors_before_the_stream_are_the_polls(
     gateway: GatewayProcess, platform: Platform
 ) -> None:

@@ -147,6 +147,11 @@ _TRUE = {"1", "on", "t", "true", "y", "yes"}
 _FALSE = {"0", "off", "f", "false", "n", "no"}
 
 
+def integer(text: str) -> int:
+    """An integer setting as the dispatcher reads it: `4` and `4.0`, not `4.5`."""
+    return int(_parse(int, text))
+
+
 def _parse(kind: Any, text: str) -> Any:
     """One value from its text, as pydantic's lax mode reads an environment variable."""
     if isinstance(kind, types.UnionType):  # `X | None`: the variable, when set, is an X

@@ -59,20 +59,26 @@ def reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _scrub(te: traceback.TracebackException, exc: BaseException | None, seen: set[int]) -> None:
-    """Replaces the text of each database error in a formatted chain by its primary message."""
-    if exc is None or id(exc) in seen:
-        return
-    seen.add(id(exc))
-    said = _said_by_the_database(exc)
-    if said is not None:
-        te._str = said  # type: ignore[attr-defined]  # what format() writes after the class
-    if te.__cause__ is not None:
-        _scrub(te.__cause__, exc.__cause__, seen)
-    if te.__context__ is not None:
-        _scrub(te.__context__, exc.__context__, seen)
-    for member, error in zip(te.exceptions or (), getattr(exc, "exceptions", ()), strict=False):
-        _scrub(member, error, seen)
+def _scrub(top: traceback.TracebackException, error: BaseException) -> None:
+    """Replaces the text of each database error in a formatted chain by its primary message.
+    Walks the formatted nodes beside the exceptions they stand for: one exception may stand
+    at several nodes (a group member that is also a cause), and each node is written."""
+    pending: list[tuple[traceback.TracebackException, BaseException | None]] = [(top, error)]
+    seen: set[int] = set()
+    while pending:
+        te, exc = pending.pop()
+        if exc is None or id(te) in seen:
+            continue
+        seen.add(id(te))
+        said = _said_by_the_database(exc)
+        if said is not None:
+            te._str = said  # type: ignore[attr-defined]  # what format() writes after the class
+        if te.__cause__ is not None:
+            pending.append((te.__cause__, exc.__cause__))
+        if te.__context__ is not None:
+            pending.append((te.__context__, exc.__context__))
+        members = getattr(exc, "exceptions", ())
+        pending.extend(zip(te.exceptions or (), members, strict=False))
 
 
 def format_exception(exc_info: ExcInfo | tuple[None, None, None]) -> str:
@@ -80,7 +86,7 @@ def format_exception(exc_info: ExcInfo | tuple[None, None, None]) -> str:
     if exc is None:
         return ""
     te = traceback.TracebackException(type(exc), exc, tb, compact=True)
-    _scrub(te, exc, set())
+    _scrub(te, exc)
     return "".join(te.format()).rstrip("\n")
 
 

@@ -20,9 +20,11 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
+
+from conveyor import logs
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -107,9 +109,36 @@ def span(
     when given, else of the current span. A shared no-op when tracing is off."""
     if not enabled or _tracer is None:
         return _NO_SPAN
-    return _tracer.start_as_current_span(
-        name, context=_parent(parent), kind=_kinds[kind], attributes=attributes
+    return _exported_safely(
+        _tracer.start_as_current_span(
+            name,
+            context=_parent(parent),
+            kind=_kinds[kind],
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
     )
+
+
+@contextlib.contextmanager
+def _exported_safely(made: AbstractContextManager[Any]) -> Iterator[object]:
+    """OpenTelemetry would record an exception's `str` and traceback; a database error's quotes
+    the row it refused (a task's body, its callback URL), and spans leave the cluster. The
+    span says what the log says instead (`conveyor.logs.describe`)."""
+    from opentelemetry.trace import Status, StatusCode
+
+    with made as current:
+        try:
+            yield current
+        except Exception as exc:
+            said = logs.describe(exc, 500)
+            current.add_event(
+                "exception",
+                {"exception.type": type(exc).__qualname__, "exception.message": said},
+            )
+            current.set_status(Status(StatusCode.ERROR, said))
+            raise
 
 
 def record(

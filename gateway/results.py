@@ -412,7 +412,7 @@ class ResultConsumer:
         self.hearing.lost()  # the watchdog waits: what silence there is proves nothing
         log.warning(
             "database unavailable; batch retried",
-            extra={"error": repr(state.outcome.exception() if state.outcome else None)},
+            extra={"error": logs.describe(state.outcome.exception() if state.outcome else None)},
         )
 
     def _note(self, change: lifecycle.Transition, outcome: lifecycle.Outcome) -> None:

@@ -43,6 +43,7 @@ class LoopCancelled(RuntimeError):
 # A run this long was healthy: a crash after it starts the backoff over (one crash a day
 # waits the first backoff, not the longest one reached during last week's outage).
 HEALTHY_RUN = 60.0
+_STREAK_CAP = 64  # 2**63 times any backoff is past any maximum; more would overflow a float
 
 
 class Supervisor:
@@ -99,9 +100,9 @@ class Supervisor:
     def _pause(self, name: str) -> float:
         """Exponential in the crashes that came soon after a start, in a row."""
         healthy = time.monotonic() - self._started.get(name, 0.0) >= HEALTHY_RUN
-        streak = 1 if healthy else self._streak.get(name, 0) + 1
+        streak = 1 if healthy else min(self._streak.get(name, 0) + 1, _STREAK_CAP)
         self._streak[name] = streak
-        return float(min(self._backoff * 2 ** (streak - 1), self._backoff_max))
+        return float(min(self._backoff * 2.0 ** (streak - 1), self._backoff_max))
 
     def note_failed(self, name: str, error: BaseException) -> None:
         self._failing[name] = logs.describe(error)

@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from conveyor import __version__
-from conveyor.dispatcher_settings import PREFIX, ShutdownMode, dispatcher_variable
+from conveyor.dispatcher_settings import PREFIX, ShutdownMode, dispatcher_variable, integer
 from conveyor.inject.documents import Doc, InjectError
 
 # The dispatcher's variables, named by its settings (dispatcher_settings), never re-spelled.
@@ -138,7 +138,7 @@ def int_or_none(value: str | None, what: str) -> int | None:
     if value is None:
         return None
     try:
-        return int(value.strip())
+        return integer(value)
     except ValueError:
         raise InjectError(
             f"the existing dispatcher's {what} is not a whole number: {value!r}"
@@ -210,7 +210,9 @@ def function_path(existing: Doc | None) -> str:
     url = setting_literal(existing, FUNCTION_URL)
     if not url:
         return "/"
-    parts = urlsplit(url)
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return "/"  # not a URL the dispatcher takes: inject writes its own
     path = parts.path or "/"
     return f"{path}?{parts.query}" if parts.query else path
 

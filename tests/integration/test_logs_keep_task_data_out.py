@@ -136,6 +136,12 @@ def test_a_logged_database_error_says_its_primary_message_only(database_url: str
             conn.execute("INSERT INTO t VALUES (-1, %s)", (MARK,))
         with pytest.raises(psycopg.Error) as unreadable:
             conn.execute("SELECT %s::uuid", (MARK,))
+    error = refused.value
+    try:  # one exception at two places of a chain: a group's member and its cause
+        raise ExceptionGroup("g", [error]) from error
+    except ExceptionGroup as group:
+        text = logs.format_exception((type(group), group, group.__traceback__))
+    assert text.count("violates check constraint") == 2 and MARK not in text, text
     for error in (refused.value, unreadable.value):
         assert MARK in str(error)  # what psycopg says, and what must not be written
         assert MARK not in logs.describe(error)

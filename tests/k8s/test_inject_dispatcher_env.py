@@ -249,6 +249,21 @@ def test_idle_exit_seconds_of_zero_is_refused_in_job_mode() -> None:
         reinject_with(BARE_JOB, [{"name": "IDLE_EXIT_SECONDS", "value": "0"}])
 
 
+def test_an_integer_is_read_as_the_dispatcher_reads_it() -> None:
+    """`4.0` is an integer to the dispatcher: inject takes it too (and writes 4)."""
+    docs, _ = reinject_with(BARE_DEPLOYMENT, [{"name": "CONCURRENCY", "value": "4.0"}])
+    assert dispatcher(docs).env["CONCURRENCY"] == "4" and trigger_value(docs) == 4
+
+
+def test_a_function_url_that_is_no_url_gets_inject_s_own() -> None:
+    """A FUNCTION_URL without a scheme (which the dispatcher refuses) is replaced, not mined
+    for a path: `localhost:8080/invoke` would have given port 80808080."""
+    docs, _ = reinject_with(
+        BARE_DEPLOYMENT, [{"name": "FUNCTION_URL", "value": "localhost:8080/x"}]
+    )
+    assert settings(dispatcher(docs)).function_url == "http://127.0.0.1:8080/"
+
+
 @pytest.mark.parametrize("mode", sorted(BARE))
 def test_the_functions_path_is_kept(mode: str) -> None:
     """Found by a review: re-injecting wrote FUNCTION_URL back as the bare port, so a function

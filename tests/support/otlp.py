@@ -35,6 +35,7 @@ class OtlpReceiver:
         self.port = free_port()
         self.keep = keep  # False: a sink that only counts (a benchmark's thousands of spans)
         self.spans: list[ReceivedSpan] = []
+        self.bodies: list[bytes] = []  # every export as sent, to search for what must not be
         self.span_count = 0
         self.requests = 0
         self._lock = threading.Lock()
@@ -95,6 +96,7 @@ class OtlpReceiver:
         with self._lock:
             if self.keep:
                 self.spans.extend(found)
+                self.bodies.append(body)
             self.span_count += len(found)
             self.requests += 1
 

@@ -161,3 +161,24 @@ async def test_the_backoff_starts_over_after_a_healthy_run(monkeypatch: Any) -> 
         await asyncio.sleep(0.01)
     await supervisor.stop()
     assert runs[5] - runs[4] - 0.3 < 0.2  # the first backoff again (0.05), not 0.4
+
+
+async def test_a_loop_crashing_for_hours_is_still_restarted() -> None:
+    """Found by a review: the backoff's exponent grew with every crash in a row, and past
+    about 1,024 (under 3 hours of a database outage at the 10 s maximum) it overflowed a float
+    inside the wait: the loop ended for good, `stopped` in /readyz until the process restarted."""
+    runs: list[int] = []
+
+    async def always_crashes() -> None:
+        runs.append(1)
+        raise RuntimeError("database away")
+
+    supervisor = Supervisor(backoff=0.5, backoff_max=0.0)  # no wait: 1,100 crashes at once
+    supervisor.spawn("outage", always_crashes)
+    deadline = asyncio.get_running_loop().time() + 20
+    while len(runs) < 1100 and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0)
+    assert len(runs) >= 1100, f"restarts ended after {len(runs)} runs: {supervisor.down()}"
+    assert "database away" in supervisor.down().get("outage", "database away")
+    assert supervisor.down().get("outage") != "stopped"
+    await supervisor.stop()

@@ -105,6 +105,32 @@ def test_spans_are_exported_with_their_parents(
     assert type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider"
 
 
+def test_a_database_error_is_exported_without_the_row_it_quotes(
+    receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch, database_url: str
+) -> None:
+    """Found by a review: OpenTelemetry records an escaping exception's `str` and traceback
+    on the span (and its status), and a refused submission's CheckViolation quotes the task's
+    row: body, callback URL, Idempotency-Key, sent to the collector. The span says what the
+    log says now (`conveyor.logs.describe`)."""
+    import psycopg
+
+    from gateway.database_url import libpq
+
+    mark = "BODYMARK-traced"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    try:
+        assert tracing.configure("conveyor-test")
+        with psycopg.connect(libpq(database_url), autocommit=True) as conn:
+            conn.execute("CREATE TEMP TABLE t (a int CHECK (a > 0), b text)")
+            with pytest.raises(psycopg.errors.CheckViolation), tracing.span("submit"):
+                conn.execute("INSERT INTO t VALUES (-1, %s)", (mark,))
+    finally:
+        tracing.shutdown()
+    (span,) = receiver.received()
+    assert span.error is not None and "violates check constraint" in span.error
+    assert receiver.bodies and not any(mark.encode() in body for body in receiver.bodies)
+
+
 @pytest.mark.parametrize(
     ("value", "kept"),
     [

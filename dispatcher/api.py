@@ -111,9 +111,11 @@ class Endpoints:
             return _error(403, 403001, "Forbidden.")
         if not self.board.allows(task_id, request.match_info["token"]):
             return _error(403, 403001, "Forbidden.")
-        return await self._report(request, task_id)
+        return await self._report(request, task_id, remote=True)
 
-    async def _report(self, request: web.Request, task_id: str) -> web.Response:
+    async def _report(
+        self, request: web.Request, task_id: str, remote: bool = False
+    ) -> web.Response:
         raw = b""
         try:
             async for chunk in request.content.iter_any():
@@ -130,7 +132,9 @@ class Endpoints:
         value = parse_progress(raw)
         if isinstance(value, str):
             return _invalid(value)
-        if not self.board.report(task_id, value):
+        if not self.board.report(task_id, value):  # the attempt ended while the body came
+            if remote:  # as for any token that is no longer good: nothing about the task leaks
+                return _error(403, 403001, "Forbidden.")
             return _error(404, 404002, "Task not found.")
         return web.Response(status=204)
 
@@ -215,6 +219,10 @@ class ApiServer:
             access_log=None,
             shutdown_timeout=1.0,
             logger=_ServerLog(logging.getLogger("aiohttp.server")),
+            # A body the handler left unread (a refused report) is not read afterwards to keep
+            # the connection: the connection closes. Read, a body that does not decode (a lying
+            # Content-Encoding) was an ERROR with a traceback per request, anyone's at will.
+            lingering_time=0,
         )
         self._started = False
 

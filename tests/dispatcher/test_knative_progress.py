@@ -117,3 +117,34 @@ async def test_progress_reaches_a_dispatcher_whose_pod_ip_is_ipv6(
     assert end["progress"] == [204, 204]
     progress = [e.progress for e in rabbit.of(task_id) if e.kind is EventKind.PROGRESS]
     assert progress and progress[-1] == 50
+
+
+async def test_a_body_that_does_not_decode_is_no_traceback(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a black-box test: a body that does not match its Content-Encoding, sent with a
+    wrong token (anyone who reaches the pod IP) or for an unknown task, was answered right,
+    403 or 404, but aiohttp then read the rest of the body to keep the connection, failed to
+    decode it and logged an ERROR with a traceback: one per request, a log flooded at will.
+    The refusal now closes the connection instead."""
+    port = free_port()
+    dispatcher = launch(function.url, progress_port=port, pod_ip="127.0.0.1")
+    await dispatcher.wait_ready()
+    garbage = b"\x00not deflate\xff" * 64
+    zeros = f"{'0' * 8}-0000-0000-0000-{'0' * 12}"
+    async with httpx.AsyncClient(timeout=5) as http:
+        for url, status in (
+            (f"http://127.0.0.1:{port}/tasks/{zeros}/progress/x", 403),
+            (f"{dispatcher.base}/tasks/{zeros}/progress", 404),
+        ):
+            for encoding in ("deflate", "gzip"):
+                answer = await http.post(
+                    url,
+                    content=garbage,
+                    headers={"Content-Encoding": encoding, "Content-Type": "application/json"},
+                )
+                assert answer.status_code == status, answer.text
+    task_id = await rabbit.submit({})
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED  # still serves
+    log = dispatcher.proc.logs()
+    assert "Traceback" not in log and "Unhandled exception" not in log, log[-2000:]

@@ -350,9 +350,11 @@ def decode_submission(message: WireMessage, service: str = "") -> Submission:
         # type of someone else's) would have its data sent to the function as a body.
         if event.get_type() != SUBMITTED:
             raise WireError(f"a CloudEvent on -in must be of type {SUBMITTED}")
-        task_id = _task_id(event.get_id())
+        raw_id = event.get_id()
+        task_id = _task_id(raw_id)
         subject = event.get_subject()
-        if subject is not None and _task_id(subject) != task_id:  # SPEC §6.2: id = subject
+        # SPEC §6.2: id = subject. Read as a UUID only when spelled otherwise (never by ours).
+        if subject is not None and subject != raw_id and _task_id(subject) != task_id:
             raise WireError("a submission's subject is not its id")
         data = event.get_data()
         if not isinstance(data, dict):

@@ -1,7 +1,12 @@
 """RabbitMQ topology of a service (SPEC §6.1), declared the same way by everyone.
 
 * `<q>-in`: durable quorum queue; `x-delivery-limit` bounds crash redeliveries,
-  after which the broker dead-letters the submission to `<q>-dlq`.
+  after which the broker dead-letters the submission to `<q>-dlq`, at least once: by
+  default a quorum queue dead-letters at most once, and a submission dead-lettered while
+  `-dlq` cannot take it (no leader yet after a restart, or absent) would be dropped, its
+  task PENDING until its time to live. At least once, the broker keeps it and tries again
+  (every `dead_letter_worker_publisher_confirm_timeout`, 3 min by default). RabbitMQ
+  requires `x-overflow: reject-publish` for it; with no length limit it refuses nothing.
 * `<q>-out`: durable quorum queue of task events, drained by the gateways.
 * `<q>-dlq`: durable quorum queue the gateway drains into FAILURE rows.
 * `<q>-control`: a fanout exchange of cancels (SPEC §11.1); each dispatcher binds an
@@ -13,8 +18,8 @@
 
 Quorum queues on one node too (SPEC §11.7): on a cluster no single node holds a
 service's submissions, results or dead letters alone, and a single node grows into
-a cluster unchanged. A queue's type cannot change in place: `conveyor admin
-migrate-queues` moves an older installation's classic queues over.
+a cluster unchanged. A queue's type and arguments cannot change in place: `conveyor admin
+migrate-queues` moves an older installation's queues to the ones declared here.
 
 Legacy services keep plain durable queues: the seed's workers declare `-in` and
 `-out` with `durable: true` and nothing else, and RabbitMQ would refuse them with
@@ -91,6 +96,8 @@ def service_queues(
         "x-delivery-limit": delivery_limit,
         "x-dead-letter-exchange": "",
         "x-dead-letter-routing-key": dead_letter_queue(queue_name),
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
     }
     return [
         QueueSpec(dead_letter_queue(queue_name), QUORUM),

@@ -325,7 +325,8 @@ class ResultConsumer:
             if self._broken.get(service.name) != reason:
                 metrics.child(metrics.BROKEN_TOPOLOGY, service.name).inc()
                 log.error(
-                    "queues of a service declared with other arguments; consuming as they are",
+                    "queues of a service declared with other arguments; consuming as they are"
+                    " (`conveyor admin migrate-queues` gives them this version's)",
                     extra={"service": service.name, "error": reason},
                 )
             self._broken[service.name] = reason

@@ -170,9 +170,8 @@ def _refused(spec: ServiceSpec, before: MessageFormat | None, exc: Exception) ->
     from conveyor.events import MessageFormat
 
     message = f"service {spec.name}: RabbitMQ refused its queues ({exc}); nothing was applied"
-    if "x-queue-type" not in str(exc):
-        return message
-    if before is not None and before is not spec.messageFormat:
+    other_type = "x-queue-type" in str(exc)
+    if other_type and before is not None and before is not spec.messageFormat:
         return (
             f"{message}. A queue's type cannot change in place (cloudevents services have"
             f" quorum queues, legacy ones classic queues), so messageFormat cannot go from"
@@ -182,14 +181,16 @@ def _refused(spec: ServiceSpec, before: MessageFormat | None, exc: Exception) ->
         )
     if before is MessageFormat.CLOUDEVENTS:
         return (
-            f"{message}. A queue's type cannot change in place: an older installation's"
-            " classic -out and -dlq are moved over by `conveyor admin migrate-queues`"
-            " (docs/scale.md)"
+            f"{message}. A queue's type and arguments cannot change in place: `conveyor admin"
+            " migrate-queues` gives queues declared by an older version, or with another"
+            " DELIVERY_LIMIT, this version's (docs/scale.md); --no-declare applies meanwhile"
         )
-    return (
-        f"{message}. A queue's type cannot change in place, and queues of that name exist"
-        " with another type: give the service another queueName"
-    )
+    if other_type:
+        return (
+            f"{message}. A queue's type cannot change in place, and queues of that name exist"
+            " with another type: give the service another queueName"
+        )
+    return message
 
 
 @app.command("apply")
@@ -409,15 +410,17 @@ def list_all() -> None:
 
 @app.command("migrate-queues")
 def migrate_queues() -> None:
-    """Turn the classic -out and -dlq queues of an older installation into quorum queues.
+    """Give every service's queues the arguments this version declares, losing nothing.
 
-    Stop the gateways first (they consume these queues); dispatchers may keep running.
-    Nothing is lost, and running it again after an interruption finishes the job.
+    An older installation's classic -out and -dlq become quorum queues, and an -in declared
+    by an older version (or with another DELIVERY_LIMIT) is declared anew. Stop the gateways
+    first (they consume -out and -dlq and publish to -in), and the dispatchers when an -in
+    must move. Running it again after an interruption finishes the job.
     """
     from conveyor.connection import connect
     from conveyor.events import MessageFormat
     from gateway import admin
-    from gateway.quorum_migration import InUse, migrate_service
+    from gateway.queue_migration import InUse, migrate_service
 
     queues = [
         row["queue_name"]
@@ -432,8 +435,8 @@ def migrate_queues() -> None:
         )
         async with connection:
             for queue_name in queues:
-                for moved in await migrate_service(connection, queue_name):
-                    state = "converted" if moved.converted else "already quorum"
+                for moved in await migrate_service(connection, queue_name, settings.delivery_limit):
+                    state = "declared anew" if moved.converted else "up to date"
                     typer.echo(f"{moved.queue}: {state}, {moved.messages} message(s) moved")
 
     try:

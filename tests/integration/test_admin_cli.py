@@ -268,6 +268,33 @@ def test_a_topology_rabbitmq_refuses_applies_nothing_of_the_file(
 
 
 @pytest.mark.timeout(90)
+def test_a_service_whose_in_queue_an_older_version_declared_is_told_to_migrate(
+    cli: Any, tmp_path: Path, platform: Platform, amqp_url: str, names: list[str]
+) -> None:
+    """-in from before at-least-once dead-lettering: apply names the command that moves it."""
+    service = _unique("adm-older-in")
+    names.append(service)
+    cli("apply", "-f", str(_write(tmp_path, {"services": [{"name": service}]})), "--no-declare")
+    limit = GatewaySettings().delivery_limit
+    older = {
+        spec.name: {
+            k: v
+            for k, v in spec.arguments.items()
+            if k not in ("x-dead-letter-strategy", "x-overflow")
+        }
+        for spec in topology.service_queues(service, MessageFormat.CLOUDEVENTS, limit)
+    }
+    for queue, arguments in older.items():
+        run_sync(_declare(amqp_url, queue, arguments))
+
+    done = cli("apply", "-f", str(_write(tmp_path, {"services": [{"name": service}]})), check=False)
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "x-dead-letter-strategy" in done.stderr
+    assert "conveyor admin migrate-queues" in done.stderr and "--no-declare" in done.stderr
+
+
+@pytest.mark.timeout(90)
 def test_service_create_refused_by_rabbitmq_keeps_the_old_row(
     cli: Any, platform: Platform, names: list[str]
 ) -> None:

@@ -92,8 +92,15 @@ def _kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
 
 class RabbitNode:
     def __init__(
-        self, base: Path | None = None, cookie: str | None = None, config: str = ""
+        self,
+        base: Path | None = None,
+        cookie: str | None = None,
+        config: str = "",
+        rabbit_env: str = "",
     ) -> None:
+        """`config` is added to rabbitmq.conf; `rabbit_env` is Erlang terms for the `rabbit`
+        application's environment in advanced.config (settings rabbitmq.conf has no key for),
+        e.g. `{dead_letter_worker_publisher_confirm_timeout, 1000}`."""
         if not _RABBIT_SBIN:
             raise RuntimeError("rabbitmq-server is not installed")
         self.sbin = Path(_RABBIT_SBIN[-1])
@@ -107,6 +114,7 @@ class RabbitNode:
         (home / ".erlang.cookie").chmod(0o400)
         (self.base / "empty.env").write_text("")
         (self.base / "enabled_plugins").write_text("[].\n")
+        (self.base / "advanced.config").write_text(f"[{{rabbit, [{rabbit_env}]}}].\n")
         (self.base / "rabbitmq.conf").write_text(
             f"listeners.tcp.default = 127.0.0.1:{self.port}\nloopback_users = none\n{config}"
         )
@@ -120,6 +128,7 @@ class RabbitNode:
             "RABBITMQ_LOG_BASE": str(self.base / "log"),
             "RABBITMQ_CONF_ENV_FILE": str(self.base / "empty.env"),
             "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.base / "advanced.config"),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
             # A frozen or killed peer is noticed in seconds, not a minute.
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel net_ticktime 10",

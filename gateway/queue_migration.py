@@ -1,0 +1,205 @@
+"""Moves a service's queues to the arguments this version declares, losing nothing.
+
+A queue's type and arguments cannot change in place: 0.1's classic `-out` and `-dlq`
+become quorum queues, and an `-in` declared before it dead-lettered at least once (or with
+another `DELIVERY_LIMIT`) gets today's arguments. For each queue: its messages go to a
+quorum queue `<name>.migrating` (each published with a confirm before it is acked), the
+old queue is deleted once it is empty, the new one is declared under the old name and the
+messages come back. Run again after a crash, it finishes the job (`<name>.migrating` is
+emptied into the new queue).
+
+Who must be stopped: the command refuses a queue that has consumers (a consumer's unacked
+messages would go with the deleted queue), so the gateways, which consume `-out` and
+`-dlq`, and for `-in` the dispatchers too. Dispatchers may keep publishing to a classic
+`-out`: a message that arrives before the delete is moved too, and the delete is refused
+while the queue holds one (`if-empty`); in the instant the name is absent their
+`mandatory` publish is returned and retried. A quorum queue has no `if-empty` delete, so
+`-in` moves only while its publishers, the gateways, are stopped: checked by `-out` having
+no consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractConnection
+
+from conveyor import topology
+from conveyor.events import MessageFormat
+
+log = logging.getLogger("conveyor.gateway.queue_migration")
+
+
+class InUse(RuntimeError):
+    """A queue still has consumers, or `-in` still has publishers: stop them first."""
+
+
+@dataclass
+class Moved:
+    queue: str
+    converted: bool  # False: it had this version's arguments already
+    messages: int
+
+
+def staging_name(name: str) -> str:
+    return f"{name}.migrating"
+
+
+async def migrate_service(
+    connection: AbstractConnection, queue_name: str, delivery_limit: int
+) -> list[Moved]:
+    """The service's queues with this version's arguments; a no-op when they have them.
+    `-in` goes last, once `-out` is known to be consumed by no gateway."""
+    specs = {
+        spec.name: spec.arguments
+        for spec in topology.service_queues(queue_name, MessageFormat.CLOUDEVENTS, delivery_limit)
+    }
+    out, dead, submissions = (
+        topology.out_queue(queue_name),
+        topology.dead_letter_queue(queue_name),
+        topology.in_queue(queue_name),
+    )
+    moved = [
+        await migrate_queue(connection, out, specs[out], "stop the gateways first"),
+        await migrate_queue(connection, dead, specs[dead], "stop the gateways first"),
+    ]
+    if await _refusal(connection, submissions, specs[submissions]) is not None:
+        gateways = await _consumers(connection, out)
+        if gateways:
+            raise InUse(
+                f"{out} has {gateways} consumer(s): stop the gateways first (they publish"
+                f" to {submissions})"
+            )
+    stop = "stop the dispatchers first (scale them to zero, and pause their autoscaling)"
+    moved.append(await migrate_queue(connection, submissions, specs[submissions], stop))
+    return moved
+
+
+async def migrate_queue(
+    connection: AbstractConnection, name: str, arguments: dict[str, Any], in_use: str
+) -> Moved:
+    """`name` declared with `arguments`, its messages kept. `in_use` is what to tell the
+    operator when the queue has consumers."""
+    staging = staging_name(name)
+    moved = 0
+    refusal = await _refusal(connection, name, arguments)
+    if refusal is not None:
+        consumers = await _consumers(connection, name)
+        if consumers:
+            raise InUse(f"{name} has {consumers} consumer(s): {in_use}")
+        classic = "'x-queue-type'" in refusal  # RabbitMQ names the argument that differs
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        try:
+            await channel.declare_queue(staging, durable=True, arguments=topology.QUORUM)
+            while True:
+                moved += await _move(channel, name, staging)
+                if classic:
+                    source = await channel.get_queue(name, ensure=False)
+                    try:
+                        await source.delete(if_unused=True, if_empty=True)
+                        break
+                    except aio_pika.exceptions.ChannelPreconditionFailed:
+                        # A message arrived after the move: the channel is closed; round again.
+                        channel = await connection.channel(
+                            publisher_confirms=True, on_return_raises=True
+                        )
+                elif await _emptied(connection, name, in_use):
+                    break
+        finally:
+            await _close(channel)
+    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    try:
+        await channel.declare_queue(name, durable=True, arguments=arguments)
+        if await _exists(connection, staging):
+            await channel.declare_queue(staging, durable=True, arguments=topology.QUORUM)
+            await _move(channel, staging, name)
+            # Nobody else publishes to it, and it is empty now (quorum queues have no if-empty).
+            staged = await channel.get_queue(staging, ensure=False)
+            await staged.delete(if_unused=False, if_empty=False)
+    finally:
+        await _close(channel)
+    if refusal is not None:
+        log.info("queue declared anew", extra={"queue": name, "messages": moved})
+    return Moved(name, refusal is not None, moved)
+
+
+async def _emptied(connection: AbstractConnection, name: str, in_use: str) -> bool:
+    """Deletes quorum queue `name` if it holds no message and has no consumer (RabbitMQ
+    deletes a quorum queue only unconditionally): whether it did."""
+    channel = await connection.channel()
+    try:
+        declared = (await channel.declare_queue(name, passive=True)).declaration_result
+        if declared.consumer_count:
+            raise InUse(f"{name} has {declared.consumer_count} consumer(s): {in_use}")
+        if declared.message_count:
+            return False
+        await channel.queue_delete(name)
+        return True
+    finally:
+        await _close(channel)
+
+
+async def _move(channel: AbstractChannel, source_name: str, target: str) -> int:
+    """Every ready message of `source_name` into `target`, each confirmed before its ack."""
+    source = await channel.get_queue(source_name, ensure=False)
+    moved = 0
+    while (message := await source.get(no_ack=False, fail=False)) is not None:
+        copy = aio_pika.Message(
+            body=message.body,
+            headers=message.headers,
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            message_id=message.message_id,
+            correlation_id=message.correlation_id,
+            timestamp=message.timestamp,
+            type=message.type,
+            app_id=message.app_id,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        await channel.default_exchange.publish(copy, routing_key=target, mandatory=True)
+        await message.ack()
+        moved += 1
+    return moved
+
+
+async def _refusal(
+    connection: AbstractConnection, name: str, arguments: dict[str, Any]
+) -> str | None:
+    """RabbitMQ's reason for refusing to declare `name` with `arguments` (PRECONDITION_FAILED:
+    it exists with others), or None: it has them, or did not exist and has them now."""
+    channel = await connection.channel()
+    try:
+        await channel.declare_queue(name, durable=True, arguments=arguments)
+        return None
+    except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+        return str(exc)
+    finally:
+        await _close(channel)
+
+
+async def _consumers(connection: AbstractConnection, name: str) -> int:
+    channel = await connection.channel()
+    try:
+        declared = await channel.declare_queue(name, passive=True)
+        return int(declared.declaration_result.consumer_count or 0)
+    finally:
+        await _close(channel)
+
+
+async def _exists(connection: AbstractConnection, name: str) -> bool:
+    channel = await connection.channel()
+    try:
+        await channel.declare_queue(name, passive=True)
+        return True
+    except aio_pika.exceptions.ChannelNotFoundEntity:
+        return False
+    finally:
+        await _close(channel)
+
+
+async def _close(channel: AbstractChannel) -> None:
+    if not channel.is_closed:
+        await channel.close()

@@ -1,0 +1,229 @@
+"""`conveyor admin migrate-queues`: an older installation's classic -out and -dlq become
+quorum queues (SPEC §11.7) without losing a message, while a dispatcher keeps publishing; an
+-in declared before it dead-lettered at least once gets this version's arguments, its
+submissions kept."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pika
+import pika.exceptions
+import pytest
+
+from conveyor import topology
+from conveyor.events import MessageFormat, WireMessage
+from conveyor.settings import GatewaySettings
+from tests.support.amqp import (
+    declare_like_seed_worker,
+    delete_queues,
+    message_count,
+    publish,
+    queues_of,
+    raw_json,
+    take_all,
+)
+from tests.support.gateway import Platform
+from tests.support.processes import REPO
+
+
+def _migrate(database_url: str, amqp_url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "conveyor", "admin", "migrate-queues"],
+        cwd=REPO,
+        env={**os.environ, "CONVEYOR_DATABASE_URL": database_url, "CONVEYOR_AMQP_URL": amqp_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+class _Dispatcher(threading.Thread):
+    """Publishes like a dispatcher: confirmed, mandatory, retried when returned."""
+
+    def __init__(self, amqp_url: str, queue: str, count: int) -> None:
+        super().__init__(daemon=True)
+        self.amqp_url, self.queue, self.count = amqp_url, queue, count
+        self.returned = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        connection = pika.BlockingConnection(pika.URLParameters(self.amqp_url))
+        channel = connection.channel()
+        channel.confirm_delivery()
+        for n in range(self.count):
+            while True:
+                try:
+                    channel.basic_publish(
+                        "", self.queue, f'{{"late": {n}}}'.encode(), mandatory=True
+                    )
+                    break
+                except pika.exceptions.UnroutableError:
+                    self.returned += 1  # the instant the queue is absent: publish again
+        connection.close()
+        self.done.set()
+
+
+def test_classic_results_queues_become_quorum_and_keep_every_message(
+    scratch_db: str, amqp_url: str
+) -> None:
+    service = Platform(scratch_db).service()
+    out, dlq = (
+        topology.out_queue(service.queue_name),
+        topology.dead_letter_queue(service.queue_name),
+    )
+    try:
+        declare_like_seed_worker(amqp_url, out)  # what version 0.1 declared
+        declare_like_seed_worker(amqp_url, dlq)
+        publish(amqp_url, out, [raw_json({"early": n}) for n in range(300)])
+        publish(amqp_url, dlq, [raw_json({"dead": n}) for n in range(5)])
+
+        dispatcher = _Dispatcher(amqp_url, out, 500)
+        dispatcher.start()
+        done = _migrate(scratch_db, amqp_url)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert dispatcher.done.wait(60)
+
+        assert _declares(amqp_url, out, topology.QUORUM) and _declares(
+            amqp_url, dlq, topology.QUORUM
+        )
+        bodies = [m.body for m in take_all(amqp_url, out)]
+        assert sorted(bodies) == sorted(
+            [f'{{"early": {n}}}'.encode() for n in range(300)]
+            + [f'{{"late": {n}}}'.encode() for n in range(500)]
+        )
+        assert message_count(amqp_url, dlq) == 5
+        assert message_count(amqp_url, f"{out}.migrating") is None  # the staging queue is gone
+
+        again = _migrate(scratch_db, amqp_url)
+        assert again.returncode == 0 and f"{out}: up to date" in again.stdout, again.stderr
+    finally:
+        delete_queues(amqp_url, [*queues_of(service.queue_name), f"{out}.migrating"])
+
+
+def test_a_queue_with_consumers_is_refused(scratch_db: str, amqp_url: str) -> None:
+    service = Platform(scratch_db).service()
+    out = topology.out_queue(service.queue_name)
+    declare_like_seed_worker(amqp_url, out)
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.basic_consume(out, lambda *_: None)  # a gateway still running
+        done = _migrate(scratch_db, amqp_url)
+        assert done.returncode == 1
+        assert "stop the gateways" in done.stderr and "Traceback" not in done.stderr
+        assert not _declares(amqp_url, out, topology.QUORUM)  # untouched
+    finally:
+        connection.close()
+        delete_queues(amqp_url, queues_of(service.queue_name))
+
+
+def _older_in_arguments(queue_name: str) -> dict[str, Any]:
+    """What versions before at-least-once dead-lettering declared `-in` with."""
+    arguments = _in_spec(queue_name).arguments
+    return {k: v for k, v in arguments.items() if k not in ("x-dead-letter-strategy", "x-overflow")}
+
+
+def _in_spec(queue_name: str) -> topology.QueueSpec:
+    limit = GatewaySettings().delivery_limit
+    return next(
+        spec
+        for spec in topology.service_queues(queue_name, MessageFormat.CLOUDEVENTS, limit)
+        if spec.name == topology.in_queue(queue_name)
+    )
+
+
+def _declares(amqp_url: str, queue: str, arguments: dict[str, Any]) -> bool:
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        connection.channel().queue_declare(queue, durable=True, arguments=arguments)
+        return True
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        assert exc.reply_code == 406, exc
+        return False
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+def _older_service(scratch_db: str, amqp_url: str, submissions: int) -> str:
+    """A service whose -in an older version declared, holding `submissions` messages."""
+    service = Platform(scratch_db).service()
+    queue_name = service.queue_name
+    for name in (topology.out_queue(queue_name), topology.dead_letter_queue(queue_name)):
+        assert _declares(amqp_url, name, topology.QUORUM)
+    assert _declares(amqp_url, topology.in_queue(queue_name), _older_in_arguments(queue_name))
+    publish(
+        amqp_url,
+        topology.in_queue(queue_name),
+        [
+            WireMessage(
+                f'{{"n": {n}}}'.encode(), {"ce-id": f"id-{n}"}, "application/json", f"id-{n}"
+            )
+            for n in range(submissions)
+        ],
+    )
+    return queue_name
+
+
+def test_an_older_in_queue_dead_letters_at_least_once_after_and_keeps_its_submissions(
+    scratch_db: str, amqp_url: str
+) -> None:
+    queue_name = _older_service(scratch_db, amqp_url, 200)
+    submissions = topology.in_queue(queue_name)
+    try:
+        done = _migrate(scratch_db, amqp_url)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"{submissions}: declared anew, 200 message(s) moved" in done.stdout
+
+        assert _declares(amqp_url, submissions, _in_spec(queue_name).arguments)
+        assert not _declares(amqp_url, submissions, _older_in_arguments(queue_name))
+        kept = take_all(amqp_url, submissions)
+        assert sorted((m.message_id, m.body, m.headers.get("ce-id")) for m in kept) == sorted(
+            (f"id-{n}", f'{{"n": {n}}}'.encode(), f"id-{n}") for n in range(200)
+        )
+        assert message_count(amqp_url, f"{submissions}.migrating") is None
+
+        again = _migrate(scratch_db, amqp_url)
+        assert again.returncode == 0, again.stderr
+        assert f"{submissions}: up to date, 0 message(s) moved" in again.stdout
+    finally:
+        delete_queues(amqp_url, [*queues_of(queue_name), f"{submissions}.migrating"])
+
+
+@pytest.mark.parametrize("running", ["dispatcher", "gateway"])
+def test_an_older_in_queue_is_left_alone_while_its_consumers_or_publishers_run(
+    scratch_db: str, amqp_url: str, running: str
+) -> None:
+    queue_name = _older_service(scratch_db, amqp_url, 3)
+    submissions = topology.in_queue(queue_name)
+    consumed = submissions if running == "dispatcher" else topology.out_queue(queue_name)
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=1)
+        channel.basic_consume(consumed, lambda *_: None)  # holds one, never acks
+        done = _migrate(scratch_db, amqp_url)
+        assert done.returncode == 1, done.stdout
+        assert f"stop the {running}s first" in done.stderr and "Traceback" not in done.stderr
+        connection.close()
+        assert _declares(amqp_url, submissions, _older_in_arguments(queue_name))  # untouched
+        assert message_count(amqp_url, submissions) == 3
+        assert message_count(amqp_url, f"{submissions}.migrating") is None
+    finally:
+        if connection.is_open:
+            connection.close()
+        delete_queues(amqp_url, [*queues_of(queue_name), f"{submissions}.migrating"])
+
+
+@pytest.fixture
+def scratch_db(database_url: str) -> object:
+    """A database no running gateway reads: nobody else consumes these services' queues."""
+    from tests.support.amqp import scratch_database
+
+    with scratch_database(database_url) as url:
+        yield url

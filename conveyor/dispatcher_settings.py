@@ -73,6 +73,8 @@ class DispatcherSettings:
     # Knative mode (SPEC §11.5): progress reports from the function's pods reach the dispatcher
     # on POD_IP:PROGRESS_PORT, with each attempt's token in the URL.
     progress_port: int | None = _bounded(None, ge=0, le=MAX_PORT)
+    # On every port the dispatcher serves: a request must arrive whole within it (slow loris).
+    request_read_timeout: float = _bounded(60.0, gt=0, le=MAX_TIMEOUT)
     pod_ip: str | None = None
     one_shot: bool = False
     # ONE_SHOT: counted from the start; a Job that has no message by then exits 0.

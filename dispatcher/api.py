@@ -18,6 +18,11 @@ endpoint alone is also served on every address, `PROGRESS_PORT`, as
 `POST /tasks/{taskId}/progress/{token}`, where the token is the attempt's (SPEC §11.5):
 `X-Conveyor-Progress-Url` is then that absolute URL on `POD_IP`.
 
+A request must arrive whole within `REQUEST_READ_TIMEOUT` of its connection or of the answer
+before it (aiohttp's keep-alive timer runs from the connection on, and a body is read under
+that deadline): a caller that connects and sends nothing, or trickles its request, held its
+connection and a descriptor for an hour, so thousands of them could exhaust the pod's.
+
 aiohttp serves it because the sidecar loads aiohttp for its calls anyway
 (invoker.py): a second HTTP stack (Starlette, uvicorn, anyio) would only cost
 memory. Its signal handling is off: the dispatcher owns SIGTERM.
@@ -25,6 +30,7 @@ memory. Its signal handling is off: the dispatcher owns SIGTERM.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import socket
@@ -88,10 +94,17 @@ def parse_progress(raw: bytes) -> float | str:
 
 
 class Endpoints:
-    def __init__(self, board: ProgressBoard, metrics: Metrics, readiness: ReadinessCheck) -> None:
+    def __init__(
+        self,
+        board: ProgressBoard,
+        metrics: Metrics,
+        readiness: ReadinessCheck,
+        read_timeout: float,
+    ) -> None:
         self.board = board
         self.metrics = metrics
         self.readiness = readiness
+        self.read_timeout = read_timeout
 
     async def progress(self, request: web.Request) -> web.Response:
         try:
@@ -118,15 +131,17 @@ class Endpoints:
     ) -> web.Response:
         raw = b""
         try:
-            async for chunk in request.content.iter_any():
-                raw += chunk
-                if len(raw) > MAX_PROGRESS_BODY:
-                    return _error(413, 413001, "Request too large.")
-        except (ConnectionError, web.RequestPayloadError) as exc:
+            async with asyncio.timeout(self.read_timeout):
+                async for chunk in request.content.iter_any():
+                    raw += chunk
+                    if len(raw) > MAX_PROGRESS_BODY:
+                        return _error(413, 413001, "Request too large.")
+        except (ConnectionError, web.RequestPayloadError, TimeoutError) as exc:
             # The caller left mid-body, or its body's framing is not HTTP: its doing, not
             # ours, so no ERROR with a traceback (aiohttp's log for a handler's exception).
+            reason = str(exc) or type(exc).__name__
             log.info(
-                "progress report not received whole", extra={"task_id": task_id, "reason": str(exc)}
+                "progress report not received whole", extra={"task_id": task_id, "reason": reason}
             )
             return _invalid("the body was not received whole")
         value = parse_progress(raw)
@@ -209,7 +224,7 @@ def _listening(host: str, port: int) -> socket.socket:
 class ApiServer:
     """One aiohttp server on a socket bound up front, so a busy port fails clearly."""
 
-    def __init__(self, app: web.Application, host: str, port: int) -> None:
+    def __init__(self, app: web.Application, host: str, port: int, read_timeout: float) -> None:
         self.host = host
         self.port = port
         self._socket = _listening(host, port)
@@ -223,6 +238,9 @@ class ApiServer:
             # the connection: the connection closes. Read, a body that does not decode (a lying
             # Content-Encoding) was an ERROR with a traceback per request, anyone's at will.
             lingering_time=0,
+            # From the connection on (aiohttp 3.14.4+), and after each answer: a request's head
+            # must arrive within it. The handler reads a body within it too.
+            keepalive_timeout=read_timeout,
         )
         self._started = False
 

@@ -95,7 +95,9 @@ class Dispatcher:
         self.invoker = Invoker(
             settings.function_url, settings.concurrency, settings.max_response_bytes
         )
-        self.endpoints = Endpoints(self.board, self.metrics, self.readiness)
+        self.endpoints = Endpoints(
+            self.board, self.metrics, self.readiness, self.settings.request_read_timeout
+        )
         self.servers: list[ApiServer] = []
         self.worker: Worker | None = None
         self.accepting = False
@@ -287,12 +289,20 @@ class Dispatcher:
         }
 
     async def _start_api(self) -> None:
+        read_timeout = self.settings.request_read_timeout
         self.servers.append(
-            ApiServer(self.endpoints.local_app(), "127.0.0.1", self.settings.dispatcher_port)
+            ApiServer(
+                self.endpoints.local_app(), "127.0.0.1", self.settings.dispatcher_port, read_timeout
+            )
         )
         if self.settings.metrics_port:
             self.servers.append(
-                ApiServer(self.endpoints.probe_app(), EVERY_ADDRESS, self.settings.metrics_port)
+                ApiServer(
+                    self.endpoints.probe_app(),
+                    EVERY_ADDRESS,
+                    self.settings.metrics_port,
+                    read_timeout,
+                )
             )
         if self.settings.progress_port:
             self.servers.append(
@@ -300,6 +310,7 @@ class Dispatcher:
                     self.endpoints.remote_progress_app(),
                     EVERY_ADDRESS,
                     self.settings.progress_port,
+                    read_timeout,
                 )
             )
         for server in self.servers:

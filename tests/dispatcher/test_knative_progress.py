@@ -4,6 +4,9 @@ dispatcher's pod IP on PROGRESS_PORT, with an unguessable token per attempt in t
 from __future__ import annotations
 
 import socket
+import threading
+import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -148,3 +151,80 @@ async def test_a_body_that_does_not_decode_is_no_traceback(
     assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED  # still serves
     log = dispatcher.proc.logs()
     assert "Traceback" not in log and "Unhandled exception" not in log, log[-2000:]
+
+
+def _closed_within(connection: socket.socket, seconds: float) -> bool:
+    """Whether the server closed `connection` within `seconds` (an answer may come first)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        connection.settimeout(left)
+        try:
+            if connection.recv(4096) == b"":
+                return True
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
+    return False
+
+
+def _trickle(connection: socket.socket, data: bytes, stop: threading.Event) -> None:
+    for byte in data:
+        if stop.wait(0.2):
+            return
+        try:
+            connection.sendall(bytes([byte]))
+        except OSError:
+            return
+
+
+async def test_a_request_that_does_not_arrive_in_time_loses_its_connection(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """A caller that connects and sends nothing, trickles its head, or stops mid-body held its
+    connection (and a descriptor) for an hour on every port, the pod-IP ones included: a known
+    gap, closed. Each now loses it after REQUEST_READ_TIMEOUT; honest reports still land."""
+    port, probes = free_port(), free_port()
+    dispatcher = launch(
+        function.url,
+        progress_port=port,
+        pod_ip="127.0.0.1",
+        metrics_port=probes,
+        request_read_timeout=1,
+    )
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"sleep": 8})
+    await eventually(lambda: function.calls(task_id), 10, "the call started")
+    remote = urlsplit(function.calls(task_id)[0]["headers"]["x-conveyor-progress-url"]).path
+    local = f"/tasks/{task_id}/progress"
+    stop = threading.Event()
+    hostile: dict[str, socket.socket] = {}
+    try:
+        for target in (port, dispatcher.port, probes):
+            hostile[f"silent:{target}"] = socket.create_connection(("127.0.0.1", target))
+            trickler = socket.create_connection(("127.0.0.1", target))
+            head = f"POST {remote} HTTP/1.1\r\nHost: x\r\nX-Padding: {'a' * 200}\r\n"
+            threading.Thread(
+                target=_trickle, args=(trickler, head.encode(), stop), daemon=True
+            ).start()
+            hostile[f"head:{target}"] = trickler
+        for target, path in ((port, remote), (dispatcher.port, local)):
+            body_left = socket.create_connection(("127.0.0.1", target))
+            body_left.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f'Content-Length: 20\r\n\r\n{{"progr'.encode()
+            )
+            hostile[f"body:{target}"] = body_left
+        kept = [name for name, c in hostile.items() if not _closed_within(c, 6)]
+        assert kept == [], f"still open after 6 s: {kept}"
+        assert _post(f"http://127.0.0.1:{port}{remote}", 40) == 204
+        assert _post(f"{dispatcher.base}{local}", 60) == 204
+    finally:
+        stop.set()
+        for connection in hostile.values():
+            connection.close()
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+    progress = [e.progress for e in rabbit.of(task_id) if e.kind is EventKind.PROGRESS]
+    assert progress and progress[-1] == 60
+    log = dispatcher.proc.logs()
+    assert "Traceback" not in log, log[-2000:]

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 import aiormq
@@ -183,9 +183,18 @@ class Broker:
         self._queue: aio_pika.abc.AbstractRobustQueue | None = None
         self._consumer_tag: str | None = None
 
-    @property
-    def consuming(self) -> bool:
-        return self._consumer_tag is not None
+    async def consuming(self) -> bool:
+        """Whether the broker delivers to our consumer now. It cancels it when `-in` goes
+        (deleted, or lost with a node): aio-pika consumes again once the queue is back, and
+        until then the dispatcher is connected but takes nothing, so it is not ready."""
+        tag, channel = self._consumer_tag, self._consume_channel
+        if tag is None or channel is None or channel.is_closed:
+            return False
+        try:
+            underlay = cast(aiormq.Channel, await channel.get_underlay_channel())
+        except aiormq.exceptions.AMQPError:
+            return False
+        return tag in underlay.consumers
 
     @property
     def connected(self) -> bool:

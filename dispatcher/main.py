@@ -283,7 +283,7 @@ class Dispatcher:
 
     async def readiness(self) -> dict[str, bool]:
         return {
-            "broker": self.broker.connected and self.broker.consuming,
+            "broker": self.broker.connected and await self.broker.consuming(),
             "function": await self.probe.reachable(),
             "accepting": self.accepting and not self.shutdown.requested.is_set(),
         }

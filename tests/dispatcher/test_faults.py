@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from conveyor.events import EventKind, MessageFormat
+from conveyor.topology import declare_service
 from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit, eventually, start_function
 from tests.support.processes import free_port
 from tests.support.tcpproxy import TcpProxy
@@ -329,3 +330,27 @@ async def test_the_wait_for_the_function_names_its_host_and_port(launch: Launch)
     assert await dispatcher.exit_code(15) == 1
     [waiting] = [r for r in dispatcher.log_records() if r["message"] == "waiting for the function"]
     assert (waiting["host"], waiting["port"]) == ("127.0.0.1", port), waiting
+
+
+async def test_not_ready_while_the_broker_has_cancelled_its_consumer(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """An operator deletes `-in` (or a node loses it): the broker cancels the consumer, and the
+    dispatcher, connected but taking nothing, said "ready" (a known gap). It is not ready until
+    it consumes again, which it does as soon as the queue is back."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    assert rabbit.channel is not None
+    await rabbit.channel.queue_delete(rabbit.in_q)
+    async with httpx.AsyncClient(timeout=5) as client:
+        await eventually(
+            lambda: _status(client, f"{dispatcher.base}/readyz", 503), 10, "a 503 from /readyz"
+        )
+        checks = (await client.get(f"{dispatcher.base}/readyz")).json()["checks"]
+        assert checks == {"broker": False, "function": True, "accepting": True}
+        await declare_service(rabbit.channel, rabbit.queue, rabbit.fmt, 5)
+        await eventually(
+            lambda: _status(client, f"{dispatcher.base}/readyz", 200), 20, "ready again"
+        )
+    task_id = await rabbit.submit({})
+    assert (await rabbit.wait_terminal(task_id, timeout=20)).kind is EventKind.SUCCEEDED

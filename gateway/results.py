@@ -107,6 +107,7 @@ class Delivery:
     dead_lettered: bool
     message: AbstractIncomingMessage
     left_behind: bool = False  # a submission in the `-in` its service moved away from
+    channel: int = 0  # which results channel it came on (ResultConsumer._generation)
 
     def wire(self) -> WireMessage:
         return from_amqp(self.message)
@@ -176,6 +177,11 @@ class ResultConsumer:
         self._subscribed: dict[str, Subscription] = {}  # service -> its result queues
         # Queue names services moved away from -> consumers of the result queues left there.
         self._retired: dict[str, list[Consumer]] = {}
+        # The results channel in use: a delivery of an earlier one is left to the broker, which
+        # gave it again on this one when the earlier one closed. A channel is replaced only
+        # between batches (`_applying`), so a batch is never acked on a closing channel.
+        self._generation = 0
+        self._applying = asyncio.Lock()
         self._broken: dict[str, str] = {}  # service -> why its topology could not be declared
         # The tasks the batch being applied ended, with their traces (tracing on only).
         self._ended: list[tuple[uuid.UUID, lifecycle.Finished]] = []
@@ -212,15 +218,17 @@ class ResultConsumer:
             # after any reconnection, even once deleted. A fresh channel forgets them; unacked
             # results go back to their queues. The old one is closed for good: restored after
             # a reconnection, it would double the new channel's consumers.
-            old = self._channel
-            # The broker's channels are robust (`connect_robust`).
-            fresh = await self.broker.channel(prefetch=BATCH_SIZE * 2)
-            self._channel = cast(AbstractRobustChannel, fresh)
-            self._subscribed.clear()
-            self._retired = {queue_name: [] for queue_name in self._retired}
-            if old is not None:
-                self._replaced.append(old)
-                await _close_quietly(old)
+            async with self._applying:
+                old = self._channel
+                # The broker's channels are robust (`connect_robust`).
+                fresh = await self.broker.channel(prefetch=BATCH_SIZE * 2)
+                self._channel = cast(AbstractRobustChannel, fresh)
+                self._generation += 1
+                self._subscribed.clear()
+                self._retired = {queue_name: [] for queue_name in self._retired}
+                if old is not None:
+                    self._replaced.append(old)
+                    await _close_quietly(old)
         for name in set(self._broken) - set(services):
             del self._broken[name]
         for service in services.values():
@@ -348,8 +356,10 @@ class ResultConsumer:
     def _receiver(
         self, queue: str, dead: bool, left_behind: bool = False
     ) -> Callable[[AbstractIncomingMessage], Any]:
+        channel = self._generation
+
         async def receive(message: AbstractIncomingMessage) -> None:
-            await self._inbox.put(Delivery(queue, dead, message, left_behind))
+            await self._inbox.put(Delivery(queue, dead, message, left_behind, channel))
 
         return receive
 
@@ -375,7 +385,15 @@ class ResultConsumer:
 
     async def process(self, batch: list[Delivery]) -> None:
         """Applies a batch, waiting out database outages, then acks it. Never raises: a
-        batch that fails for an unexpected reason is handed back to the broker."""
+        batch that fails for an unexpected reason is handed back to the broker. What came on
+        a replaced channel is skipped: the broker gives it again on the current one (applied
+        and moved on from there, a left-behind submission is published to its new queue once)."""
+        async with self._applying:
+            current = [d for d in batch if d.channel == self._generation]
+            if current:
+                await self._process(current)
+
+    async def _process(self, batch: list[Delivery]) -> None:
         given_back: set[int] = set()  # published again already: not twice on a retry
         started = time.time_ns()
         self._ended.clear()
@@ -782,7 +800,11 @@ def last_per_channel(batch: list[Delivery]) -> list[AbstractIncomingMessage]:
     refused each one before."""
     last: dict[int, AbstractIncomingMessage] = {}
     for delivery in batch:
-        message, key = delivery.message, id(delivery.message.channel)
+        message = delivery.message
+        try:
+            key = id(message.channel)
+        except aiormq.exceptions.ChannelInvalidStateError:
+            continue  # closed since (a reconnection): the broker gives its messages again
         if key not in last or (message.delivery_tag or 0) > (last[key].delivery_tag or 0):
             last[key] = message
     return list(last.values())

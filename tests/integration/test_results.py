@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -478,6 +479,69 @@ def test_submissions_left_in_a_moved_queue_go_to_the_one_it_moved_to(
         assert [row[1] for row in _poison(platform, old_in)] == [b"\x00garbage"]  # set aside
     finally:
         remove_service(platform, amqp_url, moved)
+
+
+def _restarts(gateway: GatewayProcess) -> float:
+    text = httpx.get(f"{gateway.url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith('conveyor_gateway_loop_restarts_total{loop="results-apply"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.timeout(120)
+def test_catalog_changes_while_results_flow_crash_nothing_and_move_each_submission_once(
+    replicas: list[GatewayProcess], svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a black-box test: any service's queueName changed (or a service deleted)
+    replaces the gateway's results channel while a batch from it is being applied. The batch's
+    ack then raised (its channel closed) and crashed `results-apply`; acks sent on the closing
+    channel could get the whole connection closed; and a submission left in a moved-away `-in`,
+    published to its service's new queue but not acked, came back and was moved again: its
+    function called twice. A batch from a replaced channel is now left to the broker (which
+    gives its messages again on the new channel), and a channel is replaced between batches."""
+    gateway = replicas[0]
+    before = [_restarts(g) for g in replicas]
+    waiting = _submit_all(gateway, svc, [{"n": n} for n in range(300)])
+    old_in = topology.in_queue(svc.queue_name)
+    wait_until(lambda: message_count(amqp_url, old_in) == 300, what="all published")
+    other = Service(f"{svc.name}-other", f"{svc.queue_name}-o0", svc.clients)
+    platform.apply({"services": [{"name": other.name, "queueName": other.queue_name}]})
+    moved = Service(svc.name, f"{svc.queue_name}-moved", svc.clients)
+    names = [other.queue_name]
+    flooding = threading.Event()
+
+    def flood() -> None:  # results a batch at a time, all along
+        for _ in range(20):
+            if flooding.is_set():
+                return
+            events = [_event(svc, EventKind.PROGRESS, str(uuid.uuid4()), progress=1.0)]
+            _publish_events(amqp_url, svc, *(events * 300))
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        time.sleep(0.5)
+        platform.apply({"services": [{"name": svc.name, "queueName": moved.queue_name}]})
+        _declare_as_admin_apply(amqp_url, moved.queue_name, MessageFormat.CLOUDEVENTS)
+        for n in range(1, 16):  # another service's queue changing, each a replaced channel
+            names.append(f"{svc.queue_name}-o{n}")
+            platform.apply({"services": [{"name": other.name, "queueName": names[-1]}]})
+            time.sleep(0.35)  # the replicas refresh every 0.3 s
+        flooding.set()
+        flooder.join(30)
+        new_in = topology.in_queue(moved.queue_name)
+        wait_until(lambda: _drained(amqp_url, topology.out_queue(svc.queue_name)), 60, what="flood")
+        wait_until(lambda: message_count(amqp_url, old_in) == 0, 30, what="the old -in drained")
+        time.sleep(1.0)  # a submission moved twice would arrive now
+        taken = take_all(amqp_url, new_in)
+        moved_ids = [decode_submission(m, svc.name).task_id for m in taken]
+        assert sorted(moved_ids) == sorted(waiting), "each waiting submission moved once"
+        assert [_restarts(g) for g in replicas] == before
+    finally:
+        remove_service(platform, amqp_url, moved)
+        for name in names:
+            remove_service(platform, amqp_url, Service(other.name, name, svc.clients))
 
 
 @pytest.mark.timeout(60)

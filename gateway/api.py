@@ -269,11 +269,22 @@ async def create(service: str, request: Request) -> Json:
         )
         key = _idempotency_key(request)
         fingerprint = store.fingerprint(["task", _request_of(payload)]) if key else None
-        new = await _new_task(rt, client_id, access, payload, key, trace, fingerprint=fingerprint)
-        stored = time.perf_counter()
-        accepted = await create_task(rt.pool, new, rt.intake.insert, rt.settings.outbox_grace)
-        metrics.child(metrics.SUBMIT_PHASES, "store").observe(time.perf_counter() - stored)
-        await _publish(rt, [(new, accepted)])
+        try:
+            new = await _new_task(
+                rt, client_id, access, payload, key, trace, fingerprint=fingerprint
+            )
+        except errors.ApiError:
+            if key is None:
+                raise
+            found = await store.earlier_request(rt.pool, client_id, access, key, fingerprint)
+            if found is None:
+                raise
+            accepted = found[0]
+        else:
+            stored = time.perf_counter()
+            accepted = await create_task(rt.pool, new, rt.intake.insert, rt.settings.outbox_grace)
+            metrics.child(metrics.SUBMIT_PHASES, "store").observe(time.perf_counter() - stored)
+            await _publish(rt, [(new, accepted)])
         task_id = str(accepted.task_id)
         tracing.annotate("conveyor.task_id", task_id)
         data = {"taskId": task_id, "taskPosition": accepted.position}
@@ -330,7 +341,13 @@ async def _create_batch(service: str, request: Request, rt: Runtime, trace: str 
     )
     refused = [c for c in checked if isinstance(c, errors.ApiError)]
     if refused:
-        raise _all_refusals(refused)
+        found = key and await store.earlier_request(
+            rt.pool, client_id, access, key, fingerprint, batch_size=len(items)
+        )
+        if not found:
+            raise _all_refusals(refused)
+        tasks = [{"taskId": str(a.task_id), "taskPosition": a.position} for a in found]
+        return _ok({"tasks": tasks}, 200)
     for outcome in checked:
         if isinstance(outcome, BaseException):
             raise outcome

@@ -259,6 +259,27 @@ async def _create(
     return await insert_many(conn, tasks, grace)
 
 
+async def earlier_request(
+    pool: Pool,
+    client_id: str,
+    access: Access,
+    key: str,
+    fingerprint: bytes | None,
+    batch_size: int | None = None,
+) -> list[Accepted] | None:
+    """What an Idempotency-Key was used for, as a repeat of the same request answers it (a
+    batch of `batch_size` tasks, or a single task), or None; `key_reused()` for another
+    request. Asked when a repeat is refused by today's checks: the service's schema, the
+    callback policy or the longest delay may have changed since the task was accepted, and a
+    client retrying after a lost answer must be told its task, not that it was refused."""
+    keys = [key] if batch_size is None else [f"{key}\n{i}" for i in range(batch_size)]
+    probes = [NewTask(client_id, access, {}, None, k, 0.0, fingerprint=fingerprint) for k in keys]
+    async with pool.connection() as conn, conn.transaction():
+        if batch_size is None:
+            return await _single_repeat(conn, probes)
+        return await _batch_repeat(conn, probes)
+
+
 async def _single_repeat(conn: AsyncConnection[Any], tasks: list[NewTask]) -> list[Accepted] | None:
     """The task submitted earlier under the same key; None if there is none. A key is one
     request: one used for a batch, or for another request, is refused."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -211,3 +212,44 @@ def test_concurrent_requests_under_one_key_make_one_task(
     losers = [answer for g in groups if g is not winner for answer in g]
     assert all(answer == (400, 400002) for answer in losers), answers
     assert _tasks(platform, svc.name) == 2
+
+
+def test_a_repeat_is_answered_with_its_task_after_the_service_got_stricter(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """Found by a black-box test: a repeat was checked against today's configuration before
+    its key was looked up, so a client retrying after a lost answer was told `400 400001`
+    once the service's schema had become stricter (or `400002` once the longest delay or the
+    callback policy had), although its task existed and ran. A repeat answers its task."""
+    svc = platform.service()
+    url = gateway.tasks_url(svc.name)
+    single, batch = _key(), _key()
+    with gateway.http(svc.clients[0]) as http:
+        first = http.post(url, json={"body": {"n": 1}}, headers=single)
+        first_batch = http.post(
+            f"{url}/batch", json={"tasks": [{"body": {"n": 2}}, {"body": {"n": 3}}]}, headers=batch
+        )
+        assert (first.status_code, first_batch.status_code) == (201, 201)
+        strict = {"type": "object", "required": ["sleep"]}
+        platform.apply(
+            {"services": [{"name": svc.name, "queueName": svc.queue_name, "jsonSchema": strict}]}
+        )
+        for _ in range(100):  # until this gateway has the new schema
+            if http.post(url, json={"body": {"n": 0}}).status_code == 400:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the stricter schema never applied")
+        again = http.post(url, json={"body": {"n": 1}}, headers=single)
+        batch_again = http.post(
+            f"{url}/batch", json={"tasks": [{"body": {"n": 2}}, {"body": {"n": 3}}]}, headers=batch
+        )
+        other = http.post(url, json={"body": {"n": 9}}, headers=single)
+        fresh = http.post(url, json={"body": {"n": 1}}, headers=_key())
+    assert again.status_code == 200, again.text
+    assert again.json()["data"]["taskId"] == first.json()["data"]["taskId"]
+    assert batch_again.status_code == 200, batch_again.text
+    ids = [t["taskId"] for t in batch_again.json()["data"]["tasks"]]
+    assert ids == [t["taskId"] for t in first_batch.json()["data"]["tasks"]]
+    _refused(other)  # another request under the key: refused as before
+    assert fresh.status_code == 400 and fresh.json()["error"]["number"] == 400001

@@ -552,7 +552,12 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
     stopping = anyio.Event()  # set by sse_starlette once the server shuts down
     return EventSourceResponse(
         rt.task_events.stream(
-            str(parsed), read, stopping, rt.pool, request.headers.get("last-event-id")
+            str(parsed),
+            read,
+            stopping,
+            rt.pool,
+            request.headers.get("last-event-id"),
+            recheck=rt.settings.stream_heartbeat,
         ),
         ping=rt.settings.stream_heartbeat,
         headers={"Cache-Control": "no-store"},

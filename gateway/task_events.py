@@ -6,7 +6,11 @@ connection (`gateway.listener`) wakes the streams following that id, and each re
 task and sends an event if the status or the progress moved. A stream registers before its
 first read, so nothing between the read and the first notification is missed; while the
 listening connection is down (a database restart), streams re-read their task every second
-instead, and all of them re-read once it is back. A client that goes away ends its generator,
+instead, and all of them re-read once it is back. A quiet stream also re-reads its task at
+every heartbeat: a purged row sends no notification. A task that can no longer be read (purged,
+its service deleted, the client's grant revoked) ends the stream with an `event: error` whose
+data is the poll's error envelope, rather than an end a client cannot tell from a cut. A client
+that goes away ends its generator,
 which unregisters it: nothing is kept per closed stream. A gateway that stops (a deploy, a
 scale-in) ends each stream properly after a `retry` line, rather than cutting it mid-answer:
 an EventSource then reconnects, to another replica, and the SDK polls.
@@ -110,6 +114,7 @@ class TaskEvents:
         stopping: anyio.Event,
         pool: Pool,
         last_event_id: str | None = None,
+        recheck: float | None = None,
     ) -> AsyncIterator[dict[str, str] | ServerSentEvent]:
         """The events of one task until it ends: the current state first (unless the client's
         `last_event_id` says it has it), then each change of status or progress, with ids
@@ -141,7 +146,7 @@ class TaskEvents:
                 else:
                     number = max(number, seen)
                 while data["status"] not in TERMINAL:
-                    wait = None if self.listener.listening else UNHEARD_POLL
+                    wait = recheck if self.listener.listening else UNHEARD_POLL
                     await _wait(changed, wait)
                     changed.clear()
                     if stopping.is_set():
@@ -149,8 +154,9 @@ class TaskEvents:
                         return
                     try:
                         fresh_id, fresh = await current()
-                    except errors.ApiError:
-                        return  # purged, or access revoked meanwhile: the stream just ends
+                    except errors.ApiError as exc:  # purged, or access lost meanwhile
+                        yield {"event": "error", "data": strict_json.dumps(exc.envelope()).decode()}
+                        return
                     except CONNECTION_ERRORS as exc:  # the database is away: retry, slowly
                         log.info("task stream could not read", extra={"error": logs.describe(exc)})
                         await _wait(changed, UNHEARD_POLL)

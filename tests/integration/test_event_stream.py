@@ -61,6 +61,7 @@ class Reader:
         last_event_id: str | None = None,
     ) -> None:
         self.events: list[tuple[str, dict[str, Any]]] = []
+        self.errors: list[dict[str, Any]] = []  # `event: error`: the poll's envelope
         self.comments = 0
         self.ended = threading.Event()
         headers = {} if last_event_id is None else {"Last-Event-ID": last_event_id}
@@ -79,7 +80,10 @@ class Reader:
                     if line.startswith(":"):
                         self.comments += 1
                     elif line == "" and fields:
-                        self.events.append((fields["id"], json.loads(fields["data"])))
+                        if fields.get("event") == "error":
+                            self.errors.append(json.loads(fields["data"]))
+                        else:
+                            self.events.append((fields["id"], json.loads(fields["data"])))
                         fields = {}
                     elif ":" in line:
                         name, _, value = line.partition(":")
@@ -167,6 +171,32 @@ def test_a_revoked_grant_ends_the_open_stream(gateway: GatewayProcess, platform:
     _set(platform, task_id, status="IN_PROGRESS")
     time.sleep(0.5)
     assert [e[1]["status"] for e in reader.events] == ["PENDING"]
+    assert [e["error"]["number"] for e in reader.errors] == [403001]  # as the poll answers now
+    reader.close()
+
+
+@pytest.mark.parametrize("gone", ["task purged", "service deleted"])
+def test_a_task_that_can_no_longer_be_read_ends_its_stream_with_the_polls_error(
+    reader_gateway: GatewayProcess, platform: Platform, gone: str
+) -> None:
+    """Found by a black-box test: a purged task's stream sent pings forever (a deleted row
+    sends no notification), and a stream whose service was deleted ended like a normal end,
+    its last event IN_PROGRESS. Each now ends with `event: error`, the poll's envelope: the
+    purged row is found missing at the next heartbeat."""
+    svc = platform.service()
+    task_id = _submit(reader_gateway, svc)
+    _set(platform, task_id, status="IN_PROGRESS", start_date="now()")
+    reader = _follow(reader_gateway, svc, task_id)
+    reader.wait_for(1)
+    if gone == "task purged":
+        platform.sql("DELETE FROM tasks WHERE task_id = %(t)s", {"t": task_id})
+        expected = 404002
+    else:
+        platform.sql("DELETE FROM services WHERE name = %(s)s", {"s": svc.name})
+        expected = 404001
+    assert reader.ended.wait(10), "the stream goes on"
+    assert [e[1]["status"] for e in reader.events] == ["IN_PROGRESS"]
+    assert [e["error"]["number"] for e in reader.errors] == [expected]
     reader.close()
 
 

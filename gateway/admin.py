@@ -291,8 +291,7 @@ async def operators(conn: AsyncConnection[Any]) -> list[dict[str, Any]]:
 @dataclass(frozen=True, slots=True)
 class DeletedService:
     """The tasks a delete ended, and where dispatchers may still run or hold them: the
-    cancels' queue names (the service's if its dispatchers read cancels, and those it moved
-    away from)."""
+    cancels' queue names (the service's, whatever its format, and those it moved away from)."""
 
     ended: list[uuid.UUID]
     queue_names: list[str]
@@ -311,16 +310,14 @@ async def delete_service(conn: AsyncConnection[Any], name: str) -> DeletedServic
         )
         left = [row[0] for row in await cursor.fetchall()]
         cursor = await conn.execute(
-            "DELETE FROM services WHERE name = %s RETURNING queue_name, message_format",
+            "DELETE FROM services WHERE name = %s RETURNING queue_name",
             (name,),
         )
         deleted = await cursor.fetchone()
         if deleted is None:
             return None
-        queue_name, message_format = deleted
         ended = await lifecycle.end_service_tasks(conn, name)
-    current = [queue_name] if message_format == MessageFormat.CLOUDEVENTS.value else []
-    return DeletedService(ended, current + left)
+    return DeletedService(ended, [deleted[0], *left])
 
 
 async def grant(

@@ -23,7 +23,7 @@ from functools import partial
 from typing import Any
 
 from conveyor import topology
-from conveyor.events import MessageFormat, encode_cancel
+from conveyor.events import encode_cancel
 from gateway import errors, lifecycle, metrics
 from gateway.broker import Broker, PublishError
 from gateway.catalog import Service
@@ -63,15 +63,15 @@ async def cancel_task(
 async def _queue_names(pool: Pool, service: Service) -> list[str]:
     """Where the service's dispatchers may be: its queue, and the ones it moved away from
     while their dispatchers still run (they finish what they took, and an abort must reach
-    them too). Legacy workers read no cancels: a legacy queue gets none."""
+    them too). A legacy service's too: the seed's workers ignore the exchange, and Conveyor's
+    dispatcher serving the queue hears it whatever the format."""
     async with pool.connection() as conn:
         cursor = await conn.execute(
             "SELECT queue_name FROM moved_queues WHERE service = %(service)s",
             {"service": service.name},
         )
         left = [row[0] for row in await cursor.fetchall()]
-    current = [service.queue_name] if service.message_format is MessageFormat.CLOUDEVENTS else []
-    return current + left
+    return [service.queue_name, *left]
 
 
 async def tell_dispatchers(

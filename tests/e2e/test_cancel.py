@@ -26,7 +26,8 @@ import pytest
 from conveyor.client import AsyncConveyorClient, ConveyorClient
 from tests.e2e.conftest import CallbackSink, Stack, calls_of
 from tests.support.amqp import message_count, wait_until
-from tests.support.gateway import Platform
+from tests.support.gateway import GatewayProcess, Platform
+from tests.support.processes import Processes
 
 CANCELLED = "Task cancelled."
 
@@ -105,6 +106,35 @@ def test_an_in_progress_call_is_aborted_and_the_message_acked(stack: Stack, call
     time.sleep(1.0)
     assert len(calls_of(call_log, task_id)) == 1  # acked, not retried
     assert _cancelled(stack.poll(task_id))
+
+
+def test_an_in_progress_call_of_a_legacy_service_is_aborted_too(
+    procs: Processes,
+    e2e_gateway: GatewayProcess,
+    sleeper_url: str,
+    amqp_url: str,
+    platform: Platform,
+    call_log: Path,
+) -> None:
+    """Found by a black-box test: a service in the seed's legacy format, served by Conveyor's
+    dispatcher, got no cancel broadcast ("legacy workers read no cancels"): the task was
+    FAILURE at once, but the function ran to its end. The seed's own workers ignore the
+    exchange; Conveyor's dispatcher hears it whatever the format."""
+    service = platform.service(messageFormat="legacy", taskTimeout=60, maxAttempts=3)
+    stack = Stack(procs, e2e_gateway, sleeper_url, amqp_url, service)
+    try:
+        stack.dispatcher("legacy-pod")
+        task_id = stack.submit({"sleep": 30})
+        stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
+        answer = _cancel(stack, task_id)
+        assert answer.status_code == 200 and _cancelled(answer.json()["data"])
+        assert wait_until(lambda: ["aborted"] == [c[2] for c in calls_of(call_log, task_id)], 10)
+        assert wait_until(lambda: _in_queue_empty(stack), 10)  # acked, not handed back
+        time.sleep(1.0)
+        assert len(calls_of(call_log, task_id)) == 1
+        assert _cancelled(stack.poll(task_id))
+    finally:
+        stack.http.close()
 
 
 def test_a_call_on_the_queue_its_service_left_is_aborted_too(

@@ -274,7 +274,6 @@ def test_a_service_whose_in_queue_an_older_version_declared_is_told_to_migrate(
     """-in from before at-least-once dead-lettering: apply names the command that moves it."""
     service = _unique("adm-older-in")
     names.append(service)
-    cli("apply", "-f", str(_write(tmp_path, {"services": [{"name": service}]})), "--no-declare")
     limit = GatewaySettings().delivery_limit
     older = {
         spec.name: {
@@ -284,8 +283,9 @@ def test_a_service_whose_in_queue_an_older_version_declared_is_told_to_migrate(
         }
         for spec in topology.service_queues(service, MessageFormat.CLOUDEVENTS, limit)
     }
-    for queue, arguments in older.items():
+    for queue, arguments in older.items():  # before the row: no gateway declares them first
         run_sync(_declare(amqp_url, queue, arguments))
+    cli("apply", "-f", str(_write(tmp_path, {"services": [{"name": service}]})), "--no-declare")
 
     done = cli("apply", "-f", str(_write(tmp_path, {"services": [{"name": service}]})), check=False)
 

@@ -21,6 +21,7 @@ no consumer.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,8 @@ class InUse(RuntimeError):
 @dataclass
 class Moved:
     queue: str
-    converted: bool  # False: it had this version's arguments already
-    messages: int
+    state: str  # "declared anew", "move finished" (an interrupted run's), or "up to date"
+    messages: int  # brought into the queue as it is now
 
 
 def staging_name(name: str) -> str:
@@ -66,74 +67,115 @@ async def migrate_service(
         await migrate_queue(connection, out, specs[out], "stop the gateways first"),
         await migrate_queue(connection, dead, specs[dead], "stop the gateways first"),
     ]
-    if await _refusal(connection, submissions, specs[submissions]) is not None:
+    stop = "stop the dispatchers first (scale them to zero, and pause their autoscaling)"
+
+    async def no_gateway() -> None:
+        """Asked before `-in` moves and again before it is deleted: a gateway started
+        meanwhile would publish into the queue about to go."""
         gateways = await _consumers(connection, out)
         if gateways:
             raise InUse(
                 f"{out} has {gateways} consumer(s): stop the gateways first (they publish"
                 f" to {submissions})"
             )
-    stop = "stop the dispatchers first (scale them to zero, and pause their autoscaling)"
-    moved.append(await migrate_queue(connection, submissions, specs[submissions], stop))
+
+    if await _refusal(connection, submissions, specs[submissions]) is not None:
+        await no_gateway()
+    moved.append(await migrate_queue(connection, submissions, specs[submissions], stop, no_gateway))
     return moved
 
 
 async def migrate_queue(
-    connection: AbstractConnection, name: str, arguments: dict[str, Any], in_use: str
+    connection: AbstractConnection,
+    name: str,
+    arguments: dict[str, Any],
+    in_use: str,
+    before_delete: Callable[[], Awaitable[None]] | None = None,
 ) -> Moved:
     """`name` declared with `arguments`, its messages kept. `in_use` is what to tell the
-    operator when the queue has consumers."""
+    operator when the queue has consumers; `before_delete` may refuse (InUse) at the last
+    moment before an unconditional delete."""
     staging = staging_name(name)
-    moved = 0
     refusal = await _refusal(connection, name, arguments)
     if refusal is not None:
         consumers = await _consumers(connection, name)
         if consumers:
             raise InUse(f"{name} has {consumers} consumer(s): {in_use}")
-        classic = "'x-queue-type'" in refusal  # RabbitMQ names the argument that differs
-        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        try:
-            await channel.declare_queue(staging, durable=True, arguments=topology.QUORUM)
-            while True:
-                moved += await _move(channel, name, staging)
-                if classic:
-                    source = await channel.get_queue(name, ensure=False)
-                    try:
-                        await source.delete(if_unused=True, if_empty=True)
-                        break
-                    except aio_pika.exceptions.ChannelPreconditionFailed:
-                        # A message arrived after the move: the channel is closed; round again.
-                        channel = await connection.channel(
-                            publisher_confirms=True, on_return_raises=True
-                        )
-                elif await _emptied(connection, name, in_use):
-                    break
-        finally:
-            await _close(channel)
+        await _empty_into(connection, name, staging, refusal, in_use, before_delete)
     channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
     try:
         await channel.declare_queue(name, durable=True, arguments=arguments)
-        if await _exists(connection, staging):
+        staged = await _exists(connection, staging)
+        restored = 0
+        if staged:
             await channel.declare_queue(staging, durable=True, arguments=topology.QUORUM)
-            await _move(channel, staging, name)
+            restored = await _move(channel, staging, name)
             # Nobody else publishes to it, and it is empty now (quorum queues have no if-empty).
-            staged = await channel.get_queue(staging, ensure=False)
-            await staged.delete(if_unused=False, if_empty=False)
+            await (await channel.get_queue(staging, ensure=False)).delete(
+                if_unused=False, if_empty=False
+            )
     finally:
         await _close(channel)
     if refusal is not None:
-        log.info("queue declared anew", extra={"queue": name, "messages": moved})
-    return Moved(name, refusal is not None, moved)
+        log.info("queue declared anew", extra={"queue": name, "messages": restored})
+        return Moved(name, "declared anew", restored)
+    return Moved(name, "move finished" if staged else "up to date", restored)
 
 
-async def _emptied(connection: AbstractConnection, name: str, in_use: str) -> bool:
+async def _empty_into(
+    connection: AbstractConnection,
+    name: str,
+    staging: str,
+    refusal: str,
+    in_use: str,
+    before_delete: Callable[[], Awaitable[None]] | None,
+) -> None:
+    """Every message of `name` into `staging`, then `name` deleted once empty."""
+    classic = "'x-queue-type'" in refusal  # RabbitMQ names the argument that differs
+    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    try:
+        await channel.declare_queue(staging, durable=True, arguments=topology.QUORUM)
+        while True:
+            await _move(channel, name, staging)
+            if classic:
+                source = await channel.get_queue(name, ensure=False)
+                try:
+                    await source.delete(if_unused=True, if_empty=True)
+                    return
+                except aio_pika.exceptions.ChannelPreconditionFailed:
+                    # A message arrived after the move: the channel is closed; round again.
+                    channel = await connection.channel(
+                        publisher_confirms=True, on_return_raises=True
+                    )
+            elif await _emptied(connection, name, staging, in_use, before_delete):
+                return
+    finally:
+        await _close(channel)
+
+
+async def _emptied(
+    connection: AbstractConnection,
+    name: str,
+    staging: str,
+    in_use: str,
+    before_delete: Callable[[], Awaitable[None]] | None,
+) -> bool:
     """Deletes quorum queue `name` if it holds no message and has no consumer (RabbitMQ
-    deletes a quorum queue only unconditionally): whether it did."""
+    deletes a quorum queue only unconditionally): whether it did. A refusal says where the
+    messages moved so far wait."""
     channel = await connection.channel()
     try:
         declared = (await channel.declare_queue(name, passive=True)).declaration_result
-        if declared.consumer_count:
-            raise InUse(f"{name} has {declared.consumer_count} consumer(s): {in_use}")
+        try:
+            if declared.consumer_count:
+                raise InUse(f"{name} has {declared.consumer_count} consumer(s): {in_use}")
+            if before_delete is not None:
+                await before_delete()
+        except InUse as exc:
+            raise InUse(
+                f"{exc}; the messages moved so far wait in {staging}: run the command again"
+                " once they are stopped, or they are never delivered"
+            ) from None
         if declared.message_count:
             return False
         await channel.queue_delete(name)
@@ -157,6 +199,10 @@ async def _move(channel: AbstractChannel, source_name: str, target: str) -> int:
             timestamp=message.timestamp,
             type=message.type,
             app_id=message.app_id,
+            reply_to=message.reply_to,
+            # A submission expires from -in with its task (a relative TTL: it starts again).
+            expiration=message.expiration,
+            priority=message.priority,
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         await channel.default_exchange.publish(copy, routing_key=target, mandatory=True)

@@ -434,10 +434,11 @@ def migrate_queues() -> None:
             settings.amqp_url, name="conveyor migrate-queues", heartbeat=settings.amqp_heartbeat
         )
         async with connection:
+            if queues:  # the gateways' must be the same, or they take the queues for others
+                typer.echo(f"-in queues get x-delivery-limit {settings.delivery_limit}")
             for queue_name in queues:
                 for moved in await migrate_service(connection, queue_name, settings.delivery_limit):
-                    state = "declared anew" if moved.converted else "up to date"
-                    typer.echo(f"{moved.queue}: {state}, {moved.messages} message(s) moved")
+                    typer.echo(f"{moved.queue}: {moved.state}, {moved.messages} message(s) moved")
 
     try:
         asyncio.run(main())

@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from bench.record import ADMIN_DB_URL, read_text
-from bench.stack import sql
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -102,10 +101,17 @@ def _comm(pid: int) -> str:
 
 def server_pids(database_url: str = ADMIN_DB_URL) -> dict[str, int]:
     """The local PostgreSQL postmaster and RabbitMQ (beam.smp) pids, when they are local."""
+    import psycopg
+
+    from gateway.database_url import libpq
+
     found: dict[str, int] = {}
     try:
-        backend = sql(database_url, "SELECT pg_backend_pid()")[0][0]
-        fields = _stat_fields(backend)
+        # The backend's parent, read while the backend lives: once the connection closes, it
+        # may have exited already (the server's CPU went unmeasured, now and then).
+        with psycopg.connect(libpq(database_url), autocommit=True) as conn:
+            row = conn.execute("SELECT pg_backend_pid()").fetchone()
+            fields = None if row is None else _stat_fields(row[0])
         if fields is not None and "postgres" in _comm(int(fields[1])):
             found["postgresql"] = int(fields[1])
     except Exception:  # a remote or unreachable database: not measured

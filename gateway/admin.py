@@ -22,6 +22,7 @@ from psycopg import AsyncConnection
 from conveyor.events import MessageFormat
 from gateway import lifecycle, store
 from gateway.auth import generate_secret, hash_secret
+from gateway.listener import LISTENER_NAME
 from gateway.pgpool import jsonb
 from gateway.platform_file import (
     ClientSpec,
@@ -286,6 +287,18 @@ async def _delete_principal(conn: AsyncConnection[Any], ident: str, kind: str) -
 async def operators(conn: AsyncConnection[Any]) -> list[dict[str, Any]]:
     cursor = await conn.execute("SELECT operator_id FROM operators ORDER BY 1")
     return [row._asdict() for row in await cursor.fetchall()]
+
+
+async def running_gateways(conn: AsyncConnection[Any]) -> int:
+    """Gateway processes connected to this database: each holds one listening connection,
+    named so (`gateway.listener`), whether it runs the background loops or the API only."""
+    cursor = await conn.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name = %s",
+        (LISTENER_NAME,),
+    )
+    row = await cursor.fetchone()
+    return int(row[0]) if row else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,11 +49,15 @@ def staging_name(name: str) -> str:
     return f"{name}.migrating"
 
 
+Gateways = Callable[[], Awaitable[int]]  # how many gateway processes run (pg_stat_activity)
+
+
 async def migrate_service(
-    connection: AbstractConnection, queue_name: str, delivery_limit: int
+    connection: AbstractConnection, queue_name: str, delivery_limit: int, gateways: Gateways
 ) -> list[Moved]:
     """The service's queues with this version's arguments; a no-op when they have them.
-    `-in` goes last, once `-out` is known to be consumed by no gateway."""
+    When `-in` must move, nothing moves while a gateway (its publisher) or a dispatcher runs;
+    `-in` goes last."""
     specs = {
         spec.name: spec.arguments
         for spec in topology.service_queues(queue_name, MessageFormat.CLOUDEVENTS, delivery_limit)
@@ -63,26 +67,28 @@ async def migrate_service(
         topology.dead_letter_queue(queue_name),
         topology.in_queue(queue_name),
     )
-    moved = [
-        await migrate_queue(connection, out, specs[out], "stop the gateways first"),
-        await migrate_queue(connection, dead, specs[dead], "stop the gateways first"),
-    ]
     stop = "stop the dispatchers first (scale them to zero, and pause their autoscaling)"
 
     async def no_gateway() -> None:
-        """Asked before `-in` moves and again before it is deleted: a gateway started
-        meanwhile would publish into the queue about to go."""
-        gateways = await _consumers(connection, out)
-        if gateways:
+        """Asked before anything moves and again just before `-in` is deleted: a gateway,
+        one serving the API only included, publishes submissions into it."""
+        running = await gateways() or await _consumers(connection, out)
+        if running:
             raise InUse(
-                f"{out} has {gateways} consumer(s): stop the gateways first (they publish"
-                f" to {submissions})"
+                f"{running} gateway process(es) still run: stop the gateways first (they"
+                f" publish to {submissions})"
             )
 
     if await _refusal(connection, submissions, specs[submissions]) is not None:
         await no_gateway()
-    moved.append(await migrate_queue(connection, submissions, specs[submissions], stop, no_gateway))
-    return moved
+        dispatchers = await _consumers(connection, submissions)
+        if dispatchers:
+            raise InUse(f"{submissions} has {dispatchers} consumer(s): {stop}")
+    return [
+        await migrate_queue(connection, out, specs[out], "stop the gateways first"),
+        await migrate_queue(connection, dead, specs[dead], "stop the gateways first"),
+        await migrate_queue(connection, submissions, specs[submissions], stop, no_gateway),
+    ]
 
 
 async def migrate_queue(
@@ -165,12 +171,12 @@ async def _emptied(
     messages moved so far wait."""
     channel = await connection.channel()
     try:
-        declared = (await channel.declare_queue(name, passive=True)).declaration_result
         try:
-            if declared.consumer_count:
-                raise InUse(f"{name} has {declared.consumer_count} consumer(s): {in_use}")
             if before_delete is not None:
                 await before_delete()
+            declared = (await channel.declare_queue(name, passive=True)).declaration_result
+            if declared.consumer_count:
+                raise InUse(f"{name} has {declared.consumer_count} consumer(s): {in_use}")
         except InUse as exc:
             raise InUse(
                 f"{exc}; the messages moved so far wait in {staging}: run the command again"

@@ -386,10 +386,11 @@ class ResultConsumer:
     async def process(self, batch: list[Delivery]) -> None:
         """Applies a batch, waiting out database outages, then acks it. Never raises: a
         batch that fails for an unexpected reason is handed back to the broker. What came on
-        a replaced channel is skipped: the broker gives it again on the current one (applied
-        and moved on from there, a left-behind submission is published to its new queue once)."""
+        a replaced or closed channel is skipped: the broker gives it again on the current one
+        (applied and moved on from there, a left-behind submission is published to its new
+        queue once, unless its channel closes while the batch is applied)."""
         async with self._applying:
-            current = [d for d in batch if d.channel == self._generation]
+            current = [d for d in batch if d.channel == self._generation and _open(d.message)]
             if current:
                 await self._process(current)
 
@@ -801,13 +802,23 @@ def last_per_channel(batch: list[Delivery]) -> list[AbstractIncomingMessage]:
     last: dict[int, AbstractIncomingMessage] = {}
     for delivery in batch:
         message = delivery.message
-        try:
-            key = id(message.channel)
-        except aiormq.exceptions.ChannelInvalidStateError:
+        if not _open(message):
             continue  # closed since (a reconnection): the broker gives its messages again
+        key = id(message.channel)
         if key not in last or (message.delivery_tag or 0) > (last[key].delivery_tag or 0):
             last[key] = message
     return list(last.values())
+
+
+def _open(message: AbstractIncomingMessage) -> bool:
+    """Whether the channel `message` came on is still open. Closed since (a reconnection, or
+    a channel error: aio-pika reopens the same robust channel), the broker gives the message
+    again on the new one: applied (or moved on) now, it would be twice."""
+    try:
+        message.channel  # noqa: B018 - aio-pika raises for a closed channel
+    except aiormq.exceptions.ChannelInvalidStateError:
+        return False
+    return True
 
 
 async def _settle(action: Callable[..., Any], **options: Any) -> None:

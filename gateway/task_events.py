@@ -132,7 +132,11 @@ class TaskEvents:
         with self.following(task_id) as changed:
             waking = asyncio.create_task(_set_when(stopping, changed))
             try:
-                number, data = await current()
+                try:
+                    number, data = await current()
+                except errors.ApiError as exc:  # gone since the endpoint's own check
+                    yield _error(exc)
+                    return
                 seen = _last_event_id(last_event_id)
                 if seen is not None and seen > number + _AHEAD:
                     seen = None  # from this task's future: not an id it was ever given
@@ -155,7 +159,7 @@ class TaskEvents:
                     try:
                         fresh_id, fresh = await current()
                     except errors.ApiError as exc:  # purged, or access lost meanwhile
-                        yield {"event": "error", "data": strict_json.dumps(exc.envelope()).decode()}
+                        yield _error(exc)
                         return
                     except CONNECTION_ERRORS as exc:  # the database is away: retry, slowly
                         log.info("task stream could not read", extra={"error": logs.describe(exc)})
@@ -217,6 +221,11 @@ async def _wait(changed: asyncio.Event, seconds: float | None) -> None:
 async def _set_when(stopping: anyio.Event, changed: asyncio.Event) -> None:
     await stopping.wait()
     changed.set()
+
+
+def _error(exc: errors.ApiError) -> dict[str, str]:
+    """The stream's last event when its task can no longer be read: the poll's envelope."""
+    return {"event": "error", "data": strict_json.dumps(exc.envelope()).decode()}
 
 
 def _event(number: int, data: dict[str, Any]) -> dict[str, str]:

@@ -420,6 +420,7 @@ def migrate_queues() -> None:
     from conveyor.connection import connect
     from conveyor.events import MessageFormat
     from gateway import admin
+    from gateway.pgpool import connect as database
     from gateway.queue_migration import InUse, migrate_service
 
     queues = [
@@ -433,11 +434,18 @@ def migrate_queues() -> None:
         connection = await connect(
             settings.amqp_url, name="conveyor migrate-queues", heartbeat=settings.amqp_heartbeat
         )
+
+        async def gateways() -> int:
+            async with await database(settings.database_url) as conn:
+                return await admin.running_gateways(conn)
+
         async with connection:
             if queues:  # the gateways' must be the same, or they take the queues for others
                 typer.echo(f"-in queues get x-delivery-limit {settings.delivery_limit}")
             for queue_name in queues:
-                for moved in await migrate_service(connection, queue_name, settings.delivery_limit):
+                for moved in await migrate_service(
+                    connection, queue_name, settings.delivery_limit, gateways
+                ):
                     typer.echo(f"{moved.queue}: {moved.state}, {moved.messages} message(s) moved")
 
     try:

@@ -29,8 +29,8 @@ from tests.support.amqp import (
     raw_json,
     take_all,
 )
-from tests.support.gateway import Platform, run_sync
-from tests.support.processes import REPO
+from tests.support.gateway import GatewayProcess, Platform, gateway_env, run_sync
+from tests.support.processes import REPO, Processes
 
 
 def _migrate(database_url: str, amqp_url: str) -> subprocess.CompletedProcess[str]:
@@ -305,3 +305,27 @@ def test_a_gateway_started_during_the_move_stops_it_before_the_delete(
         assert message_count(amqp_url, staging) is None
     finally:
         delete_queues(amqp_url, [*queues_of(queue_name), staging])
+
+
+def test_an_api_only_gateway_is_seen_and_nothing_moves(
+    scratch_db: str, amqp_url: str, procs: Processes
+) -> None:
+    """Found by a review: the check that no gateway publishes to `-in` counted the consumers
+    of `-out`, which a gateway serving the API only (`--no-background`) has none of, though it
+    publishes each submission to `-in` at once. Gateways are counted in the database now
+    (each holds one named listening connection), and nothing moves while one runs, `-out`
+    and `-dlq` included."""
+    queue_name = _older_service(scratch_db, amqp_url, 5)
+    submissions = topology.in_queue(queue_name)
+    api_only = GatewayProcess(
+        procs, gateway_env(scratch_db, amqp_url), "api-only", "--no-background"
+    )
+    try:
+        done = _migrate(scratch_db, amqp_url)
+        assert done.returncode == 1, done.stdout
+        assert "gateway process(es) still run" in done.stderr, done.stderr
+        assert _declares(amqp_url, submissions, _older_in_arguments(queue_name))  # untouched
+        assert message_count(amqp_url, submissions) == 5
+    finally:
+        api_only.proc.stop()
+        delete_queues(amqp_url, [*queues_of(queue_name), f"{submissions}.migrating"])

@@ -37,7 +37,10 @@ def text(value: str) -> str:
 
 
 def truncate(value: str, limit: int = ERROR_LIMIT) -> str:
-    """At most `limit` bytes of UTF-8, cut on a character boundary."""
+    """At most `limit` bytes of UTF-8, cut on a character boundary, and storable: an error
+    message may quote what a function sent (a header aiohttp decoded with surrogate escapes
+    holds lone surrogates, which no UTF-8 encoder takes)."""
+    value = text(value)
     encoded = value.encode()
     if len(encoded) <= limit:
         return value

@@ -14,7 +14,7 @@ every scenario of a test:
      "progressPause": 0.1,
      "response": {...},             # 2xx JSON body (default: {"echo": <body>})
      "rawResponse": "text",         # 2xx raw body instead
-     "hostile": "deep" | "trickle" | "huge" | "twice" | "garbage",  # see `_hostile()`
+     "hostile": "deep" | "trickle" | "huge" | "twice" | "garbage" | "latin1-location",
      "size": 1000000}               # bytes of a huge answer
 
 Every call is logged twice to the JSON-lines file: `"phase": "start"` with its
@@ -133,7 +133,8 @@ class Handler(BaseHTTPRequestHandler):
         """Answers no dispatcher should trust: 100,000-deep JSON, a body trickled one byte
         a second, a body of `size` bytes, (twice) a second, stray answer written on the
         idle keep-alive connection 50 ms after the real one, logged as `"phase": "stray"`,
-        or (garbage) a status line that is not HTTP."""
+        (garbage) a status line that is not HTTP, or (latin1-location) a 302 whose Location
+        header holds bytes that are not UTF-8."""
         kind = spec["hostile"]
         try:
             if kind == "deep":
@@ -143,6 +144,11 @@ class Handler(BaseHTTPRequestHandler):
             elif kind == "garbage":
                 self.wfile.write(b"hello there\r\n\r\n")
                 self.close_connection = True
+            elif kind == "latin1-location":  # a redirect whose Location is not UTF-8
+                self.wfile.write(
+                    b"HTTP/1.1 302 Found\r\nLocation: http://x/caf\xe9\xff\r\n"
+                    b"Content-Length: 0\r\n\r\n"
+                )
             elif kind == "twice":
                 self._answer(200, json.dumps({"answered": self.headers["ce-id"]}).encode(), {})
                 self.wfile.flush()

@@ -206,3 +206,26 @@ async def test_an_answer_that_is_not_http_says_so_without_a_status_or_the_url(
     assert message.startswith("The function's answer was not valid HTTP: Bad status line"), message
     assert "url=" not in message and str(function.port) not in message
     assert "400" not in message
+
+
+async def test_a_redirect_whose_location_is_not_utf8_fails_its_task_once(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a black-box test: a 302 whose Location held Latin-1 bytes reached the error
+    message as lone surrogates, which its truncation could not encode: every delivery ended
+    in an unexpected error and went straight back, the function called ~24 times in 0.1 s
+    until the broker dead-lettered it, its cause lost. Header text is made storable now."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"hostile": "latin1-location"})
+
+    done = await rabbit.wait_terminal(task_id)
+
+    assert done.kind is EventKind.FAILED
+    message = done.error_message or ""
+    assert message.startswith("HTTP 302 (redirects are not followed; Location: http://x/caf"), (
+        message
+    )
+    assert "\ufffd" in message
+    assert len(function.calls(task_id)) == 1
+    assert "Traceback" not in dispatcher.proc.logs()

@@ -71,6 +71,15 @@ def test_a_nul_in_json_that_is_not_utf8_is_replaced_too(encoding: str) -> None:
     assert classify(200, body) == Success({"k\ufffd": ["x\ufffdy"]})
 
 
+def test_a_3xx_location_that_is_not_utf8_becomes_a_storable_message() -> None:
+    """aiohttp hands header bytes that are not UTF-8 through as lone surrogates."""
+    location = b"http://x/caf\xe9".decode("utf-8", "surrogateescape")
+    outcome = classify(302, b"", {"location": location})
+    assert isinstance(outcome, Failure) and not outcome.retryable
+    assert outcome.error == "HTTP 302 (redirects are not followed; Location: http://x/caf\ufffd)"
+    outcome.error.encode()  # storable: no lone surrogate left
+
+
 def test_error_message_is_truncated_to_4_kib_on_a_character_boundary() -> None:
     outcome = classify(400, ("é" * 5000).encode())
     assert isinstance(outcome, Failure)

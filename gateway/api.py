@@ -183,9 +183,16 @@ def _check_storable(payload: dict[str, Any], first_depth: int = 1) -> None:
 
 
 def _idempotency_key(request: Request) -> str | None:
-    key = request.headers.get("idempotency-key")
+    """The key, or None. Given on two header lines, it is refused: a proxy may join them
+    into one (RFC 9110 §5.3), and which task a retry finds would then depend on the path.
+    Its length is counted in bytes (HTTP header values are bytes; Starlette reads them as
+    Latin-1)."""
+    keys = request.headers.getlist("idempotency-key")
+    if len(keys) > 1:
+        raise errors.invalid("Idempotency-Key", "given more than once")
+    key = keys[0] if keys else None
     if key is not None and not (0 < len(key) <= h.MAX_IDEMPOTENCY_KEY):
-        raise errors.invalid("Idempotency-Key", f"1 to {h.MAX_IDEMPOTENCY_KEY} characters")
+        raise errors.invalid("Idempotency-Key", f"1 to {h.MAX_IDEMPOTENCY_KEY} bytes")
     return key
 
 

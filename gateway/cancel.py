@@ -36,6 +36,15 @@ _PIPELINED = 100  # cancels in flight at once, when a delete ends many tasks
 
 CANCELLED = "Task cancelled."
 UNFINISHED = ("PENDING", "IN_PROGRESS")
+# What tells a cancelled task from one its function failed with the same message.
+_MARK_CANCELLED = "UPDATE tasks SET cancelled_at = now() WHERE task_id = %(task_id)s"
+_CANCELLED = "SELECT cancelled_at IS NOT NULL FROM tasks WHERE task_id = %(task_id)s"
+
+
+async def _cancelled(pool: Pool, task_id: uuid.UUID) -> bool:
+    async with pool.connection() as conn:
+        row = await (await conn.execute(_CANCELLED, {"task_id": task_id})).fetchone()
+    return bool(row and row[0])
 
 
 async def cancel_task(
@@ -47,13 +56,15 @@ async def cancel_task(
     finished_now = False
     if data["status"] in UNFINISHED:
         change = lifecycle.failure(task_id, CANCELLED)
-        async with pool.connection() as conn:
+        async with pool.connection() as conn, conn.transaction():
             outcome = await lifecycle.apply(conn, change)
-        finished_now = outcome.applied is lifecycle.Applied.FINISHED
+            finished_now = outcome.applied is lifecycle.Applied.FINISHED
+            if finished_now:
+                await conn.execute(_MARK_CANCELLED, {"task_id": task_id})
         if (done := outcome.finished) is not None:
             metrics.task_finished(done.service, done.status, done.waited, done.ran)
         data = await get_task(pool, client_id, service.name, task_id)
-    if data["status"] != "FAILURE" or data.get("errorMessage") != CANCELLED:
+    if not finished_now and not await _cancelled(pool, task_id):
         raise errors.ApiError(errors.ALREADY_FINISHED)
     if finished_now:
         await tell_dispatchers(broker, await _queue_names(pool, service), [task_id])

@@ -148,6 +148,9 @@ tasks = Table(
     # When a PENDING task fails "expired": its message's own expiry (0012). NULL on rows older
     # than that, until the reaper's next pass gives them one.
     Column("expires_at", DateTime(timezone=True)),
+    # Set by a cancel, in the transaction that ends the task (0014): a function's own failure
+    # may carry the same message.
+    Column("cancelled_at", DateTime(timezone=True)),
     _updated(),
     CheckConstraint(
         "status IN ('PENDING', 'IN_PROGRESS', 'SUCCESS', 'FAILURE')", name="ck_tasks_status"

@@ -193,6 +193,27 @@ def test_tasks_a_service_delete_ended_are_not_run_afterwards(
     assert len(calls_of(call_log, running)) == 1
 
 
+def test_a_task_its_function_failed_with_the_cancel_message_is_not_taken_for_cancelled(
+    stack: Stack, platform: Platform
+) -> None:
+    """Found by a black-box test: a cancelled task was recognised by its error message, which
+    a function can send too: a task its function failed with "Task cancelled." answered a
+    cancel `200` (already cancelled) instead of `409001`. A cancel is recorded as such now."""
+    failed = stack.submit({"sleep": 0})  # no dispatcher: PENDING, then failed as a function would
+    platform.sql(
+        "UPDATE tasks SET status = 'FAILURE', error_message = %(m)s, end_date = now()"
+        " WHERE task_id = %(t)s",
+        {"m": CANCELLED, "t": failed},
+    )
+    refused = _cancel(stack, failed)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["number"] == 409001
+    cancelled = stack.submit({"sleep": 0})
+    first, again = _cancel(stack, cancelled), _cancel(stack, cancelled)
+    assert (first.status_code, again.status_code) == (200, 200), again.text
+    assert again.json()["data"] == first.json()["data"]
+
+
 def test_finished_tasks_answer_409001(stack: Stack) -> None:
     stack.dispatcher("pod-a")
     done = stack.submit({"sleep": 0})

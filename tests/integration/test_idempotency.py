@@ -253,3 +253,30 @@ def test_a_repeat_is_answered_with_its_task_after_the_service_got_stricter(
     assert ids == [t["taskId"] for t in first_batch.json()["data"]["tasks"]]
     _refused(other)  # another request under the key: refused as before
     assert fresh.status_code == 400 and fresh.json()["error"]["number"] == 400001
+
+
+def test_a_key_given_on_two_header_lines_is_refused(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """Found by a black-box test: two `Idempotency-Key` lines made the first one the key, so
+    whether a retry found its task depended on any proxy that joins them into one line (RFC
+    9110 §5.3). Two lines are refused; one line, whatever it holds, is one key."""
+    svc = platform.service()
+    url = gateway.tasks_url(svc.name)
+    with gateway.http(svc.clients[0]) as http:
+        both = http.post(
+            url,
+            json={"body": {}},
+            headers=[("Idempotency-Key", "key-a"), ("Idempotency-Key", "key-b")],
+        )
+        batch = http.post(
+            f"{url}/batch",
+            json={"tasks": [{"body": {}}]},
+            headers=[("Idempotency-Key", "key-a"), ("Idempotency-Key", "key-b")],
+        )
+    for answer in (both, batch):
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["number"] == 400002
+        assert error["errors"] == [{"path": "Idempotency-Key", "message": "given more than once"}]
+    assert _tasks(platform, svc.name) == 0

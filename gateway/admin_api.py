@@ -63,7 +63,7 @@ _TASK = """
            callback, submission_date, start_date, end_date, notification_status,
            notification_attempts, notify_claimed_until, worker_host, attempt_id, attempts,
            idempotency_key, idempotency_fingerprint, not_before, traceparent, publish_at,
-           publish_attempts, publish_error, time_limit, expires_at, updated_at
+           publish_attempts, publish_error, time_limit, expires_at, cancelled_at, updated_at
     FROM tasks WHERE task_id = %(task_id)s
     """
 _ATTEMPTS = """
@@ -155,6 +155,7 @@ async def task(task_id: str, request: Request) -> Json:
         "publishError": row.publish_error,
         "timeLimit": row.time_limit,
         "expiresAt": iso(row.expires_at),
+        "cancelledAt": iso(row.cancelled_at),  # set by a cancel, not by a function's message
         "updatedAt": iso(row.updated_at),
         "callback": None,
         "attempts": [

@@ -244,6 +244,7 @@ class TaskDetail(TaskSummary):
     publishError: str | None = Field(None, description="The broker's last refusal")
     timeLimit: int | None = None
     expiresAt: str | None = None
+    cancelledAt: str | None = Field(None, description="When a cancel ended the task")
     updatedAt: str
 
 

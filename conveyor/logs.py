@@ -139,6 +139,15 @@ def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # Library chatter (connection retries are reported by our own code).
-    for noisy in ("aiormq", "aio_pika", "httpx", "httpcore", "uvicorn.access"):
+    # Library chatter (connection retries are reported by our own code; alembic names each
+    # of its plugins as it loads them, in every process that checks the schema).
+    noisy_loggers = (
+        "aiormq",
+        "aio_pika",
+        "httpx",
+        "httpcore",
+        "uvicorn.access",
+        "alembic.runtime.plugins",
+    )
+    for noisy in noisy_loggers:
         logging.getLogger(noisy).setLevel(logging.WARNING)

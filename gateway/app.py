@@ -78,6 +78,7 @@ def create_app(
         lifespan=lifespan,
         default_response_class=Json,
         docs_url=None,  # gateway.api_docs: its files from this process, not from a CDN
+        openapi_url=None,  # gateway.api_docs too: a route of the table, counted as itself
         swagger_ui_oauth2_redirect_url=None,
     )
     app.include_router(api_docs.router)

@@ -1,5 +1,6 @@
-"""A command that meets a database it cannot use says so in one line, exit 1: not reachable,
-not migrated, a revision this version does not know. Real `conveyor` processes, a real
+"""A command that meets a database it cannot use says so in one line, exit 1, and prints
+nothing else (no library's start-up chatter): not reachable, not migrated, a revision this
+version does not know. Real `conveyor` processes, a real
 PostgreSQL (a database of the test's own, or a port nothing listens on)."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def conveyor(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
 def one_error_line(done: subprocess.CompletedProcess[str]) -> str:
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.strip() == "", done.stdout[-3000:]  # nothing besides that line
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-3000:]
     return lines[0]

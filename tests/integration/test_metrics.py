@@ -49,6 +49,8 @@ def test_requests_are_labelled_by_route_template(
         probes = ("/wp-login.php", f"/nothing/{uuid.uuid4()}", "/v1/servicez")
         for probe in probes:
             assert http.get(probe).status_code == 404
+        for page in ("/openapi.json", "/docs", "/docs/swagger-ui.css"):
+            assert http.get(page).status_code == 200, page
     after = _scrape(gateway)
 
     assert _requests(after, TASKS, "201") == _requests(before, TASKS, "201") + 1
@@ -56,6 +58,9 @@ def test_requests_are_labelled_by_route_template(
     assert _requests(after, poll, "200") == _requests(before, poll, "200") + 1
     assert _requests(after, poll, "404") == _requests(before, poll, "404") + 1
     assert _requests(after, "unmatched", "404") == _requests(before, "unmatched", "404") + 3
+    assert _requests(after, "unmatched", "200") == _requests(before, "unmatched", "200")
+    for route in ("/openapi.json", "/docs", "/docs/{name}"):  # the pages count as themselves
+        assert _requests(after, route, "200") == _requests(before, route, "200") + 1, route
     routes = {
         dict(labels)["route"]
         for (name, labels), _ in samples(after).items()

@@ -166,6 +166,16 @@ class Submission:
     timeout: float | None = None
     traceparent: str | None = None
     expires_at: datetime | None = None  # the task fails then: no worker should start it after
+    # The crashes its workers may have before it fails (the queue's `x-delivery-limit`).
+    delivery_limit: int | None = None
+
+
+# A task whose workers crashed (or gave it back) more often than its delivery limit: said by the
+# gateway for a dead letter, by a dispatcher for a copy a graceful requeue republished.
+CRASH_LIMIT_REACHED = (
+    "The task was dead-lettered: its workers crashed or gave it back every time"
+    " until its queue's delivery limit (x-delivery-limit) was reached."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +307,8 @@ def _from_wire(message: WireMessage) -> CloudEvent:
 
 def encode_submission(sub: Submission) -> WireMessage:
     wire = _encode_submission(sub)
+    if sub.delivery_limit is not None:
+        wire.headers[h.DELIVERY_LIMIT] = sub.delivery_limit
     if sub.expires_at is not None:
         left = (sub.expires_at - now()).total_seconds()
         wire = replace(wire, expiration=max(left, 0.001))
@@ -326,6 +338,21 @@ def _encode_submission(sub: Submission) -> WireMessage:
 def expiry_text(moment: datetime) -> str:
     """`conveyorexpires`, as the gateway writes it and a dispatcher's requeue rewrites it."""
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def expiry_of(headers: dict[str, Any]) -> datetime | None:
+    """A submission's `conveyorexpires`, read from its AMQP headers (None: not known)."""
+    value = headers.get(h.CE_EXPIRES)
+    return _optional_time(value.decode(errors="replace") if isinstance(value, bytes) else value)
+
+
+def _delivery_limit(headers: dict[str, Any]) -> int | None:
+    """DELIVERY_LIMIT as the gateway stamps it; anything else says nothing (the broker's own
+    limit still holds)."""
+    value = headers.get(h.DELIVERY_LIMIT)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 def _encode_legacy_submission(sub: Submission) -> WireMessage:
@@ -368,6 +395,7 @@ def decode_submission(message: WireMessage, service: str = "") -> Submission:
             timeout=_optional_timeout(ext(EXT_TIMEOUT)),
             traceparent=_optional_str(ext(TRACEPARENT)),
             expires_at=_optional_time(ext(EXT_EXPIRES)),
+            delivery_limit=_delivery_limit(message.headers),
         )
     payload = _load_json(message.body)
     if not isinstance(payload, dict) or not isinstance(payload.get("data"), dict):
@@ -384,6 +412,7 @@ def decode_submission(message: WireMessage, service: str = "") -> Submission:
         service=service,
         body=body,
         message_format=MessageFormat.LEGACY,
+        delivery_limit=_delivery_limit(message.headers),
     )
 
 

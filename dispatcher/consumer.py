@@ -108,10 +108,19 @@ class Delivery:
         A classic queue has no delivery count: its `redelivered` flag counts one.
         """
         headers = self.message.headers or {}
+        return _int_header(headers, h.REQUEUES) + self._returns(headers)
+
+    def crashes(self) -> int:
+        """Returns of this task's copies without a graceful requeue: crashes, connection
+        losses, nacks. The broker counts this copy's; an earlier copy's are in CRASHES."""
+        headers = self.message.headers or {}
+        return _int_header(headers, h.CRASHES) + self._returns(headers)
+
+    def _returns(self, headers: dict[str, Any]) -> int:
         count = _int_header(headers, h.DELIVERY_COUNT)
         if not count and h.DELIVERY_COUNT not in headers and self.message.redelivered:
-            count = 1
-        return _int_header(headers, h.REQUEUES) + count
+            count = 1  # a classic queue has no count: its flag says one at least
+        return count
 
     async def ack(self) -> bool:
         return await self._settle("ack", self.message.ack)

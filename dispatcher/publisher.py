@@ -26,7 +26,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from conveyor import headers as h
 from conveyor.amqp import to_amqp
 from conveyor.connection import SILENT_CHANNEL, ConfirmingChannel
-from conveyor.events import MessageFormat, TaskEvent, encode_event, expiry_text
+from conveyor.events import MessageFormat, TaskEvent, encode_event, expiry_of, expiry_text
 from dispatcher.consumer import BROKER_ERRORS, Delivery
 
 log = logging.getLogger(__name__)
@@ -92,20 +92,32 @@ class Publisher:
             return False
         return True
 
-    async def republish(self, delivery: Delivery, previous_deliveries: int) -> None:
-        """A copy of the delivered message at the tail of `-in`, counted in a header.
+    async def republish(self, delivery: Delivery, previous_deliveries: int, renewed: bool) -> None:
+        """A copy of the delivered message at the tail of `-in`, counted in headers.
 
         The broker's own `x-delivery-count` is dropped from the copy (it restarts
         from zero for a new message); what it counted is folded into
-        `x-conveyor-requeues`, so X-Conveyor-Attempt keeps increasing.
+        `x-conveyor-requeues`, so X-Conveyor-Attempt keeps increasing, and into
+        `x-conveyor-crashes`, so that crashes still end the task at its delivery limit.
+
+        A `renewed` copy lives its time to live again, as its task does (the gateway moves
+        the row's expiry with the `requeued` event sent beside it); any other (a message
+        handed back uncalled, an attempt whose `started` never went out) keeps its task's
+        expiry, which nothing moved: no dispatcher may call the task after the gateway
+        expired it.
         """
         original = delivery.message
         headers = {k: v for k, v in (original.headers or {}).items() if k != h.DELIVERY_COUNT}
         headers[h.REQUEUES] = previous_deliveries
+        crashes = delivery.crashes()
+        if crashes:
+            headers[h.CRASHES] = crashes
         ttl = original.expiration  # seconds, as aio-pika decodes it
-        if isinstance(ttl, int | float) and h.CE_EXPIRES in headers:
-            # the task's expiry moves with its message's (the gateway moves the row's)
+        expires = expiry_of(headers)
+        if renewed and isinstance(ttl, int | float) and expires is not None:
             headers[h.CE_EXPIRES] = expiry_text(datetime.now(UTC) + timedelta(seconds=ttl))
+        elif expires is not None:
+            ttl = max((expires - datetime.now(UTC)).total_seconds(), 0.001)
         copy = aio_pika.Message(
             body=original.body,
             headers=headers,
@@ -118,9 +130,7 @@ class Publisher:
             type=original.type,
             app_id=original.app_id,
             priority=original.priority,
-            # The time to live starts again from here, and the task's own with it: the
-            # gateway moves its expiry as it applies the `requeued` event.
-            expiration=original.expiration,
+            expiration=ttl,
             delivery_mode=_PERSISTENT,
         )
         await self._publish(copy, self.in_queue)

@@ -43,6 +43,7 @@ from conveyor import headers as h
 from conveyor import strict_json, tracing
 from conveyor.dispatcher_settings import DispatcherSettings
 from conveyor.events import (
+    CRASH_LIMIT_REACHED,
     SUBMITTED,
     EventKind,
     MessageFormat,
@@ -50,6 +51,7 @@ from conveyor.events import (
     TaskEvent,
     WireError,
     decode_submission,
+    expiry_of,
 )
 from dispatcher.cancels import Cancels
 from dispatcher.consumer import BROKER_ERRORS, Delivery
@@ -171,6 +173,10 @@ class Worker:
             return
         if await self._ended_already(delivery, submission):
             return
+        limit = submission.delivery_limit
+        if limit is not None and delivery.crashes() > limit:
+            await self._fail_crashed(delivery, submission)
+            return
         abort = self.in_flight.token()
         try:
             if not await self._take_slot(abort, delivery):
@@ -255,9 +261,12 @@ class Worker:
             if self.cancels.cancelled(attempt.task_id):
                 await self._ack_cancelled(attempt.delivery, attempt.task_id, called=True)
             else:
-                await asyncio.gather(
-                    self._say_requeued(attempt), self._requeue(attempt.delivery, attempted=True)
-                )
+                renewed = self._says_requeued(attempt)
+                requeue = self._requeue(attempt.delivery, attempted=True, renewed=renewed)
+                if renewed:
+                    await asyncio.gather(self._say_requeued(attempt), requeue)
+                else:
+                    await requeue
             return
         finally:
             self.board.remove(attempt.task_id, reporter)
@@ -424,15 +433,21 @@ class Worker:
             self.publisher.publish_event(event, attempt.submission.message_format), EVENT_TIMEOUT
         )
 
+    @staticmethod
+    def _says_requeued(attempt: Attempt) -> bool:
+        """Whether the gateway hears of the requeue: once the attempt's `started` went out,
+        and for CloudEvents services (a legacy `-out` has no such event)."""
+        return (
+            attempt.started_sent and attempt.submission.message_format is not MessageFormat.LEGACY
+        )
+
     async def _say_requeued(self, attempt: Attempt) -> None:
-        """Tells the gateway that the task goes back to the queue, once its `started` went out:
-        the task is PENDING again, not an IN_PROGRESS one whose worker fell silent (the
-        watchdog would fail it if the queue held it longer than its time limit). Sent with the
-        copy, within the same bound, so that a shutdown takes no longer; should the next
-        attempt's `started` come first, it supersedes this event (the gateway checks the
+        """Tells the gateway that the task goes back to the queue: the task is PENDING again,
+        not an IN_PROGRESS one whose worker fell silent (the watchdog would fail it if the
+        queue held it longer than its time limit), and its expiry moves with its copy's. Sent
+        with the copy, within the same bound, so that a shutdown takes no longer; should the
+        next attempt's `started` come first, it supersedes this event (the gateway checks the
         attempt). Best effort: without it the task is as it always was."""
-        if not attempt.started_sent or attempt.submission.message_format is MessageFormat.LEGACY:
-            return
         event = attempt.event(EventKind.REQUEUED)
         try:
             await asyncio.wait_for(
@@ -498,6 +513,31 @@ class Worker:
             extra={"task_id": task_id, "acked": acked},
         )
 
+    async def _fail_crashed(self, delivery: Delivery, submission: Submission) -> None:
+        """A copy a graceful requeue republished starts the broker's count again: past the
+        delivery limit counted with the earlier copies' crashes, the task fails as the broker
+        would have failed it (SPEC §7.1), uncalled."""
+        crashes = delivery.crashes()
+        event = TaskEvent(
+            EventKind.FAILED,
+            submission.task_id,
+            error_message=CRASH_LIMIT_REACHED,
+            attempt=str(uuid.uuid4()),
+            host=self.settings.hostname,
+            started=datetime.now(UTC),
+        )
+        if not await self.publisher.publish_reliably(
+            event, submission.message_format, TERMINAL_PATIENCE
+        ):
+            await delivery.nack_requeue()  # never acked without its terminal event
+            return
+        self.metrics.failed.inc()
+        acked = await delivery.ack()
+        log.warning(
+            "task crashed its workers past its delivery limit: failed, not called",
+            extra={"task_id": submission.task_id, "crashes": crashes, "acked": acked},
+        )
+
     async def _ack_finished_redelivery(self, delivery: Delivery) -> None:
         if await delivery.ack():
             log.info(
@@ -509,12 +549,24 @@ class Worker:
         """A delivery that arrived while stopping: back to the queue, never started."""
         await self._requeue(delivery, attempted=False)
 
-    async def _requeue(self, delivery: Delivery, attempted: bool) -> None:
+    async def _requeue(self, delivery: Delivery, attempted: bool, renewed: bool = False) -> None:
         if not delivery.valid:
             return  # its channel is gone: the broker has already requeued it
+        expires = expiry_of(delivery.headers)
+        if not renewed and expires is not None and expires <= datetime.now(UTC):
+            # Its task is expired (or expiring) at the gateway: a copy would be called later.
+            self.metrics.expired.inc()
+            acked = await delivery.ack()
+            log.info(
+                "task expired before its requeue: acked, not handed back",
+                extra={"message_id": delivery.message_id, "acked": acked},
+            )
+            return
         previous = delivery.previous_deliveries() + (1 if attempted else 0)
         try:
-            await asyncio.wait_for(self.publisher.republish(delivery, previous), REPUBLISH_TIMEOUT)
+            await asyncio.wait_for(
+                self.publisher.republish(delivery, previous, renewed), REPUBLISH_TIMEOUT
+            )
         except BROKER_ERRORS as exc:
             log.warning(
                 "republish failed; nack-requeue instead",

@@ -128,6 +128,7 @@ class Outbox:
         pool: Pool,
         broker: Broker,
         ttl: float,
+        delivery_limit: int | None = None,
         interval: float = 1.0,
         batch: int = 200,
         flush_every: float = 0.2,
@@ -137,6 +138,9 @@ class Outbox:
         self.pool = pool
         self.broker = broker
         self.ttl = ttl  # the reaper's time to live of a PENDING task
+        # Stamped on every submission: `-in`'s x-delivery-limit, for the dispatcher to go on
+        # counting crashes through a graceful requeue (conveyor.headers.DELIVERY_LIMIT).
+        self.delivery_limit = delivery_limit
         self.interval = interval
         self.batch = batch
         self.max_backoff = max_backoff
@@ -195,6 +199,7 @@ class Outbox:
     async def _send(self, submission: Submission, queue_name: str, path: str) -> None:
         """One confirmed publish; with tracing on, in a `publish` span of the task's trace,
         whose context the message carries on (the dispatcher's spans are its children)."""
+        submission = replace(submission, delivery_limit=self.delivery_limit)
         if not tracing.enabled:
             await self.broker.publish(encode_submission(submission), topology.in_queue(queue_name))
             return

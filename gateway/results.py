@@ -50,6 +50,7 @@ from conveyor import headers as h
 from conveyor import logs, storable, topology, tracing
 from conveyor.amqp import from_amqp
 from conveyor.events import (
+    CRASH_LIMIT_REACHED,
     MessageFormat,
     Submission,
     WireError,
@@ -716,13 +717,18 @@ def _count(value: Any) -> int:
 
 
 def _counted_deliveries(wire: WireMessage, message: AbstractIncomingMessage) -> WireMessage:
-    """`wire` carrying the deliveries `message` had used, as a dispatcher counts them."""
+    """`wire` carrying the deliveries `message` had used, and its crashes, as a dispatcher
+    counts them."""
     headers = dict(message.headers or {})
-    used = _count(headers.get(h.DELIVERY_COUNT))
-    if not used and h.DELIVERY_COUNT not in headers and message.redelivered:
-        used = 1  # a classic queue has no count: its flag says one at least
-    used += _count(headers.get(h.REQUEUES))
-    return replace(wire, headers={**wire.headers, h.REQUEUES: used}) if used else wire
+    returns = _count(headers.get(h.DELIVERY_COUNT))
+    if not returns and h.DELIVERY_COUNT not in headers and message.redelivered:
+        returns = 1  # a classic queue has no count: its flag says one at least
+    used = returns + _count(headers.get(h.REQUEUES))
+    crashes = returns + _count(headers.get(h.CRASHES))
+    counted = {h.REQUEUES: used} if used else {}
+    if crashes:
+        counted[h.CRASHES] = crashes
+    return replace(wire, headers={**wire.headers, **counted}) if counted else wire
 
 
 def _returned(wire: WireMessage, delivery_limit: int) -> WireMessage:
@@ -748,10 +754,7 @@ def _dead_letter_message(headers: dict[str, Any]) -> str:
     """
     reason = _death_reason(headers)
     if reason == "delivery_limit":
-        return (
-            "The task was dead-lettered: its workers crashed or gave it back every time"
-            " until its queue's delivery limit (x-delivery-limit) was reached."
-        )
+        return CRASH_LIMIT_REACHED
     if reason == "rejected":
         return "The task was dead-lettered: its worker rejected the message."
     if reason == "expired":

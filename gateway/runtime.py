@@ -77,6 +77,7 @@ class Runtime:
             self.pool,
             self.broker,
             ttl=settings.pending_ttl,
+            delivery_limit=settings.delivery_limit,
             interval=settings.relay_interval,
             keep_confirmed=settings.outbox_keep_confirmed,
         )

@@ -7,10 +7,11 @@ import asyncio
 import json
 import signal
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
-from conveyor.events import EventKind
+from conveyor.events import EventKind, expiry_text
 from tests.dispatcher.conftest import FakeFunction, Launch, Rabbit, eventually
 
 pytestmark = pytest.mark.timeout(90)
@@ -84,3 +85,54 @@ async def test_a_buffered_task_cancelled_or_expired_while_it_waits_is_not_called
     assert [entry["id"] for entry in function.entries("start")] == [slow, later]
     assert rabbit.terminal(cancelled) is None and rabbit.terminal(expiring) is None
     assert await rabbit.depth(rabbit.in_q) == 0  # acked, not handed back
+
+
+@pytest.mark.parametrize("mode", ["requeue", "drain"])
+async def test_a_buffered_message_handed_back_keeps_its_tasks_expiry(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch, mode: str
+) -> None:
+    """A shutdown hands buffered messages back uncalled. Their copies got a new expiry, which
+    nothing gave their tasks: the next dispatcher called tasks the gateway had expired. Now a
+    task past its expiry is acked, and any other copy keeps its expiry. Found by a black-box
+    test."""
+    first = launch(
+        function.url, concurrency=1, prefetch_buffer=2, shutdown_mode=mode, drain_timeout=1
+    )
+    await first.wait_ready()
+    slow = await rabbit.submit({"sleep": 30})
+    await eventually(lambda: len(function.entries("start")) >= 1, 10, "the slow call")
+    gone = await rabbit.submit({}, expires_at=datetime.now(UTC) + timedelta(seconds=1))
+    waiting_until = datetime.now(UTC) + timedelta(minutes=5)
+    waiting = await rabbit.submit({}, expires_at=waiting_until)
+    await asyncio.sleep(1.5)  # both wait in the buffer; `gone` is past its expiry
+    first.signal(signal.SIGTERM)
+    assert await first.exit_code(15) == 0
+
+    assert await rabbit.depth(rabbit.in_q) == 2  # `slow` and `waiting`: `gone` was acked
+    copies = await _peek(rabbit)
+    assert sorted(copies) == sorted([slow, waiting])
+    headers, expiration = copies[waiting]
+    assert headers["ce-conveyorexpires"] == expiry_text(waiting_until)  # as the gateway's row
+    left = (waiting_until - datetime.now(UTC)).total_seconds()
+    assert expiration is not None and float(expiration) <= left + 0.5
+
+    second = launch(function.url, concurrency=2)
+    assert (await rabbit.wait_terminal(waiting)).kind is EventKind.SUCCEEDED
+    await eventually(lambda: len(function.calls(slow)) == 2, 10, "slow called again")
+    assert function.calls(gone) == []
+    second.signal(signal.SIGKILL)
+    await second.exit_code(5)
+
+
+async def _peek(rabbit: Rabbit) -> dict[str, tuple[dict[str, Any], Any]]:
+    """The copies waiting in `-in`, by task id: their headers and time to live (seconds),
+    each given back to the queue."""
+    assert rabbit.channel is not None
+    queue = await rabbit.channel.get_queue(rabbit.in_q, ensure=True)
+    taken = []
+    while (message := await queue.get(no_ack=False, fail=False)) is not None:
+        taken.append(message)
+    seen = {str(m.headers["ce-id"]): (dict(m.headers or {}), m.expiration) for m in taken}
+    for message in taken:
+        await message.nack(requeue=True)
+    return seen

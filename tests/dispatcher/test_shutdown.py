@@ -142,3 +142,53 @@ async def test_a_signal_during_start_up_exits_0(sig: signal.Signals, launch: Lau
     dispatcher.signal(sig)
     assert await dispatcher.exit_code(10) == 0
     assert "Traceback" not in dispatcher.proc.logs()
+
+
+@pytest.mark.topology(delivery_limit=2)
+async def test_crashes_before_a_graceful_requeue_still_count_toward_the_delivery_limit(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """A graceful requeue republishes the message, whose copy the broker counts from zero:
+    a task that kept crashing its workers was called for ever as long as a scale-in came
+    between crashes (SPEC §7.1: leave a worker that merely crashed its limit). The copy
+    carries the crashes; past the limit, the task fails uncalled. Found by a black-box test."""
+    task_id = await rabbit.submit({"sleep": 30}, delivery_limit=2)
+    for calls, sig in enumerate(
+        (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL, signal.SIGKILL), 1
+    ):
+        dispatcher = launch(function.url)
+        await function.wait_calls(task_id, count=calls)
+        dispatcher.signal(sig)
+        assert await dispatcher.exit_code(10) in (0, -signal.SIGKILL)
+    # Three crashes, one graceful requeue: with a limit of 2 the broker would have
+    # dead-lettered it at the third crash had the requeue not come between.
+    last = launch(function.url)
+    failed = await rabbit.wait_terminal(task_id, timeout=30)
+    assert failed.kind is EventKind.FAILED
+    assert failed.error_message is not None and "delivery limit" in failed.error_message
+    assert len(function.calls(task_id)) == 4
+    assert await rabbit.depth(rabbit.in_q) == 0 and await rabbit.depth(rabbit.dlq) == 0
+    last.signal()
+    assert await last.exit_code(10) == 0
+
+
+@pytest.mark.topology(delivery_limit=2)
+async def test_graceful_requeues_alone_never_reach_the_delivery_limit(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """The crash count goes on across copies, the graceful requeues still count nothing:
+    one crash, then requeues beyond the limit, and the task still runs to its end."""
+    task_id = await rabbit.submit({"sleep": 30, "sleepOnAttempts": [1, 2, 3, 4]}, delivery_limit=2)
+    for calls, sig in enumerate(
+        (signal.SIGKILL, signal.SIGTERM, signal.SIGTERM, signal.SIGTERM), 1
+    ):
+        dispatcher = launch(function.url)
+        await function.wait_calls(task_id, count=calls)
+        dispatcher.signal(sig)
+        assert await dispatcher.exit_code(10) in (0, -signal.SIGKILL)
+    last = launch(function.url)
+    assert (await rabbit.wait_terminal(task_id, timeout=30)).kind is EventKind.SUCCEEDED
+    attempts = [c["headers"]["x-conveyor-attempt"] for c in function.calls(task_id)]
+    assert attempts == ["1", "2", "3", "4", "5"]
+    last.signal()
+    assert await last.exit_code(10) == 0

@@ -54,6 +54,8 @@ def test_a_batch_is_accepted_in_order_and_published(
     wait_for_queues(amqp_url, [f"{svc.queue_name}-in"])
     published = collect(amqp_url, f"{svc.queue_name}-in", expected=100, timeout=15, settle=0.2)
     assert {decode_submission(m).task_id for m in published} == {t["taskId"] for t in tasks}
+    # each says how many crashes its workers may have: -in's x-delivery-limit (SPEC §7.1)
+    assert {decode_submission(m).delivery_limit for m in published} == {5}
 
 
 def test_one_invalid_item_refuses_the_whole_batch(

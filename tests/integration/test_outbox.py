@@ -159,6 +159,7 @@ def test_relay_publishes_what_a_dead_gateway_left(
     submission = decode_submission(messages[0])
     assert submission.task_id == task_id
     assert submission.body == {"n": 1}
+    assert submission.delivery_limit == 5  # the gateway's DELIVERY_LIMIT, relayed too
     assert json.loads(messages[0].body) == {"n": 1}  # binary mode: the body is the data
     wait_until(lambda: not _outbox_tasks(platform, svc.name), what="task marked published")
 

@@ -161,6 +161,10 @@ def network_failure(exc: aiohttp.ClientError) -> Failure:
     if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError):
         detail = f"The function's answer was not valid HTTP: {_parse_error(exc)}"
         return Failure(truncate(detail), retryable=True)
+    if isinstance(exc, aiohttp.ServerDisconnectedError) and not isinstance(exc.message, str):
+        # aiohttp hands over the half-parsed answer (its repr holds the function's headers)
+        detail = "The function's answer was not valid HTTP: the connection closed before its"
+        return Failure(f"{detail} headers ended", retryable=True)
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, aiohttp.ClientConnectorError):
         detail = f"cannot connect to the function: {detail}"

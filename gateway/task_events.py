@@ -122,12 +122,17 @@ class TaskEvents:
         a last line that tells the client when to reconnect."""
 
         async def current() -> tuple[int, dict[str, Any]]:
-            before = await _version(pool, task_id)  # the data is this state or a later one
-            data = await read()
-            terminal = data["status"] in TERMINAL
-            if terminal:  # final: its version is exact once read after it
-                before = await _version(pool, task_id) or before
-            return _id(before, terminal), data
+            # Read whole even when the client goes meanwhile (the stream's task group then
+            # cancels at every await): cancelled again while psycopg cancelled the query on
+            # the server, the pooled connection was closed and a new backend opened. The
+            # pool's DB_TIMEOUT bounds the read; the stream ends at its next await.
+            with anyio.CancelScope(shield=True):
+                before = await _version(pool, task_id)  # the data is this state or a later one
+                data = await read()
+                terminal = data["status"] in TERMINAL
+                if terminal:  # final: its version is exact once read after it
+                    before = await _version(pool, task_id) or before
+                return _id(before, terminal), data
 
         with self.following(task_id) as changed:
             waking = asyncio.create_task(_set_when(stopping, changed))

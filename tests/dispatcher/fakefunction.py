@@ -14,7 +14,8 @@ every scenario of a test:
      "progressPause": 0.1,
      "response": {...},             # 2xx JSON body (default: {"echo": <body>})
      "rawResponse": "text",         # 2xx raw body instead
-     "hostile": "deep" | "trickle" | "huge" | "twice" | "garbage" | "latin1-location",
+     "hostile": "deep" | "trickle" | "huge" | "twice" | "garbage" | "latin1-location"
+                | "cut-headers",
      "size": 1000000}               # bytes of a huge answer
 
 Every call is logged twice to the JSON-lines file: `"phase": "start"` with its
@@ -133,8 +134,9 @@ class Handler(BaseHTTPRequestHandler):
         """Answers no dispatcher should trust: 100,000-deep JSON, a body trickled one byte
         a second, a body of `size` bytes, (twice) a second, stray answer written on the
         idle keep-alive connection 50 ms after the real one, logged as `"phase": "stray"`,
-        (garbage) a status line that is not HTTP, or (latin1-location) a 302 whose Location
-        header holds bytes that are not UTF-8."""
+        (garbage) a status line that is not HTTP, (latin1-location) a 302 whose Location
+        header holds bytes that are not UTF-8, or (cut-headers) a connection closed in the
+        middle of the answer's headers."""
         kind = spec["hostile"]
         try:
             if kind == "deep":
@@ -149,6 +151,9 @@ class Handler(BaseHTTPRequestHandler):
                     b"HTTP/1.1 302 Found\r\nLocation: http://x/caf\xe9\xff\r\n"
                     b"Content-Length: 0\r\n\r\n"
                 )
+            elif kind == "cut-headers":
+                self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Le")
+                self.close_connection = True
             elif kind == "twice":
                 self._answer(200, json.dumps({"answered": self.headers["ce-id"]}).encode(), {})
                 self.wfile.flush()

@@ -208,6 +208,27 @@ async def test_an_answer_that_is_not_http_says_so_without_a_status_or_the_url(
     assert "400" not in message
 
 
+async def test_an_answer_cut_in_its_headers_is_said_in_words(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a black-box test: the connection closed inside the answer's headers, and the
+    task's error was the repr of aiohttp's half-parsed message (`<RawResponseMessage(...)>`,
+    with the function's headers in it)."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"hostile": "cut-headers"}, max_attempts=2)
+
+    done = await rabbit.wait_terminal(task_id)
+
+    assert done.kind is EventKind.FAILED
+    message = done.error_message or ""
+    assert message == (
+        "The function's answer was not valid HTTP: the connection closed before its headers"
+        " ended"
+    ), message
+    assert len(function.calls(task_id)) == 2  # retried, as a connection cut is
+
+
 async def test_a_redirect_whose_location_is_not_utf8_fails_its_task_once(
     rabbit: Rabbit, function: FakeFunction, launch: Launch
 ) -> None:

@@ -132,7 +132,7 @@ class TaskEvents:
                 terminal = data["status"] in TERMINAL
                 if terminal:  # final: its version is exact once read after it
                     before = await _version(pool, task_id) or before
-                return _id(before, terminal), data
+            return _id(before, terminal), data
 
         with self.following(task_id) as changed:
             waking = asyncio.create_task(_set_when(stopping, changed))

@@ -223,8 +223,7 @@ async def test_an_answer_cut_in_its_headers_is_said_in_words(
     assert done.kind is EventKind.FAILED
     message = done.error_message or ""
     assert message == (
-        "The function's answer was not valid HTTP: the connection closed before its headers"
-        " ended"
+        "The function's answer was not valid HTTP: the connection closed before its headers ended"
     ), message
     assert len(function.calls(task_id)) == 2  # retried, as a connection cut is
 

@@ -91,6 +91,9 @@ class Attempt:
     started: asyncio.Task[None] | None = None  # its `started` going out: the task is IN_PROGRESS
     started_timer: asyncio.TimerHandle | None = None  # until STARTED_DELAY_MS have passed
     holds_slot: bool = True  # one of the CONCURRENCY slots, until the function has answered
+    # A call may have reached the function: only then does a requeue spend a delivery (one
+    # that could not connect is not an attempt of the task).
+    reached: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -262,7 +265,7 @@ class Worker:
                 await self._ack_cancelled(attempt.delivery, attempt.task_id, called=True)
             else:
                 renewed = self._says_requeued(attempt)
-                requeue = self._requeue(attempt.delivery, attempted=True, renewed=renewed)
+                requeue = self._requeue(attempt.delivery, attempt.reached, renewed)
                 if renewed:
                     await asyncio.gather(self._say_requeued(attempt), requeue)
                 else:
@@ -292,9 +295,12 @@ class Worker:
         try:
             outcome = await self._invoke(attempt, number - 1, time_left)
             label = outcome.label
+            if not (isinstance(outcome, Failure) and outcome.unreachable):
+                attempt.reached = True
             return outcome
         except asyncio.CancelledError:
             label = "aborted"  # the task was cancelled or the dispatcher shuts down
+            attempt.reached = True  # cut under way: the function may have it
             raise
         finally:
             self.metrics.call_seconds.observe(time.perf_counter() - began)

@@ -4,6 +4,7 @@ function's failure, on its first delivery, and nothing else in flight is disturb
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 
@@ -249,3 +250,23 @@ async def test_a_redirect_whose_location_is_not_utf8_fails_its_task_once(
     assert "\ufffd" in message
     assert len(function.calls(task_id)) == 1
     assert "Traceback" not in dispatcher.proc.logs()
+
+
+async def test_a_requeue_while_the_function_could_not_be_reached_spends_no_delivery(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch, procs: Processes, tmp_path: Path
+) -> None:
+    """A SIGTERM while every call was refused counted a delivery: the function's first real
+    call said X-Conveyor-Attempt 2 (docs: a connection refused is not an attempt). Found by a
+    black-box test."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    procs.stop(function.proc)
+    task_id = await rabbit.submit({}, timeout=60)
+    await asyncio.sleep(2)  # refused, and refused again
+    dispatcher.signal(signal.SIGTERM)
+    assert await dispatcher.exit_code(10) == 0
+
+    again = start_function(procs, tmp_path, name="function-restarted", port=function.port)
+    launch(again.url)
+    assert (await rabbit.wait_terminal(task_id, timeout=20)).kind is EventKind.SUCCEEDED
+    assert [c["headers"]["x-conveyor-attempt"] for c in again.calls(task_id)] == ["1"]

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.timeout(90)
 
 # Long on the first delivery only, so that a redelivery finishes at once.
 LONG_FIRST = {"sleep": 30, "sleepOnAttempts": [1]}
+KILL, TERM = signal.SIGKILL, signal.SIGTERM
 
 
 async def test_sigterm_requeues_the_task_and_a_second_dispatcher_finishes_it(
@@ -153,13 +154,7 @@ async def test_crashes_before_a_graceful_requeue_still_count_toward_the_delivery
     between crashes (SPEC §7.1: leave a worker that merely crashed its limit). The copy
     carries the crashes; past the limit, the task fails uncalled. Found by a black-box test."""
     task_id = await rabbit.submit({"sleep": 30}, delivery_limit=2)
-    for calls, sig in enumerate(
-        (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL, signal.SIGKILL), 1
-    ):
-        dispatcher = launch(function.url)
-        await function.wait_calls(task_id, count=calls)
-        dispatcher.signal(sig)
-        assert await dispatcher.exit_code(10) in (0, -signal.SIGKILL)
+    await _stop_each_call(function, launch, task_id, KILL, TERM, KILL, KILL)
     # Three crashes, one graceful requeue: with a limit of 2 the broker would have
     # dead-lettered it at the third crash had the requeue not come between.
     last = launch(function.url)
@@ -179,16 +174,21 @@ async def test_graceful_requeues_alone_never_reach_the_delivery_limit(
     """The crash count goes on across copies, the graceful requeues still count nothing:
     one crash, then requeues beyond the limit, and the task still runs to its end."""
     task_id = await rabbit.submit({"sleep": 30, "sleepOnAttempts": [1, 2, 3, 4]}, delivery_limit=2)
-    for calls, sig in enumerate(
-        (signal.SIGKILL, signal.SIGTERM, signal.SIGTERM, signal.SIGTERM), 1
-    ):
-        dispatcher = launch(function.url)
-        await function.wait_calls(task_id, count=calls)
-        dispatcher.signal(sig)
-        assert await dispatcher.exit_code(10) in (0, -signal.SIGKILL)
+    await _stop_each_call(function, launch, task_id, KILL, TERM, TERM, TERM)
     last = launch(function.url)
     assert (await rabbit.wait_terminal(task_id, timeout=30)).kind is EventKind.SUCCEEDED
     attempts = [c["headers"]["x-conveyor-attempt"] for c in function.calls(task_id)]
     assert attempts == ["1", "2", "3", "4", "5"]
     last.signal()
     assert await last.exit_code(10) == 0
+
+
+async def _stop_each_call(
+    function: FakeFunction, launch: Launch, task_id: str, *signals: signal.Signals
+) -> None:
+    """One dispatcher per signal, stopped by it once it has called the function."""
+    for calls, sig in enumerate(signals, 1):
+        dispatcher = launch(function.url)
+        await function.wait_calls(task_id, count=calls)
+        dispatcher.signal(sig)
+        assert await dispatcher.exit_code(10) in (0, -signal.SIGKILL)

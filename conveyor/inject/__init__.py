@@ -9,7 +9,8 @@ Injection is idempotent: injecting the output again gives the same bytes.
 * ``sidecar`` (Deployment): the function becomes a native sidecar, the
   dispatcher the main container; a ScaledObject scales the Deployment.
 * ``job`` (Job, or a Deployment to convert): a KEDA ScaledJob whose pods hold
-  the same two containers, the dispatcher with ``ONE_SHOT=1``.
+  the same two containers, the dispatcher with ``ONE_SHOT=1``. Switching a workload
+  between sidecar and job mode drops the other mode's KEDA object inject wrote.
 * ``knative`` (Knative Service): the function stays a cluster-local Knative
   Service; the dispatcher runs as its own Deployment posting to it.
 """

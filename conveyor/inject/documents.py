@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +25,8 @@ PASSTHROUGH_KINDS = {
 # On every object inject generates: whose dispatcher it is. It also tells a
 # knative dispatcher Deployment apart from a function's Deployment on re-injection.
 DISPATCHER_FOR_LABEL = "conveyor.io/dispatcher-for"
+LABEL_VALUE_LIMIT = 63  # Kubernetes' limit on a label value
+NAME_LIMIT = 253  # on an object's name (a DNS subdomain), a Deployment's included
 
 
 class InjectError(ValueError):
@@ -37,13 +40,25 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
+# Deeper than any Kubernetes object: past it, copying and writing the manifest would exhaust
+# Python's stack (a traceback instead of an error).
+MAX_DEPTH = 100
+# What aliases may expand to: `*a` repeated inside anchors nests exponentially ("billion laughs").
+MAX_VALUES = 1_000_000
+
+
 def load_documents(text: str) -> list[Doc]:
-    """Parses multi-document YAML; empty documents are skipped."""
+    """Parses multi-document YAML; empty documents are skipped. Anchors and aliases are
+    expanded into copies: inject edits the function's container in place, and a `*sc` shared
+    with another container must not carry those edits there."""
     try:
         raw = list(yaml.safe_load_all(text))
     except yaml.YAMLError as exc:
         raise InjectError(f"malformed YAML: {_one_line(str(exc))}") from None
-    docs = [d for d in raw if d is not None]
+    except RecursionError:
+        raise InjectError(f"malformed YAML: nested more than {MAX_DEPTH} deep") from None
+    budget = [MAX_VALUES]
+    docs = [_unshared(d, 0, budget) for d in raw if d is not None]
     for index, doc in enumerate(docs, start=1):
         if not isinstance(doc, dict):
             raise InjectError(f"document {index} is not a mapping (a Kubernetes object)")
@@ -63,6 +78,20 @@ def dump_documents(docs: Iterable[Doc]) -> str:
         width=4096,
         allow_unicode=True,
     )
+
+
+def _unshared(value: Any, depth: int, budget: list[int]) -> Any:
+    """``value`` with every mapping and list a fresh one (what aliases share, copied)."""
+    budget[0] -= 1
+    if depth > MAX_DEPTH:
+        raise InjectError(f"malformed YAML: nested more than {MAX_DEPTH} deep")
+    if budget[0] < 0:
+        raise InjectError(f"malformed YAML: its aliases expand to over {MAX_VALUES} values")
+    if isinstance(value, dict):
+        return {key: _unshared(item, depth + 1, budget) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_unshared(item, depth + 1, budget) for item in value]
+    return value
 
 
 def _one_line(text: str) -> str:
@@ -107,6 +136,16 @@ def name_of(doc: Doc) -> str:
     meta = doc.get("metadata")
     name = meta.get("name") if isinstance(meta, dict) else None
     return f"{doc.get('kind', 'object')} {name}" if name else f"a {doc.get('kind', 'object')}"
+
+
+def fitted(text: str, limit: int) -> str:
+    """``text``, or when longer than ``limit`` its start and a hash of the whole: a Deployment's
+    name may take 253 characters, a label value 63, and a name inject derives from it must
+    stay a valid one (the same for the same name, so that re-injection finds its objects)."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{text[: limit - len(digest) - 1].rstrip('-._')}-{digest}"
 
 
 def workload_name(doc: Doc) -> str:

@@ -110,9 +110,21 @@ def _mount_tmp(container: Doc, pod: Doc) -> None:
     if any(m.get("mountPath") == "/tmp" for m in mounts):
         return
     mounts.append({"name": FUNCTION_TMP_VOLUME, "mountPath": "/tmp"})
+    own_empty_dir(pod, FUNCTION_TMP_VOLUME, {})
+
+
+def own_empty_dir(pod: Doc, name: str, empty_dir: Doc) -> None:
+    """Adds inject's emptyDir volume ``name`` to the pod, unless an earlier injection did.
+    A volume of the user's under that name (a ConfigMap, say) would be mounted on /tmp."""
     volumes = pod.setdefault("volumes", [])
-    if not any(v.get("name") == FUNCTION_TMP_VOLUME for v in volumes):
-        volumes.append({"name": FUNCTION_TMP_VOLUME, "emptyDir": {}})
+    found = [v for v in volumes if v.get("name") == name]
+    if not found:
+        volumes.append({"name": name, "emptyDir": empty_dir})
+    elif any(set(v) != {"name", "emptyDir"} for v in found):
+        raise InjectError(
+            f"the pod's volume {name!r} is not an emptyDir, and inject mounts its own volume "
+            "of that name on /tmp: rename yours"
+        )
 
 
 def restrict_pod(pod: Doc, own: set[int]) -> None:

@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from conveyor.inject.documents import DISPATCHER_FOR_LABEL, KEDA_API, Doc, Key
+from conveyor.inject.documents import (
+    DISPATCHER_FOR_LABEL,
+    KEDA_API,
+    LABEL_VALUE_LIMIT,
+    NAME_LIMIT,
+    Doc,
+    InjectError,
+    Key,
+    fitted,
+    name_of,
+)
 from conveyor.inject.wiring import Wiring
 from conveyor.topology import in_queue
 
@@ -29,12 +39,24 @@ class Companions:
 
 
 def dispatcher_labels(name: str, component: str) -> Doc:
+    value = fitted(name, LABEL_VALUE_LIMIT)
     return {
-        "app.kubernetes.io/name": name,
+        "app.kubernetes.io/name": value,
         "app.kubernetes.io/component": component,
         "app.kubernetes.io/part-of": "conveyor",
-        DISPATCHER_FOR_LABEL: name,
+        DISPATCHER_FOR_LABEL: value,
     }
+
+
+def dispatcher_selector(name: str) -> Doc:
+    """The labels that select a knative-mode dispatcher's pods."""
+    labels = dispatcher_labels(name, "dispatcher")
+    return {key: labels[key] for key in ("app.kubernetes.io/name", "app.kubernetes.io/component")}
+
+
+def auth_name(name: str) -> str:
+    """The TriggerAuthentication of workload ``name``'s KEDA objects."""
+    return fitted(f"{name}-rabbitmq", NAME_LIMIT)
 
 
 def object_metadata(name: str, namespace: str | None, labels: Doc) -> Doc:
@@ -89,7 +111,7 @@ def trigger_authentication(
         "apiVersion": KEDA_API,
         "kind": "TriggerAuthentication",
         "metadata": object_metadata(
-            f"{name}-rabbitmq", namespace, dispatcher_labels(name, "autoscaling")
+            auth_name(name), namespace, dispatcher_labels(name, "autoscaling")
         ),
         "spec": {
             "secretTargetRef": [
@@ -113,7 +135,7 @@ def _scaled_object(
             "cooldownPeriod": 120,
             "minReplicaCount": 0,
             "maxReplicaCount": 10,
-            "triggers": [rabbitmq_trigger(wiring, f"{name}-rabbitmq")],
+            "triggers": [rabbitmq_trigger(wiring, auth_name(name))],
         },
     }
     return _update(existing, fresh, {"scaleTargetRef", "triggers"})
@@ -123,9 +145,42 @@ def keda_objects(
     target: str, name: str, namespace: str | None, wiring: Wiring, companions: Companions
 ) -> list[Doc]:
     """TriggerAuthentication + ScaledObject for a Deployment named ``target``."""
-    auth = companions.take("TriggerAuthentication", namespace, f"{name}-rabbitmq")
+    auth = companions.take("TriggerAuthentication", namespace, auth_name(name))
     scaled = companions.take("ScaledObject", namespace, target)
+    refuse_other_scalers(companions, namespace, target)
     return [
         trigger_authentication(name, namespace, wiring, auth),
         _scaled_object(target, name, namespace, wiring, scaled),
     ]
+
+
+def _scaled_deployment(doc: Doc) -> str | None:
+    """The name of the Deployment a ScaledObject scales (KEDA's default kind), or None."""
+    ref = (doc.get("spec") or {}).get("scaleTargetRef")
+    if not isinstance(ref, dict) or ref.get("kind", "Deployment") != "Deployment":
+        return None
+    return ref.get("name")
+
+
+def refuse_other_scalers(companions: Companions, namespace: str | None, target: str) -> None:
+    """KEDA refuses a second ScaledObject for one workload (and two autoscalers of one queue
+    would fight): one of the user's beside inject's (claimed already) is an error, not a
+    silent pair."""
+    for key, doc in companions.found.items():
+        if key[:2] != ("ScaledObject", namespace or "") or key in companions.claimed:
+            continue
+        if _scaled_deployment(doc) == target:
+            raise InjectError(
+                f"{name_of(doc)} also scales Deployment {target}, which inject scales on its "
+                "queue: KEDA takes one ScaledObject per workload; remove it"
+            )
+
+
+def drop_own_scaled_object(companions: Companions, namespace: str | None, name: str) -> None:
+    """Job mode replaces the Deployment that a sidecar-mode injection scaled: the ScaledObject
+    that injection wrote (its name and dispatcher-for label) goes, or it and the ScaledJob
+    would both start consumers of the queue."""
+    found = companions.found.get(("ScaledObject", namespace or "", name))
+    labels = ((found or {}).get("metadata") or {}).get("labels") or {}
+    if labels.get(DISPATCHER_FOR_LABEL) == fitted(name, LABEL_VALUE_LIMIT):
+        companions.take("ScaledObject", namespace, name)

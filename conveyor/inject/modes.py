@@ -7,12 +7,14 @@ from dataclasses import dataclass, field
 
 from conveyor.inject.documents import (
     KEDA_API,
+    LABEL_VALUE_LIMIT,
     NETWORK_API,
     Doc,
     InjectError,
     Key,
     classify,
     dump_documents,
+    fitted,
     load_documents,
     name_of,
     object_key,
@@ -21,14 +23,19 @@ from conveyor.inject.documents import (
 from conveyor.inject.function import harden_function
 from conveyor.inject.keda import (
     Companions,
+    auth_name,
     dispatcher_labels,
+    dispatcher_selector,
+    drop_own_scaled_object,
     keda_objects,
     object_metadata,
     rabbitmq_trigger,
+    refuse_other_scalers,
     trigger_authentication,
 )
 from conveyor.inject.pod import (
     KNATIVE_PROGRESS_PORT,
+    check_settings,
     choose_dispatcher_port,
     disable_service_links,
     ensure_grace,
@@ -36,6 +43,7 @@ from conveyor.inject.pod import (
     pod_spec,
     upsert_dispatcher,
     wire_pod,
+    written_grace,
 )
 from conveyor.inject.wiring import InjectOptions, Mode, check_options, resolve
 
@@ -99,9 +107,12 @@ def _mode_for(doc: Doc, requested: Mode | None) -> Mode:
         return natural
     if doc["kind"] == "Deployment" and requested is Mode.JOB:
         return Mode.JOB  # the Deployment's pod template becomes the ScaledJob's
+    if doc["kind"] == "ScaledJob" and requested is Mode.SIDECAR:
+        return Mode.SIDECAR  # and back: job mode's output in sidecar mode
     raise InjectError(
         f"--mode {requested} does not apply to {name_of(doc)}: a Deployment is injected "
-        "in sidecar (or job) mode, a Job in job mode, a Knative Service in knative mode"
+        "in sidecar (or job) mode, a Job in job mode, a ScaledJob in job (or sidecar) mode, "
+        "a Knative Service in knative mode"
     )
 
 
@@ -127,12 +138,41 @@ def _inject_workload(
 def _inject_sidecar(
     doc: Doc, name: str, options: InjectOptions, companions: Companions, warnings: list[str]
 ) -> list[Doc]:
+    if doc["kind"] == "ScaledJob":
+        doc = _as_deployment(doc, name)
     owner = name_of(doc)
     spec = doc.setdefault("spec", {})
     wiring = wire_pod(spec.get("template"), options, Mode.SIDECAR, name, owner, warnings)
     spec.pop("replicas", None)  # KEDA owns the replica count: `kubectl apply` must not reset it
     namespace = doc["metadata"].get("namespace")
     return [doc, *keda_objects(name, name, namespace, wiring, companions)]
+
+
+def _kept_metadata(doc: Doc) -> Doc:
+    """What a workload's metadata keeps when it becomes another kind."""
+    meta = doc.get("metadata") or {}
+    keep = {"name", "namespace", "labels", "annotations"}
+    return {k: copy.deepcopy(v) for k, v in meta.items() if k in keep}
+
+
+def _as_deployment(doc: Doc, name: str) -> Doc:
+    """A ScaledJob's pod template as a Deployment's (job mode's output in sidecar mode). Its
+    pods restart (Always, the default); its selector is the template's labels."""
+    target = (doc.get("spec") or {}).get("jobTargetRef")
+    if not isinstance(target, dict):
+        raise InjectError(f"{name_of(doc)} has no spec.jobTargetRef")
+    template: Doc = copy.deepcopy(target.get("template") or {})
+    pod_spec(template, name_of(doc)).pop("restartPolicy", None)
+    labels = template.setdefault("metadata", {}).setdefault("labels", {})
+    if not labels:
+        labels["app.kubernetes.io/name"] = fitted(name, LABEL_VALUE_LIMIT)
+    selector = {"matchLabels": dict(labels)}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _kept_metadata(doc),
+        "spec": {"selector": selector, "template": template},
+    }
 
 
 def _job_spec_from(doc: Doc) -> Doc:
@@ -155,16 +195,10 @@ def _job_spec_from(doc: Doc) -> Doc:
 def _as_scaled_job(doc: Doc) -> Doc:
     if doc["kind"] == "ScaledJob":
         return doc
-    meta = doc.get("metadata") or {}
-    new_meta: Doc = {
-        k: copy.deepcopy(v)
-        for k, v in meta.items()
-        if k in {"name", "namespace", "labels", "annotations"}
-    }
     return {
         "apiVersion": KEDA_API,
         "kind": "ScaledJob",
-        "metadata": new_meta,
+        "metadata": _kept_metadata(doc),
         "spec": {"jobTargetRef": _job_spec_from(doc)},
     }
 
@@ -187,9 +221,12 @@ def _inject_job(
     # Jobs hold are in the queue length: the default strategy (queue length minus
     # running Jobs) starts one Job per ready message.
     spec.setdefault("scalingStrategy", {"strategy": "default"})
-    spec["triggers"] = [rabbitmq_trigger(wiring, f"{name}-rabbitmq")]
+    spec["triggers"] = [rabbitmq_trigger(wiring, auth_name(name))]
     namespace = (scaled_job.get("metadata") or {}).get("namespace")
-    auth = companions.take("TriggerAuthentication", namespace, f"{name}-rabbitmq")
+    if doc["kind"] == "Deployment":  # the Deployment is gone: so is its autoscaler
+        drop_own_scaled_object(companions, namespace, name)
+        refuse_other_scalers(companions, namespace, name)
+    auth = companions.take("TriggerAuthentication", namespace, auth_name(name))
     return [scaled_job, trigger_authentication(name, namespace, wiring, auth)]
 
 
@@ -201,7 +238,7 @@ def _dispatcher_deployment(name: str, namespace: str | None, existing: Doc | Non
     if existing is not None:
         return existing
     labels = dispatcher_labels(name, "dispatcher")
-    selector = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "dispatcher"}
+    selector = dispatcher_selector(name)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -248,8 +285,9 @@ def _inject_knative(
     port = choose_dispatcher_port(dpod, existing, None)
     # Knative's cluster-local URL; POD_NAMESPACE keeps the manifest namespace-free.
     url = f"http://{name}.$(POD_NAMESPACE).svc.cluster.local{wiring.function_path}"
-    upsert_dispatcher(dpod, wiring, url, port)
-    ensure_grace(dpod, wiring, name_of(deployment), warnings)
+    written = written_grace(existing)
+    check_settings(upsert_dispatcher(dpod, wiring, url, port), None, name_of(deployment))
+    ensure_grace(dpod, wiring, name_of(deployment), warnings, written)
     disable_service_links(dpod, name_of(deployment), warnings)
     deployment["spec"].pop("replicas", None)
     policy = _progress_policy(name, namespace, companions.take("NetworkPolicy", namespace, target))
@@ -275,9 +313,7 @@ def _progress_policy(name: str, namespace: str | None, existing: Doc | None) -> 
     }
     spec = policy.setdefault("spec", {})
     others = [r for r in spec.get("ingress") or [] if r.get("ports") != progress["ports"]]
-    spec["podSelector"] = {
-        "matchLabels": {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "dispatcher"}
-    }
+    spec["podSelector"] = {"matchLabels": dispatcher_selector(name)}
     spec["policyTypes"] = ["Ingress"]
     spec["ingress"] = [progress, *others]
     return policy

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from typing import Any
 
-from conveyor.dispatcher_settings import DispatcherSettings
+from conveyor.dispatcher_settings import DispatcherSettings, SettingsError
 from conveyor.inject.documents import Doc, InjectError
-from conveyor.inject.function import harden_function, restrict_pod
+from conveyor.inject.function import harden_function, own_empty_dir, restrict_pod
 from conveyor.inject.wiring import (
     AMQP_URL,
     CONCURRENCY,
@@ -32,6 +33,7 @@ from conveyor.inject.wiring import (
     seconds_text,
     setting_literal,
     spellings,
+    written_drain,
 )
 
 DISPATCHER_CONTAINER = "conveyor-dispatcher"
@@ -77,6 +79,48 @@ def find_dispatcher(pod: Doc) -> Doc | None:
         if isinstance(container, dict) and container.get("name") == DISPATCHER_CONTAINER:
             return container
     return None
+
+
+def _runs_dispatcher(container: Doc) -> bool:
+    """Whether a container runs a Conveyor dispatcher: `conveyor dispatcher` in its command
+    and args (`python -m conveyor dispatcher` too), or the dispatcher's image."""
+    words = [
+        str(word)
+        for key in ("command", "args")
+        if isinstance(container.get(key), list)
+        for word in container[key]
+    ]
+    calls = any(a.endswith("conveyor") and b == "dispatcher" for a, b in pairwise(words))
+    image = str(container.get("image") or "").split("@")[0]
+    repository = image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
+    return calls or repository.endswith("conveyor/dispatcher")
+
+
+def _refuse_other_dispatchers(pod: Doc, owner: str) -> None:
+    """A dispatcher under another name would be kept beside inject's: two of them on one
+    port, both consuming. Inject updates its own, found by its name."""
+    for container in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+        if container.get("name") != DISPATCHER_CONTAINER and _runs_dispatcher(container):
+            raise InjectError(
+                f"{owner}: container {container.get('name')!r} runs a Conveyor dispatcher; "
+                f"name it {DISPATCHER_CONTAINER} for inject to update it, or remove it"
+            )
+
+
+def _refuse_regular_containers_in_job(pod: Doc, function: Doc, owner: str) -> None:
+    """A Job completes when its regular containers have exited: another one beside the
+    dispatcher would keep every Job running after its one task. Native sidecars are stopped."""
+    others = [
+        str(c.get("name"))
+        for c in pod.get("containers") or []
+        if c is not function and c.get("name") != DISPATCHER_CONTAINER
+    ]
+    if others:
+        raise InjectError(
+            f"{owner}: in job mode, container(s) {', '.join(others)} would keep each Job "
+            "running after its task: make them native sidecars (initContainers with "
+            "restartPolicy: Always) or remove them"
+        )
 
 
 def _native_sidecars(pod: Doc) -> list[Doc]:
@@ -134,7 +178,8 @@ def _used_ports(pod: Doc) -> set[int]:
 
 
 def choose_dispatcher_port(pod: Doc, existing: Doc | None, function: int | None) -> int:
-    used = _used_ports(pod) | ({function} if function else set())
+    """The dispatcher's port: the one it had, else the default, moved off the pod's others."""
+    used = _used_ports(pod) | {function, metrics_port(existing)} - {None}
     current = int_or_none(setting_literal(existing, DISPATCHER_PORT), DISPATCHER_PORT)
     port = current or DEFAULT_DISPATCHER_PORT
     while port in used:
@@ -184,7 +229,7 @@ def _probe(port: int, metrics_port: int | None, path: str, period: int) -> Doc:
     }
 
 
-def metrics_port(container: Doc) -> int | None:
+def metrics_port(container: Doc | None) -> int | None:
     """The dispatcher's METRICS_PORT (CONVEYOR_ first, as the dispatcher reads it), if set."""
     return int_or_none(setting_literal(container, METRICS_PORT), METRICS_PORT) or None
 
@@ -294,21 +339,52 @@ def upsert_dispatcher(pod: Doc, wiring: Wiring, function_url: str, port: int) ->
     mounts = container.setdefault("volumeMounts", [])
     if not any(m.get("mountPath") == "/tmp" for m in mounts):
         mounts.append({"name": TMP_VOLUME, "mountPath": "/tmp"})
-    _ensure_tmp_volume(pod)
+    own_empty_dir(pod, TMP_VOLUME, {"sizeLimit": "64Mi"})
     return container
 
 
-def _ensure_tmp_volume(pod: Doc) -> None:
-    volumes = pod.setdefault("volumes", [])
-    if not any(v.get("name") == TMP_VOLUME for v in volumes):
-        volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}})
+def check_settings(dispatcher: Doc, function: int | None, owner: str) -> None:
+    """The dispatcher's final env, read by its own rules (DispatcherSettings.from_env): what it
+    would refuse at start is refused here, not left to a crash-looping pod. Its ports must be
+    free in the pod's network namespace (the function's port, and each other's)."""
+    env = {
+        e["name"]: str(e["value"])
+        for e in dispatcher.get("env") or []
+        if "value" in e and "$(" not in str(e["value"])  # expanded by the kubelet
+    }
+    try:
+        settings = DispatcherSettings.from_env(env)
+    except SettingsError as exc:
+        raise InjectError(f"{owner}: the dispatcher would refuse to start: {exc}") from None
+    taken = {function: "the function's port"}
+    for variable, port in (
+        (DISPATCHER_PORT, settings.dispatcher_port),
+        (PROGRESS_PORT, settings.progress_port),
+        (METRICS_PORT, settings.metrics_port),
+    ):
+        if port and port in taken:
+            raise InjectError(f"{owner}: the dispatcher's {variable} {port} is {taken[port]}")
+        taken[port] = variable
 
 
-def ensure_grace(pod: Doc, wiring: Wiring, owner: str, warnings: list[str]) -> None:
-    """terminationGracePeriodSeconds must outlast the drain (SPEC §8)."""
+def _grace_for(drain: float) -> int:
+    return math.ceil(drain) + GRACE_MARGIN_SECONDS
+
+
+def written_grace(existing: Doc | None) -> int | None:
+    """The grace period inject wrote for the existing dispatcher's drain."""
+    drain = written_drain(existing)
+    return None if drain is None else _grace_for(drain)
+
+
+def ensure_grace(
+    pod: Doc, wiring: Wiring, owner: str, warnings: list[str], written: int | None
+) -> None:
+    """terminationGracePeriodSeconds must outlast the drain (SPEC §8). One equal to what inject
+    wrote for the previous drain (``written``) was inject's own: it follows the new drain."""
     grace = pod.get("terminationGracePeriodSeconds")
-    if not isinstance(grace, int) or grace <= wiring.drain_timeout:
-        grace = math.ceil(wiring.drain_timeout) + GRACE_MARGIN_SECONDS
+    if not isinstance(grace, int) or grace <= wiring.drain_timeout or grace == written:
+        grace = _grace_for(wiring.drain_timeout)
         pod["terminationGracePeriodSeconds"] = grace
     if wiring.mode is not Mode.JOB and grace >= DEPLOYMENT_GRACE_LIMIT:
         warnings.append(
@@ -340,17 +416,22 @@ def wire_pod(
 ) -> Wiring:
     """Function as native sidecar + dispatcher as main container (sidecar and job)."""
     pod = pod_spec(template, owner)
+    _refuse_other_dispatchers(pod, owner)
     function = _select_function(pod, template, options.container, owner)
+    if mode is Mode.JOB:
+        _refuse_regular_containers_in_job(pod, function, owner)
     port = function_port(function, owner)
     existing = find_dispatcher(pod)
     wiring = resolve(mode, name, options, existing)
     dispatcher_port = choose_dispatcher_port(pod, existing, port)
+    written = written_grace(existing)
     _make_native_sidecar(pod, function, port)
     harden_function(function, pod, port, knative=False)
     url = f"http://127.0.0.1:{port}{wiring.function_path}"
     dispatcher = upsert_dispatcher(pod, wiring, url, dispatcher_port)
+    check_settings(dispatcher, port, owner)
     restrict_pod(pod, {id(function), id(dispatcher)})
     _annotate_function(template, str(function.get("name")))
-    ensure_grace(pod, wiring, owner, warnings)
+    ensure_grace(pod, wiring, owner, warnings, written)
     disable_service_links(pod, owner, warnings)
     return wiring

@@ -159,6 +159,11 @@ def seconds_or_none(value: str | None, what: str, positive: bool = False) -> flo
     return seconds
 
 
+def written_drain(existing: Doc | None) -> float | None:
+    """The DRAIN_TIMEOUT an existing dispatcher was given."""
+    return seconds_or_none(setting_literal(existing, DRAIN_TIMEOUT), DRAIN_TIMEOUT)
+
+
 def seconds_text(seconds: float) -> str:
     """How a duration is written back: `30` for 30.0, `29.5` for 29.5."""
     return str(int(seconds)) if float(seconds).is_integer() else str(seconds)
@@ -217,12 +222,30 @@ def function_path(existing: Doc | None) -> str:
     return f"{path}?{parts.query}" if parts.query else path
 
 
+def _replaced_defaults(mode: Mode, existing: Doc | None) -> dict[str, Any]:
+    """The defaults of the mode an earlier injection wrote (ONE_SHOT says which), when this
+    mode's differ: a value equal to one of them was that injection's own, and gives way to
+    this mode's default (sidecar output in job mode gives what a fresh job injection gives)."""
+    if existing is None:
+        return {}
+    before = _MODE_DEFAULTS[
+        Mode.JOB if setting_literal(existing, ONE_SHOT) == "1" else Mode.SIDECAR
+    ]
+    return {} if before == _MODE_DEFAULTS[mode] else before
+
+
+def _unless_replaced(replaced: dict[str, Any], key: str, value: Any) -> Any:
+    return None if key in replaced and value == replaced[key] else value
+
+
 def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None) -> Wiring:
-    """Option, else the value an earlier injection wrote, else the mode's default."""
+    """Option, else the value an earlier injection wrote (unless it was another mode's
+    default), else the mode's default."""
     defaults = _MODE_DEFAULTS[mode]
+    replaced = _replaced_defaults(mode, existing)
     _refuse_references(mode, existing, options)
-    concurrency = options.concurrency or int_or_none(
-        setting_literal(existing, CONCURRENCY), CONCURRENCY
+    concurrency = options.concurrency or _unless_replaced(
+        replaced, "concurrency", int_or_none(setting_literal(existing, CONCURRENCY), CONCURRENCY)
     )
     if concurrency is not None and concurrency < 1:
         raise InjectError(f"{CONCURRENCY} must be at least 1, not {concurrency}")
@@ -234,10 +257,12 @@ def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None)
             raise InjectError("--concurrency must be 1 in job mode: each Job takes one message")
         # ONE_SHOT takes one message at a time whatever the buffer: none is written.
         concurrency, buffer = 1, 0
-    shutdown = options.shutdown_mode or setting_literal(existing, SHUTDOWN_MODE)
+    shutdown = options.shutdown_mode or _unless_replaced(
+        replaced, "shutdown_mode", setting_literal(existing, SHUTDOWN_MODE)
+    )
     drain: float | None = options.drain_timeout
     if drain is None:
-        drain = seconds_or_none(setting_literal(existing, DRAIN_TIMEOUT), DRAIN_TIMEOUT)
+        drain = _unless_replaced(replaced, "drain_timeout", written_drain(existing))
     idle = seconds_or_none(
         setting_literal(existing, IDLE_EXIT_SECONDS), IDLE_EXIT_SECONDS, positive=True
     )

@@ -1,0 +1,272 @@
+"""`conveyor inject` against what a black-box tester fed it: a switch of mode, settings the
+dispatcher refuses, other autoscalers and dispatchers, YAML aliases, deep nesting, long names,
+volumes named like inject's own. Each case asserts the command's output: the YAML it writes, or
+its exit code and the one line it prints on stderr."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from conveyor.inject import InjectOptions, Mode, inject_yaml, load_documents
+from conveyor.inject.documents import dump_documents
+from tests.k8s import checks
+from tests.k8s.test_inject import BARE_DEPLOYMENT, BARE_JOB, BARE_KSVC, MULTI, inject, one, run_cli
+
+
+def refused(args: list[str], text: str, *says: str) -> str:
+    """Runs the command, which must fail with one `error:` line; returns that line."""
+    done = run_cli(*args, stdin=text)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout == ""
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+    for word in says:
+        assert word in done.stderr
+    return done.stderr
+
+
+def with_dispatcher_env(text: str, env: list[dict], mode: Mode | None = None) -> str:
+    """Injects, then adds ``env`` to the dispatcher as a user would."""
+    docs = inject(text, mode=mode)
+    (d,) = checks.dispatchers(docs)
+    d.container["env"] += env
+    return dump_documents(docs)
+
+
+# ------------------------------------------------------------ 1. a switch of mode
+
+
+def test_sidecar_output_injected_in_job_mode_is_a_fresh_job_injection() -> None:
+    """The ScaledObject of the sidecar injection is dropped (one autoscaler per queue), and the
+    settings inject wrote as sidecar defaults become job mode's (drain, 600 s, grace 615)."""
+    sidecar, _ = inject_yaml(BARE_DEPLOYMENT)
+    done = run_cli("--mode", "job", stdin=sidecar)
+    assert done.returncode == 0, done.stderr
+    docs = load_documents(done.stdout)
+    assert [d["kind"] for d in docs] == ["ScaledJob", "TriggerAuthentication"]
+    assert docs == inject(BARE_DEPLOYMENT, mode=Mode.JOB)
+    assert run_cli(stdin=done.stdout).stdout == done.stdout
+
+
+def test_job_output_injected_in_sidecar_mode_is_a_fresh_sidecar_injection() -> None:
+    job, _ = inject_yaml(BARE_DEPLOYMENT, InjectOptions(mode=Mode.JOB))
+    done = run_cli("--mode", "sidecar", stdin=job)
+    assert done.returncode == 0, done.stderr
+    docs = load_documents(done.stdout)
+    assert [d["kind"] for d in docs] == ["Deployment", "TriggerAuthentication", "ScaledObject"]
+    assert docs == inject(BARE_DEPLOYMENT)
+    assert done.stderr == ""  # no warning about a job-sized grace period
+
+
+def test_a_switch_of_mode_keeps_what_the_user_chose() -> None:
+    """Values other than the old mode's defaults were the user's: kept."""
+    sidecar, _ = inject_yaml(BARE_DEPLOYMENT, InjectOptions(drain_timeout=45))
+    docs = inject(
+        sidecar.replace("terminationGracePeriodSeconds: 60", "terminationGracePeriodSeconds: 900"),
+        mode=Mode.JOB,
+    )
+    (d,) = checks.dispatchers(docs)
+    assert (d.env["DRAIN_TIMEOUT"], d.env["SHUTDOWN_MODE"]) == ("45", "drain")
+    assert d.pod.spec["terminationGracePeriodSeconds"] == 900
+
+
+# --------------------------------------------- 2. settings the dispatcher refuses at start
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("CONCURRENCY", "5000"),
+        ("PREFETCH_BUFFER", "2000"),
+        ("DISPATCHER_PORT", "70000"),
+        ("METRICS_PORT", "99999"),
+        ("CONVEYOR_METRICS_PORT", "-1"),
+        ("LOG_FORMAT", "xml"),
+    ],
+)
+def test_a_dispatcher_env_the_dispatcher_refuses_is_refused(variable: str, value: str) -> None:
+    text = with_dispatcher_env(BARE_DEPLOYMENT, [{"name": variable, "value": value}])
+    refused([], text, variable.removeprefix("CONVEYOR_"))
+
+
+def test_a_concurrency_option_the_dispatcher_refuses_is_refused() -> None:
+    refused(["--concurrency", "1001"], BARE_DEPLOYMENT, "CONCURRENCY", "1000")
+
+
+@pytest.mark.parametrize(
+    ("text", "port"),
+    [(BARE_DEPLOYMENT, "8080"), (BARE_KSVC, "8082")],
+    ids=["function-port", "knative-progress-port"],
+)
+def test_a_metrics_port_taken_in_the_pod_is_refused(text: str, port: str) -> None:
+    """One network namespace: the dispatcher could not listen there."""
+    with_metrics = with_dispatcher_env(text, [{"name": "METRICS_PORT", "value": port}])
+    refused([], with_metrics, "METRICS_PORT", port)
+
+
+def test_a_metrics_port_on_the_dispatcher_port_moves_the_dispatcher_port() -> None:
+    text = with_dispatcher_env(BARE_DEPLOYMENT, [{"name": "METRICS_PORT", "value": "8081"}])
+    (d,) = checks.dispatchers(inject(text))
+    assert (d.env["METRICS_PORT"], d.env["DISPATCHER_PORT"]) == ("8081", "8082")
+
+
+# ------------------------------------------- 3. another ScaledObject of the same workload
+
+CPU_SCALER = """\
+---
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata: {name: fn-cpu}
+spec:
+  scaleTargetRef: {name: fn}
+  triggers: [{type: cpu, metricType: Utilization, metadata: {value: "60"}}]
+"""
+
+
+@pytest.mark.parametrize("args", [[], ["--mode", "job"]])
+def test_another_scaled_object_of_the_workload_is_refused(args: list[str]) -> None:
+    refused(args, BARE_DEPLOYMENT + CPU_SCALER, "ScaledObject fn-cpu", "Deployment fn")
+
+
+def test_a_scaled_object_of_another_workload_passes_through() -> None:
+    other = CPU_SCALER.replace("{name: fn}", "{name: other}")
+    docs = inject(BARE_DEPLOYMENT + other)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject"] == ["fn", "fn-cpu"]
+
+
+# ------------------------------------------------ 4. a dispatcher under another name
+
+OTHER_DISPATCHER = {
+    "command": "{name: dispatcher, image: example/mine:1, command: [conveyor, dispatcher]}",
+    "args": "{name: dispatcher, image: example/mine:1, command: [python], args: [-m, conveyor, dispatcher]}",
+    "image": "{name: dispatcher, image: 'reg.example:5000/conveyor/dispatcher:0.1.0'}",
+}
+
+
+@pytest.mark.parametrize("how", sorted(OTHER_DISPATCHER))
+def test_a_dispatcher_under_another_name_is_refused(how: str) -> None:
+    text = BARE_DEPLOYMENT + f"        - {OTHER_DISPATCHER[how]}\n"
+    refused(["--container", "fn"], text, "'dispatcher'", "conveyor-dispatcher")
+
+
+# ------------------------------------------------------------------ 5. YAML aliases
+
+ALIASED = BARE_DEPLOYMENT.replace(
+    "      containers:\n", "      volumes: [{name: data, emptyDir: {}}]\n      containers:\n"
+) + (
+    "          securityContext: &sc {runAsUser: 1000}\n"
+    "          resources: &r {requests: {cpu: 10m}}\n"
+    "          volumeMounts: &vm [{name: data, mountPath: /data}]\n"
+    "        - name: shipper\n"
+    "          image: example/shipper:1\n"
+    "          securityContext: *sc\n"
+    "          resources: *r\n"
+    "          volumeMounts: *vm\n"
+)
+
+
+def test_aliases_shared_with_another_container_do_not_carry_inject_s_edits() -> None:
+    docs = inject(ALIASED, container="fn")
+    pod = docs[0]["spec"]["template"]["spec"]
+    (shipper,) = [c for c in pod["containers"] if c["name"] == "shipper"]
+    assert shipper == {
+        "name": "shipper",
+        "image": "example/shipper:1",
+        "securityContext": {"runAsUser": 1000},
+        "resources": {"requests": {"cpu": "10m"}},
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    (fn,) = pod["initContainers"]
+    assert fn["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "conveyor-function-tmp", "mountPath": "/tmp"} in fn["volumeMounts"]
+
+
+def test_aliases_that_expand_without_end_are_refused() -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 8)]
+    bomb = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n" + "\n".join(lines) + "\n"
+    refused([], bomb, "malformed YAML", "aliases")
+
+
+# ------------------------------------------------------------------ 8. deep nesting
+
+
+@pytest.mark.parametrize("depth", [150, 500, 5000])
+def test_deeply_nested_yaml_is_refused_in_one_line(depth: int) -> None:
+    deep = "[" * depth + "]" * depth
+    text = f"{BARE_DEPLOYMENT}---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: x}}\ndata: {{x: {deep}}}\n"
+    refused([], text, "malformed YAML", "nested")
+
+
+# ---------------------------------------------------------------------- 7. long names
+
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def label_maps(value: Any) -> Iterator[dict]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in {"labels", "matchLabels"} and isinstance(item, dict):
+                yield item
+            yield from label_maps(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from label_maps(item)
+
+
+@pytest.mark.parametrize("args", [[], ["--mode", "job"]])
+def test_a_long_workload_name_gives_valid_labels_and_names(args: list[str]) -> None:
+    name = "fn-" + "x" * 200
+    done = run_cli(*args, stdin=BARE_DEPLOYMENT.replace("{name: fn}", f"{{name: {name}}}"))
+    assert done.returncode == 0, done.stderr
+    docs = load_documents(done.stdout)
+    for labels in (m for doc in docs for m in label_maps(doc)):
+        for key, value in labels.items():
+            assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), (key, value)
+    for doc in docs:
+        meta = doc["metadata"]["name"]
+        assert len(meta) <= 253 and SUBDOMAIN.fullmatch(meta), meta
+    assert run_cli(*args, stdin=done.stdout).stdout == done.stdout
+
+
+def test_a_long_name_s_re_injection_finds_its_own_objects() -> None:
+    """The shortened label still tells inject which objects are its own (a switch of mode)."""
+    name = "fn-" + "y" * 80
+    sidecar, _ = inject_yaml(BARE_DEPLOYMENT.replace("{name: fn}", f"{{name: {name}}}"))
+    docs = inject(sidecar, mode=Mode.JOB)
+    assert [d["kind"] for d in docs] == ["ScaledJob", "TriggerAuthentication"]
+
+
+# ----------------------------------------------- 9. a volume named like inject's own
+
+
+@pytest.mark.parametrize("volume", ["conveyor-tmp", "conveyor-function-tmp"])
+def test_a_user_volume_with_inject_s_volume_name_is_refused(volume: str) -> None:
+    text = BARE_DEPLOYMENT + f"      volumes: [{{name: {volume}, configMap: {{name: settings}}}}]\n"
+    refused([], text, repr(volume))
+
+
+def test_inject_s_own_tmp_volumes_are_reused() -> None:
+    once, _ = inject_yaml(BARE_DEPLOYMENT)
+    assert inject_yaml(once)[0] == once
+
+
+# ------------------------------------------ 6. job mode beside another regular container
+
+
+def test_job_mode_beside_another_regular_container_is_refused() -> None:
+    deployment = MULTI.split("---\n")[1]
+    refused(["--mode", "job", "--container", "thumbnail"], deployment, "log-shipper")
+
+
+def test_job_mode_beside_a_native_sidecar_is_accepted() -> None:
+    text = BARE_JOB + (
+        "      initContainers:\n"
+        "        - {name: proxy, image: example/proxy:1, restartPolicy: Always}\n"
+    )
+    docs = inject(text)
+    assert one(docs, "ScaledJob")["spec"]["jobTargetRef"]["template"]["spec"]["containers"]

@@ -15,6 +15,11 @@ refusal waits its turn in the bcrypt pool's queue, then as long as a check takes
 without spending the CPU. So neither a flood of made-up client ids nor guesses at a client
 that logged in here cost bcrypt work, or delay anyone else's login.
 
+A client id's checks, real or not, run one at a time: a burst of guesses at one client
+(client ids are not secret) holds one of the pool's threads, not all of them, so another
+client's first login here starts at once; and concurrent guesses take as long whether the
+id exists or not.
+
 Brute force is slowed per (client id, source address), and only for wrong
 credentials: client ids are not secret, and behind an ingress every consumer
 shares one address, so a throttle that refused before verifying would let
@@ -180,8 +185,9 @@ class Authenticator:
             return await self._verify_once(key, client_id, secret)
 
     @asynccontextmanager
-    async def _one_at_a_time(self, pair: str) -> AsyncIterator[None]:
-        lane = self._lanes.setdefault(pair, _Lane(asyncio.Lock()))
+    async def _one_at_a_time(self, lane_key: str) -> AsyncIterator[None]:
+        """A lane per key: a (client id, source) pair over its budget, or a client id."""
+        lane = self._lanes.setdefault(lane_key, _Lane(asyncio.Lock()))
         lane.users += 1
         try:
             async with lane.lock:
@@ -189,7 +195,7 @@ class Authenticator:
         finally:
             lane.users -= 1
             if not lane.users:
-                del self._lanes[pair]
+                del self._lanes[lane_key]
 
     async def _verify_once(self, key: bytes, client_id: str, secret: str) -> str | None:
         pending = self._inflight.get(key)
@@ -210,19 +216,23 @@ class Authenticator:
 
     async def _verify(self, key: bytes, client_id: str, secret: str) -> str | None:
         stored = await self._lookup(client_id)
-        if stored is None:
-            await self._as_long_as_a_check()  # no such client: nothing could be accepted
-            return None
         verified = self._verified.get(client_id)
-        if verified is not None and hmac.compare_digest(verified.stored_hash, stored):
+        refused = stored is None  # no such client: nothing could be accepted
+        if stored is not None and verified and hmac.compare_digest(verified.stored_hash, stored):
             # This very hash was matched here: the answer is certain without bcrypt.
             if hmac.compare_digest(verified.key, key):
                 self._remember(key, client_id, stored)
                 return client_id
-            await self._as_long_as_a_check()
-            return None
-        if not await self._check(secret.encode(), stored.encode()):
-            return None
+            refused = True
+        # One check at a time per client id, whether it exists or not: a burst of guesses
+        # at one client takes one of the pool's threads (the others' logins go on), and
+        # takes as long for an id that does not exist.
+        async with self._one_at_a_time(client_id):
+            if refused or stored is None:
+                await self._as_long_as_a_check()
+                return None
+            if not await self._check(secret.encode(), stored.encode()):
+                return None
         self._remember(key, client_id, stored)
         return client_id
 

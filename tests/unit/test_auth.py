@@ -52,3 +52,62 @@ async def test_over_budget_the_right_secret_is_accepted_and_wrong_ones_refused()
         assert await auth.authenticate(basic("ghost", SECRET), "10.0.0.1") is None
     finally:
         auth.close()
+
+
+async def test_a_burst_of_guesses_at_one_client_does_not_queue_another_clients_first_login() -> (
+    None
+):
+    """Found by a black-box test: 60 concurrent wrong secrets for one known client (client ids
+    are not secret) filled the bcrypt pool's queue, and another client's first login here
+    waited behind all of them (9 s). A client's checks now run one at a time: a burst at one
+    client holds one of the pool's threads, and a login of another starts at once."""
+    stored = {
+        name: bcrypt.hashpw(f"{name}-secret".encode(), bcrypt.gensalt(8)).decode()
+        for name in ("carol", "bob")
+    }
+
+    async def table(client_id: str) -> str | None:
+        return stored.get(client_id)
+
+    auth = Authenticator(table, cache_ttl=0, failures_per_minute=1000, dummy_rounds=8)
+    finished: list[str] = []
+
+    async def attempt(client_id: str, secret: str) -> str | None:
+        answer = await auth.authenticate(basic(client_id, secret), "10.0.0.1")
+        finished.append(client_id)
+        return answer
+
+    try:
+        burst = [asyncio.create_task(attempt("carol", f"guess-{n}")) for n in range(40)]
+        await asyncio.sleep(0.01)  # the burst is queued
+        assert await attempt("bob", "bob-secret") == "bob"
+        done_before_bob = finished.index("bob")
+        assert await asyncio.gather(*burst) == [None] * 40
+        assert done_before_bob <= 4, done_before_bob  # not behind the 40
+    finally:
+        auth.close()
+
+
+async def test_guesses_take_as_long_whether_the_client_exists_or_not() -> None:
+    """One identical 403 in the same time: concurrent guesses at a client that exists were
+    slower than at one that does not (a burst told which ids exist)."""
+    known = {"carol": bcrypt.hashpw(b"carol-secret", bcrypt.gensalt(8)).decode()}
+
+    async def table(client_id: str) -> str | None:
+        return known.get(client_id)
+
+    auth = Authenticator(table, cache_ttl=0, failures_per_minute=1000, dummy_rounds=8)
+    loop = asyncio.get_running_loop()
+    try:
+        assert await auth.authenticate(basic("carol", "warm-up"), "10.0.0.9") is None
+
+        async def burst(client_id: str) -> float:
+            began = loop.time()
+            guesses = [auth.authenticate(basic(client_id, f"g-{n}"), "10.0.0.1") for n in range(8)]
+            assert await asyncio.gather(*guesses) == [None] * 8
+            return loop.time() - began
+
+        real, made_up = await burst("carol"), await burst("nobody")
+        assert 0.4 < made_up / real < 2.5, (made_up, real)
+    finally:
+        auth.close()

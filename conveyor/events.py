@@ -170,14 +170,6 @@ class Submission:
     delivery_limit: int | None = None
 
 
-# A task whose workers crashed (or gave it back) more often than its delivery limit: said by the
-# gateway for a dead letter, by a dispatcher for a copy a graceful requeue republished.
-CRASH_LIMIT_REACHED = (
-    "The task was dead-lettered: its workers crashed or gave it back every time"
-    " until its queue's delivery limit (x-delivery-limit) was reached."
-)
-
-
 @dataclass(frozen=True, slots=True)
 class TaskEvent:
     """A state change reported for a task: `<queue>-out`."""

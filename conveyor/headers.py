@@ -30,13 +30,22 @@ CE_EXPIRES = "ce-conveyorexpires"  # the `conveyorexpires` extension, as the bin
 # counting the crashes from CRASHES (SPEC §7.1: a worker that merely crashed its limit is left).
 DELIVERY_LIMIT = "x-conveyor-delivery-limit"
 CRASHES = "x-conveyor-crashes"  # returns (crashes) of earlier copies, before a graceful requeue
+# On a copy a dispatcher put on `-dlq` itself (no `x-death`: the broker did not), why, in the
+# broker's words: `delivery_limit`, its crashes counted through graceful requeues.
+DEAD_LETTERED = "x-conveyor-dead-lettered"
 
 # -- AMQP headers on `<queue>-out` ------------------------------------------------------
 CE_STARTED = "ce-conveyorstarted"  # a terminal event's `conveyorstarted`: when its call began
 DELIVERY_COUNT = "x-delivery-count"  # RabbitMQ's, on quorum queues
 REQUEUES = "x-conveyor-requeues"  # deliveries a graceful requeue folded into a new message
 RETURNS = "x-conveyor-returns"  # times the gateway gave a submission the broker returned back
-DEATH_HEADERS = ("x-death", "x-first-death-reason", "x-first-death-queue", "x-first-death-exchange")
+DEATH_HEADERS = (
+    "x-death",
+    "x-first-death-reason",
+    "x-first-death-queue",
+    "x-first-death-exchange",
+    DEAD_LETTERED,
+)
 
 # -- callbacks ------------------------------------------------------------------------------
 SIGNATURE = "X-Conveyor-Signature"

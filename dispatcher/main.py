@@ -32,7 +32,7 @@ from conveyor import heap, logs, tracing
 from conveyor.amqp import from_amqp
 from conveyor.dispatcher_settings import DispatcherSettings, SettingsError
 from conveyor.events import WireError, decode_cancel
-from conveyor.topology import in_queue, out_queue
+from conveyor.topology import dead_letter_queue, in_queue, out_queue
 from dispatcher.api import EVERY_ADDRESS, ApiServer, Endpoints
 from dispatcher.cancels import Cancels
 from dispatcher.consumer import Broker, Delivery
@@ -155,6 +155,7 @@ class Dispatcher:
             self.broker.publishing,
             self.broker.in_queue,
             self.broker.out_queue,
+            dead_letter_queue(self.settings.queue),
             self.settings.queue,
         )
         self.worker = Worker(

@@ -1,4 +1,5 @@
-"""Confirmed, persistent publishes: task events to `-out`, graceful requeues to `-in`.
+"""Confirmed, persistent publishes: task events to `-out`, graceful requeues to `-in`, and
+the dead letters of tasks whose crashes passed their limit through requeues to `-dlq`.
 
 Events go out in the format of the submission they answer: CloudEvents (binary
 binding) for CloudEvents submissions, the seed's JSON for legacy ones, so that
@@ -19,8 +20,10 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import aio_pika
+from aio_pika.abc import DateType
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from conveyor import headers as h
@@ -39,11 +42,17 @@ ATTEMPT = SILENT_CHANNEL + 1.0
 
 class Publisher:
     def __init__(
-        self, publishing: ConfirmingChannel, in_queue: str, out_queue: str, service: str
+        self,
+        publishing: ConfirmingChannel,
+        in_queue: str,
+        out_queue: str,
+        dead_letter_queue: str,
+        service: str,
     ) -> None:
         self.publishing = publishing
         self.in_queue = in_queue
         self.out_queue = out_queue
+        self.dead_letter_queue = dead_letter_queue
         self.service = service
 
     async def publish_event(self, event: TaskEvent, fmt: MessageFormat) -> None:
@@ -118,22 +127,38 @@ class Publisher:
             headers[h.CE_EXPIRES] = expiry_text(datetime.now(UTC) + timedelta(seconds=ttl))
         elif expires is not None:
             ttl = max((expires - datetime.now(UTC)).total_seconds(), 0.001)
-        copy = aio_pika.Message(
-            body=original.body,
-            headers=headers,
-            content_type=original.content_type,
-            content_encoding=original.content_encoding,
-            message_id=original.message_id,
-            correlation_id=original.correlation_id,
-            reply_to=original.reply_to,
-            timestamp=original.timestamp,
-            type=original.type,
-            app_id=original.app_id,
-            priority=original.priority,
-            expiration=ttl,
-            delivery_mode=_PERSISTENT,
-        )
-        await self._publish(copy, self.in_queue)
+        await self._publish(_copy(delivery, headers, ttl), self.in_queue)
+
+    async def dead_letter(self, delivery: Delivery) -> None:
+        """The message on `-dlq`, as the broker dead-letters it past `x-delivery-limit`, when
+        its crashes passed the limit only counted through graceful requeues (each copy's count
+        starts from zero). The gateway judges it as the broker's: FAILURE, or given back when
+        no worker's attempt explains the returns."""
+        headers = dict(delivery.message.headers or {})
+        headers.pop(h.DELIVERY_COUNT, None)
+        headers[h.CRASHES] = delivery.crashes()
+        headers[h.DEAD_LETTERED] = "delivery_limit"
+        await self._publish(_copy(delivery, headers, None), self.dead_letter_queue)
 
     async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
         await self.publishing.publish(message, routing_key)
+
+
+def _copy(delivery: Delivery, headers: dict[str, Any], expiration: DateType) -> aio_pika.Message:
+    """The delivered message again, persistent, with `headers` and time to live (seconds)."""
+    original = delivery.message
+    return aio_pika.Message(
+        body=original.body,
+        headers=headers,
+        content_type=original.content_type,
+        content_encoding=original.content_encoding,
+        message_id=original.message_id,
+        correlation_id=original.correlation_id,
+        reply_to=original.reply_to,
+        timestamp=original.timestamp,
+        type=original.type,
+        app_id=original.app_id,
+        priority=original.priority,
+        expiration=expiration,
+        delivery_mode=_PERSISTENT,
+    )

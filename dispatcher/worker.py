@@ -43,7 +43,6 @@ from conveyor import headers as h
 from conveyor import strict_json, tracing
 from conveyor.dispatcher_settings import DispatcherSettings
 from conveyor.events import (
-    CRASH_LIMIT_REACHED,
     SUBMITTED,
     EventKind,
     MessageFormat,
@@ -178,7 +177,7 @@ class Worker:
             return
         limit = submission.delivery_limit
         if limit is not None and delivery.crashes() > limit:
-            await self._fail_crashed(delivery, submission)
+            await self._dead_letter(delivery, submission)
             return
         abort = self.in_flight.token()
         try:
@@ -519,29 +518,23 @@ class Worker:
             extra={"task_id": task_id, "acked": acked},
         )
 
-    async def _fail_crashed(self, delivery: Delivery, submission: Submission) -> None:
+    async def _dead_letter(self, delivery: Delivery, submission: Submission) -> None:
         """A copy a graceful requeue republished starts the broker's count again: past the
-        delivery limit counted with the earlier copies' crashes, the task fails as the broker
-        would have failed it (SPEC §7.1), uncalled."""
-        crashes = delivery.crashes()
-        event = TaskEvent(
-            EventKind.FAILED,
-            submission.task_id,
-            error_message=CRASH_LIMIT_REACHED,
-            attempt=str(uuid.uuid4()),
-            host=self.settings.hostname,
-            started=datetime.now(UTC),
-        )
-        if not await self.publisher.publish_reliably(
-            event, submission.message_format, TERMINAL_PATIENCE
-        ):
-            await delivery.nack_requeue()  # never acked without its terminal event
+        delivery limit counted with the earlier copies' crashes, it goes to `-dlq` uncalled,
+        as the broker would have sent it (SPEC §7.1), and the gateway judges it the same way."""
+        try:
+            await asyncio.wait_for(self.publisher.dead_letter(delivery), REPUBLISH_TIMEOUT)
+        except BROKER_ERRORS as exc:
+            log.warning(
+                "dead letter not confirmed; nack-requeue instead",
+                extra={"task_id": submission.task_id, "error": repr(exc)},
+            )
+            await delivery.nack_requeue()
             return
-        self.metrics.failed.inc()
         acked = await delivery.ack()
         log.warning(
-            "task crashed its workers past its delivery limit: failed, not called",
-            extra={"task_id": submission.task_id, "crashes": crashes, "acked": acked},
+            "task crashed its workers past its delivery limit: dead-lettered, not called",
+            extra={"task_id": submission.task_id, "crashes": delivery.crashes(), "acked": acked},
         )
 
     async def _ack_finished_redelivery(self, delivery: Delivery) -> None:

@@ -50,7 +50,6 @@ from conveyor import headers as h
 from conveyor import logs, storable, topology, tracing
 from conveyor.amqp import from_amqp
 from conveyor.events import (
-    CRASH_LIMIT_REACHED,
     MessageFormat,
     Submission,
     WireError,
@@ -700,8 +699,9 @@ def _counted(kind: str, outcome: lifecycle.Outcome) -> bool:
 
 
 def _death_reason(headers: dict[str, Any]) -> str | None:
-    """Why the broker dead-lettered a message, from its `x-death` header."""
-    reason = headers.get("x-first-death-reason")
+    """Why the broker dead-lettered a message, from its `x-death` header (or a dispatcher,
+    from its own header: crashes past the limit, counted through graceful requeues)."""
+    reason = headers.get(h.DEAD_LETTERED) or headers.get("x-first-death-reason")
     deaths = headers.get("x-death")
     for death in deaths if isinstance(deaths, list | tuple) else []:
         if isinstance(death, dict) and death.get("reason") is not None:
@@ -738,7 +738,9 @@ def _returned(wire: WireMessage, delivery_limit: int) -> WireMessage:
     its first delivery and `delivery_limit` redeliveries were used, and the dispatcher numbers
     the next one (X-Conveyor-Attempt) after them all."""
     headers = {
-        k: v for k, v in wire.headers.items() if k not in (*h.DEATH_HEADERS, h.DELIVERY_COUNT)
+        k: v
+        for k, v in wire.headers.items()
+        if k not in (*h.DEATH_HEADERS, h.DELIVERY_COUNT, h.CRASHES)  # its returns were no crashes
     }
     headers[h.RETURNS] = _count(headers.get(h.RETURNS)) + 1
     headers[h.REQUEUES] = _count(headers.get(h.REQUEUES)) + delivery_limit + 1
@@ -754,7 +756,10 @@ def _dead_letter_message(headers: dict[str, Any]) -> str:
     """
     reason = _death_reason(headers)
     if reason == "delivery_limit":
-        return CRASH_LIMIT_REACHED
+        return (
+            "The task was dead-lettered: its workers crashed or gave it back every time"
+            " until its queue's delivery limit (x-delivery-limit) was reached."
+        )
     if reason == "rejected":
         return "The task was dead-lettered: its worker rejected the message."
     if reason == "expired":

@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+import aio_pika
 import pytest
 
 from conveyor.events import EventKind
@@ -152,17 +153,22 @@ async def test_crashes_before_a_graceful_requeue_still_count_toward_the_delivery
     """A graceful requeue republishes the message, whose copy the broker counts from zero:
     a task that kept crashing its workers was called for ever as long as a scale-in came
     between crashes (SPEC §7.1: leave a worker that merely crashed its limit). The copy
-    carries the crashes; past the limit, the task fails uncalled. Found by a black-box test."""
+    carries the crashes; past the limit, the dispatcher dead-letters it uncalled, as the
+    broker would have (the gateway judges it as it judges the broker's). Found by a
+    black-box test."""
     task_id = await rabbit.submit({"sleep": 30}, delivery_limit=2)
     await _stop_each_call(function, launch, task_id, KILL, TERM, KILL, KILL)
     # Three crashes, one graceful requeue: with a limit of 2 the broker would have
     # dead-lettered it at the third crash had the requeue not come between.
     last = launch(function.url)
-    failed = await rabbit.wait_terminal(task_id, timeout=30)
-    assert failed.kind is EventKind.FAILED
-    assert failed.error_message is not None and "delivery limit" in failed.error_message
+    await eventually(lambda: _depth_is(rabbit, rabbit.dlq, 1), 30, "dead-lettered")
     assert len(function.calls(task_id)) == 4
-    assert await rabbit.depth(rabbit.in_q) == 0 and await rabbit.depth(rabbit.dlq) == 0
+    assert await rabbit.depth(rabbit.in_q) == 0
+    assert rabbit.terminal(task_id) is None  # the gateway decides, from `-dlq`
+    (dead,) = await _take(rabbit, rabbit.dlq)
+    assert dead.headers["x-conveyor-dead-lettered"] == "delivery_limit"
+    assert dead.headers["x-conveyor-crashes"] == 3
+    assert dead.headers["ce-id"] == task_id
     last.signal()
     assert await last.exit_code(10) == 0
 
@@ -192,3 +198,17 @@ async def _stop_each_call(
         await function.wait_calls(task_id, count=calls)
         dispatcher.signal(sig)
         assert await dispatcher.exit_code(10) in (0, -signal.SIGKILL)
+
+
+async def _depth_is(rabbit: Rabbit, queue: str, depth: int) -> bool:
+    return await rabbit.depth(queue) == depth
+
+
+async def _take(rabbit: Rabbit, queue: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    assert rabbit.channel is not None
+    declared = await rabbit.channel.get_queue(queue, ensure=True)
+    taken = []
+    while (message := await declared.get(no_ack=False, fail=False)) is not None:
+        taken.append(message)
+        await message.ack()
+    return taken

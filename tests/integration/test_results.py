@@ -880,6 +880,67 @@ def test_returns_without_crashes_give_the_submission_back(
     assert "delivery limit" in data["errorMessage"]
 
 
+def _dead_lettered_by_a_dispatcher(svc: Service, task_id: str, crashes: int) -> WireMessage:
+    """A submission as a dispatcher puts it on `-dlq` when its crashes, carried through
+    graceful requeues, passed the delivery limit (no `x-death`: the broker did not do it)."""
+    submission = encode_submission(
+        Submission(task_id=task_id, service=svc.name, body={"n": 1}, delivery_limit=5)
+    )
+    headers = {
+        **submission.headers,
+        "x-conveyor-crashes": crashes,
+        "x-conveyor-dead-lettered": "delivery_limit",
+    }
+    return WireMessage(submission.body, headers, "application/json", task_id)
+
+
+@pytest.mark.timeout(60)
+def test_a_dispatchers_dead_letter_of_a_crashing_task_fails_it_as_the_brokers_would(
+    gateway: GatewayProcess, svc: Service, amqp_url: str
+) -> None:
+    """Crashes past the limit, counted through graceful requeues (the broker's count starts
+    again with each copy): the dispatcher dead-letters the copy itself, and the gateway judges
+    it as it judges the broker's dead letters, by the attempts the workers started."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    in_queue = topology.in_queue(svc.queue_name)
+    wait_until(lambda: message_count(amqp_url, in_queue) == 1, what="submission on -in")
+    take_all(amqp_url, in_queue)  # the dispatcher took it
+    limit = GatewaySettings().delivery_limit
+    for n in range(limit + 1):
+        started = _event(svc, EventKind.STARTED, task_id, host=f"pod-{n}", attempt=f"a-{n}")
+        _publish_events(amqp_url, svc, started)
+        _poll_until(gateway, svc, task_id, status="IN_PROGRESS")
+    dlq = topology.dead_letter_queue(svc.queue_name)
+    publish(amqp_url, dlq, [_dead_lettered_by_a_dispatcher(svc, task_id, limit + 1)])
+
+    data = _poll_until(gateway, svc, task_id, status="FAILURE")
+    assert "delivery limit" in data["errorMessage"]
+    wait_until(lambda: _drained(amqp_url, dlq), what="-dlq drained")
+    assert message_count(amqp_url, in_queue) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_dispatchers_dead_letter_without_attempts_started_is_given_back(
+    gateway: GatewayProcess, svc: Service, amqp_url: str
+) -> None:
+    """Returns that no worker's attempt explains (broker nodes gone under healthy
+    dispatchers) are not crashes, whoever dead-lettered the copy: it goes back to `-in`,
+    its crash count cleared."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    in_queue = topology.in_queue(svc.queue_name)
+    wait_until(lambda: message_count(amqp_url, in_queue) == 1, what="submission on -in")
+    take_all(amqp_url, in_queue)
+    limit = GatewaySettings().delivery_limit
+    dlq = topology.dead_letter_queue(svc.queue_name)
+    publish(amqp_url, dlq, [_dead_lettered_by_a_dispatcher(svc, task_id, limit + 1)])
+
+    again = wait_until(lambda: take_all(amqp_url, in_queue), what="given back")
+    assert len(again) == 1 and decode_submission(again[0]).task_id == task_id
+    assert "x-conveyor-crashes" not in again[0].headers
+    assert "x-conveyor-dead-lettered" not in again[0].headers
+    assert _poll(gateway, svc, task_id)["status"] == "PENDING"
+
+
 @pytest.mark.timeout(60)
 def test_dead_lettered_submission_with_x_death_fails_its_task(
     gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str

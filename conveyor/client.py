@@ -10,12 +10,16 @@ envelope handling, Basic auth and polling loop, in a sync and an async flavour:
 Both flavours share the request building and response parsing below; only the
 I/O differs. API errors raise `ConveyorError`, and so does an answer the SDK cannot read
 (number 0, "unexpected answer from the gateway: ..."); network failures raise httpx's own
-`httpx.TransportError` subclasses unchanged, except while `follow` or `wait` waits: they
+`httpx.TransportError` subclasses unchanged (an `httpx.TimeoutException` once a call's whole
+bound, REQUEST_TIMEOUTS times the client's timeout, is spent: httpx's own bounds each read, so a
+gateway trickling its answer would hold a call for ever), except while `follow` or `wait` waits: they
 ride out a gateway unreachable, or answering 502/503/504, for up to `OUTAGE_WINDOW_S` (a
 restart, a rolling deploy, a database failover), polling meanwhile (pausing as its
 `Retry-After` says), and raise only after that. What the SDK cannot send (a task id or
 service that is not one path segment, an Idempotency-Key a header cannot carry, NaN in a body,
 a negative interval, a timeout not above 0) raises ValueError at the call, before any request.
+What the SDK reads is bounded: an answer over MAX_ANSWER_BYTES is ConveyorError 0, an event of
+the stream over MAX_EVENT_BYTES breaks the stream (`follow` then polls).
 """
 
 from __future__ import annotations
@@ -25,17 +29,19 @@ import json
 import math
 import os
 import re
-import socket
-import threading
+import ssl
 import time
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Self
+from functools import partial
+from typing import Any, NamedTuple, Self, TypeVar
 from urllib.parse import quote
 
+import httpcore
 import httpx
-from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 
 from conveyor import __version__
 from conveyor import headers as h
@@ -49,11 +55,18 @@ OUTAGE_WINDOW_S = 30.0
 # stream is kept (the client's own timeout, 10 s by default, would drop it).
 STREAM_READ_TIMEOUT_S = 60.0
 UNAVAILABLE_STATUSES = frozenset({502, 503, 504})  # ridden out while following, like no answer
+# A call (connect, send, answer) ends within this many of the client's timeouts.
+REQUEST_TIMEOUTS = 3
+MAX_ANSWER_BYTES = 16 * 2**20  # an answer over this is ConveyorError 0, "answer too large"
+MAX_EVENT_BYTES = 2**20  # one event of the stream (its lines); over it, the stream is broken
+_OUTAGE_PAUSE_S = 0.1  # the shortest pause between attempts while the gateway is down
+_EVENT_HEADERS = {"Accept": "text/event-stream", "Cache-Control": "no-store"}
+# Retry-After as delay-seconds (RFC 9110: digits; a fraction is taken too), not "1_000" or "1e3".
+_DELAY_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 _SHORTEST_TIMEOUT_S = 0.01  # a request made at the deadline still gets a (tiny) timeout
 # ... and a longer one while no state was seen: a short timeout against a healthy gateway
 # then still sees the task, and ends in TaskWaitTimeout rather than in a transport error.
 _FIRST_ANSWER_S = 0.5
-_DEFAULT = httpx.USE_CLIENT_DEFAULT  # (None would mean no timeout at all to httpx)
 # A header value the gateway reads back unchanged: visible ASCII, spaces only inside (HTTP
 # strips them at either end); httpx cannot send other characters, nor h11 a line break.
 _HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
@@ -228,8 +241,8 @@ def _batch_call(service: str, tasks: list[dict[str, Any]], idempotency_key: str 
     return _Call("POST", f"{_tasks_path(service)}/batch", _json_ready({"tasks": tasks}), headers)
 
 
-def _events_path(service: str, task_id: str) -> str:
-    return f"{_task_path(service, task_id)}/events"
+def _events_call(service: str, task_id: str) -> _Call:
+    return _Call("GET", f"{_task_path(service, task_id)}/events", headers=_EVENT_HEADERS)
 
 
 def _is_stream(response: httpx.Response) -> bool:
@@ -237,67 +250,303 @@ def _is_stream(response: httpx.Response) -> bool:
     return response.status_code == 200 and content_type.startswith("text/event-stream")
 
 
-def _stream_refused(response: httpx.Response) -> bool:
-    """True when a gateway has no event stream: an older one answers 404000 or 405000, and
-    something in between (a proxy, a test double) may answer 200 with JSON. The caller polls
-    instead. Any other error is the poll's (403001, 404001, 404002...): raised. The body of a
-    refusal must have been read."""
-    if _is_stream(response):
-        return False
-    if response.status_code == 200:
-        return True
+def _no_stream(answer: _Answer) -> None:
+    """Returns when a gateway has no event stream: an older one answers 404000 or
+    405000, and something in between (a proxy, a test double) may answer 200 with JSON. The
+    caller polls instead. Any other error is the poll's (403001, 404001, 404002...): raised."""
+    if answer.status_code == 200:
+        return
     try:
-        _unwrap(response)
+        _unwrap(answer)
     except ConveyorError as exc:
         if exc.number not in (404000, 405000):
             raise
-    return True
 
 
-class _StreamDeadline:
-    """Shuts a stream's socket at the deadline, from a timer thread. `passed` is set before
-    the socket is shut, so the reader it wakes always knows why its read ended."""
+@dataclass(frozen=True)
+class _Answer:
+    """An answer read whole (at most MAX_ANSWER_BYTES): what the parsers below read."""
 
-    def __init__(self, response: httpx.Response, timeout: float) -> None:
-        self.passed = threading.Event()
+    status_code: int
+    headers: httpx.Headers
+    reason_phrase: str
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        """The body as UTF-8 (JSON's encoding) whatever charset is declared: a "charset" may
+        name a codec that is no text encoding (zlib, base64), which would crash a decoder."""
+        return self.body.decode("utf-8", "replace")
+
+
+class _Body:
+    """An answer's body as it arrives, refused past MAX_ANSWER_BYTES (ConveyorError 0): the SDK
+    holds no more than that of whatever a gateway sends."""
+
+    def __init__(self, response: httpx.Response) -> None:
         self._response = response
-        self._timer = threading.Timer(timeout, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        self._chunks: list[bytes] = []
+        self._size = 0
 
-    def _expire(self) -> None:
-        self.passed.set()
-        _shut_down(self._response)
+    def add(self, chunk: bytes) -> None:
+        self._size += len(chunk)
+        if self._size > MAX_ANSWER_BYTES:
+            raise _unexpected(self._response, f"answer too large (over {MAX_ANSWER_BYTES} bytes)")
+        self._chunks.append(chunk)
 
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-
-def _shut_down(response: httpx.Response) -> None:
-    """Ends a stream from another thread (httpcore's `network_stream` extension)."""
-    stream = response.extensions.get("network_stream")
-    sock = stream.get_extra_info("socket") if stream is not None else None
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+    def answer(self) -> _Answer:
+        response = self._response
+        body = b"".join(self._chunks)
+        return _Answer(response.status_code, response.headers, response.reason_phrase, body)
 
 
-def _stream_task(sse: ServerSentEvent) -> Task | None:
+@contextmanager
+def _decoding(response: httpx.Response) -> Iterator[None]:
+    """A body not in its Content-Encoding is an answer the SDK cannot read, ConveyorError 0
+    (httpx.DecodingError is no TransportError: `follow` would not ride it out)."""
+    try:
+        yield
+    except httpx.DecodingError as exc:
+        raise _unexpected(response, f"a body not in its Content-Encoding ({exc})") from None
+
+
+class _Event(NamedTuple):
+    name: str
+    data: str
+
+
+class _EventReader:
+    """The event stream's bytes as events (only the `event` and `data` fields matter here), as
+    UTF-8 whatever charset is declared. An event (its lines, comments included) over
+    MAX_EVENT_BYTES breaks the stream: the SDK would otherwise buffer a line without end (why
+    not httpx-sse, which reads httpx's lines, each whole however long)."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()  # the line not ended yet
+        self._size = 0  # the bytes of the event's ended lines
+        self._name = ""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[_Event]:
+        """The events `chunk` ends. Lines are split only when a line may have ended (a trickle
+        of one endless line costs no rescan of it)."""
+        split = b"\n" in chunk or b"\r" in chunk or self._pending.endswith(b"\r")
+        self._pending += chunk
+        events: list[_Event] = []
+        if split:
+            lines = bytes(self._pending).splitlines(keepends=True)  # on \r\n, \r and \n only
+            tail = b""
+            if lines and not lines[-1].endswith(b"\n"):
+                tail = lines.pop()  # not ended, or a "\r" that may be half of a "\r\n"
+            self._pending = bytearray(tail)
+            events = [e for e in map(self._line, lines) if e is not None]
+        if self._size + len(self._pending) > MAX_EVENT_BYTES:
+            raise httpx.RemoteProtocolError(
+                f"an event of the stream is over {MAX_EVENT_BYTES} bytes"
+            )
+        return events
+
+    def _line(self, ended: bytes) -> _Event | None:
+        line = ended.rstrip(b"\r\n")
+        if not line:
+            event = _Event(self._name, "\n".join(self._data)) if self._data else None
+            self._size, self._name, self._data = 0, "", []
+            return event
+        self._size += len(ended)
+        name, _, value = line.decode("utf-8", "replace").partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "event":
+            self._name = value
+        elif name == "data":
+            self._data.append(value)
+        return None
+
+
+def _stream_task(event: _Event, task_id: str) -> Task | None:
     """The event's task; None for another event or one the SDK cannot read (skipped)."""
-    if sse.event != "task":
+    if event.name != "task":
         return None
     try:
-        data = json.loads(sse.data)
+        data = json.loads(event.data)
     except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
     try:
-        return _task(data)
+        return _task_for(data, task_id)
     except _Unreadable:
         return None
+
+
+# The monotonic time by which the current sync request must end (None: httpx's timeouts only),
+# read by _BoundedStream at each socket operation; set around one request, or one read of a
+# stream, never while yielding to a caller.
+_REQUEST_END: ContextVar[float | None] = ContextVar("conveyor_request_end", default=None)
+
+
+@contextmanager
+def _ending_by(end: float | None) -> Iterator[None]:
+    token = _REQUEST_END.set(end)
+    try:
+        yield
+    finally:
+        _REQUEST_END.reset(token)
+
+
+def _time_left(timeout: float | None, late: type[Exception]) -> float | None:
+    """`timeout` cut to the time left before _REQUEST_END; `late` once there is none."""
+    end = _REQUEST_END.get()
+    if end is None:
+        return timeout
+    left = end - time.monotonic()
+    if left <= 0:
+        raise late("no whole answer in the time given to the request")
+    return left if timeout is None else min(timeout, left)
+
+
+def _late() -> httpx.ReadTimeout:
+    return httpx.ReadTimeout("no whole answer in the time given to the request")
+
+
+def _check_time(end: float | None) -> None:
+    if end is not None and time.monotonic() >= end:
+        raise _late()
+
+
+class _BoundedStream(httpcore.NetworkStream):
+    """A sync socket whose every read and write ends by _REQUEST_END: httpx's timeouts bound
+    each read, so a gateway trickling its answer a byte at a time would hold a call for ever,
+    and a sync read cannot be cut from outside before the answer's headers give its socket."""
+
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _time_left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _time_left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        left = _time_left(timeout, httpcore.ConnectTimeout)
+        return _BoundedStream(self._stream.start_tls(ssl_context, server_hostname, left))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _BoundedBackend(httpcore.NetworkBackend):
+    """Opens _BoundedStreams, its connects bounded by _REQUEST_END as well."""
+
+    def __init__(self, backend: httpcore.NetworkBackend) -> None:
+        self._backend = backend
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        left = _time_left(timeout, httpcore.ConnectTimeout)
+        stream = self._backend.connect_tcp(host, port, left, local_address, socket_options)
+        return _BoundedStream(stream)
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        left = _time_left(timeout, httpcore.ConnectTimeout)
+        return _BoundedStream(self._backend.connect_unix_socket(path, left, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+def _bound_sockets(http: httpx.Client) -> None:
+    """Puts a _BoundedBackend under each HTTP transport of `http` (its own and those of the
+    environment's proxies): httpx has no public hook to the socket of a request before its
+    answer's headers, and a sync request cannot be cancelled otherwise. These are httpx's and
+    httpcore's private attributes: should a release rename them, calls are bounded per read
+    only, as before (tests/unit/test_client_hostile_gateway.py notices)."""
+    transports = [getattr(http, "_transport", None), *getattr(http, "_mounts", {}).values()]
+    for transport in transports:
+        pool = getattr(transport, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if isinstance(transport, httpx.HTTPTransport) and backend is not None:
+            pool._network_backend = _BoundedBackend(backend)  # type: ignore[union-attr]
+
+
+def _events_by(response: httpx.Response, pacer: _Pacer) -> Iterator[_Event]:
+    """The stream's events until it ends or breaks (then see _Pacer.after_broken_stream). A
+    quiet stream still sends comments, so no read timeout ends it: the deadline ends each of
+    its reads (and, for a consumer slower than the deadline, the next one)."""
+    reader = _EventReader()
+    chunks = response.iter_bytes()
+    end = pacer.deadline()
+    try:
+        while True:
+            _check_time(end)
+            with _ending_by(end):
+                chunk = next(chunks, None)
+            if chunk is None:
+                return
+            yield from reader.feed(chunk)
+    except _BROKEN_STREAM as exc:
+        pacer.after_broken_stream(exc)
+
+
+_T = TypeVar("_T")
+
+
+async def _by(end: float | None, start: Callable[[], Awaitable[_T]]) -> _T:
+    """`start()` awaited whole by `end` (monotonic; None: no bound), else httpx.ReadTimeout:
+    httpx's timeouts bound each read only. The caller yields nothing inside it, so that a slow
+    consumer's time is never the request's (nor its cancellation the consumer's)."""
+    if end is None:
+        return await start()
+    _check_time(end)
+    try:
+        async with asyncio.timeout(end - time.monotonic()):
+            return await start()
+    except TimeoutError:
+        raise _late() from None
+
+
+async def _aevents_by(response: httpx.Response, pacer: _Pacer) -> AsyncIterator[_Event]:
+    """As _events_by, each read in an asyncio timeout (and no yield inside it)."""
+    reader = _EventReader()
+    chunks = response.aiter_bytes()
+    end = pacer.deadline()
+    try:
+        while True:
+            chunk = await _by(end, partial(anext, chunks, None))
+            if chunk is None:
+                return
+            for event in reader.feed(chunk):
+                yield event
+    except _BROKEN_STREAM as exc:
+        pacer.after_broken_stream(exc)
+
+
+# What breaks a stream: `follow` polls instead (ConveyorError 0 is only for an answer).
+_BROKEN_STREAM = (httpx.StreamError, httpx.TransportError, httpx.DecodingError)
+
+
+def _built(
+    http: httpx.Client | httpx.AsyncClient, call: _Call, timeouts: httpx.Timeout
+) -> httpx.Request:
+    return http.build_request(
+        call.method, call.path, json=call.json, headers=call.headers, timeout=timeouts
+    )
 
 
 def _cancel_call(service: str, task_id: str) -> _Call:
@@ -312,16 +561,13 @@ class _Unreadable(ValueError):
     """A `data` whose shape the SDK cannot read; the message says what is wrong."""
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    """`Retry-After` in seconds; None when absent or not a number of seconds (a date)."""
-    try:
-        seconds = float(response.headers.get("retry-after", ""))
-    except ValueError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+def _retry_after(response: httpx.Response | _Answer) -> float | None:
+    """`Retry-After` in seconds; None when absent or not delay-seconds (a date, "1_000")."""
+    value = response.headers.get("retry-after", "").strip()
+    return float(value) if _DELAY_SECONDS.fullmatch(value) else None
 
 
-def _unexpected(response: httpx.Response, what: str) -> ConveyorError:
+def _unexpected(response: httpx.Response | _Answer, what: str) -> ConveyorError:
     return ConveyorError(
         response.status_code,
         0,
@@ -330,7 +576,7 @@ def _unexpected(response: httpx.Response, what: str) -> ConveyorError:
     )
 
 
-def _not_an_envelope(response: httpx.Response) -> ConveyorError:
+def _not_an_envelope(response: _Answer) -> ConveyorError:
     return _unexpected(response, response.text.strip()[:200] or response.reason_phrase)
 
 
@@ -338,10 +584,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _unwrap(response: httpx.Response) -> dict[str, Any]:
+def _unwrap(response: _Answer) -> dict[str, Any]:
     """Returns the envelope's `data`, or raises the envelope's error."""
     try:
-        envelope = response.json()
+        envelope = json.loads(response.body)
     except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
         raise _not_an_envelope(response) from None
     if not isinstance(envelope, dict):
@@ -374,19 +620,25 @@ def _parse_date(value: Any) -> datetime | None:
 
 
 def _submitted(data: Any, created: bool) -> Submitted:
+    """A created task, whose id must be one path segment: it is what the next calls send."""
     if not isinstance(data, dict):
         raise _Unreadable(f"a task that is not an object: {str(data)[:100]}")
-    return Submitted(_task_id(data), _position(data), created)
+    task_id = _task_id(data)
+    try:
+        _segment(task_id, "taskId")
+    except ValueError as exc:
+        raise _Unreadable(str(exc)) from None
+    return Submitted(task_id, _position(data), created)
 
 
-def _parse_submitted(response: httpx.Response) -> Submitted:
+def _parse_submitted(response: _Answer) -> Submitted:
     try:
         return _submitted(_unwrap(response), response.status_code == 201)
     except _Unreadable as exc:
         raise _unexpected(response, str(exc)) from None
 
 
-def _parse_batch(response: httpx.Response) -> list[Submitted]:
+def _parse_batch(response: _Answer) -> list[Submitted]:
     created = response.status_code == 201
     tasks = _unwrap(response).get("tasks")
     try:
@@ -397,12 +649,20 @@ def _parse_batch(response: httpx.Response) -> list[Submitted]:
         raise _unexpected(response, str(exc)) from None
 
 
-def _parse_task(response: httpx.Response) -> Task:
+def _parse_task(response: _Answer, task_id: str) -> Task:
     data = _unwrap(response)
     try:
-        return _task(data)
+        return _task_for(data, task_id)
     except _Unreadable as exc:
         raise _unexpected(response, str(exc)) from None
+
+
+def _task_for(data: dict[str, Any], task_id: str) -> Task:
+    """The task `task_id`; another task's answer is unreadable (a follow would end on it)."""
+    task = _task(data)
+    if task.task_id != task_id:
+        raise _Unreadable(f"taskId {task.task_id[:100]!r} is not the task asked for")
+    return task
 
 
 def _task_id(data: dict[str, Any]) -> str:
@@ -489,17 +749,28 @@ class _Pacer:
         shortest = _SHORTEST_TIMEOUT_S if self.last is not None else _FIRST_ANSWER_S
         return seconds if left is None else max(min(seconds, left), min(seconds, shortest))
 
-    def poll_timeout(self, timeout: float) -> httpx.Timeout:
-        """The client's `timeout`, cut to the time left; TaskWaitTimeout once it is none."""
+    def request_seconds(self, timeout: float) -> float:
+        """A request's whole bound (REQUEST_TIMEOUTS of the client's `timeout`), cut to the
+        time left; TaskWaitTimeout once there is none."""
         left = self.left()
         if left is not None and left <= 0 and self.last is not None:
             raise TaskWaitTimeout(self.last)
-        return httpx.Timeout(self._within(timeout))
+        return self._within(REQUEST_TIMEOUTS * timeout)
 
-    def stream_timeout(self, timeout: float) -> httpx.Timeout:
-        """The client's `timeout` to connect; `STREAM_READ_TIMEOUT_S` to read (a quiet stream
-        sends only a comment every heartbeat); both cut to the time left."""
-        return httpx.Timeout(self._within(timeout), read=self._within(STREAM_READ_TIMEOUT_S))
+    def news(self, event: _Event, task_id: str) -> Task | None:
+        """The event's task when it is news (recorded as seen); else None."""
+        task = _stream_task(event, task_id)
+        return task if task is not None and self.seen(task) else None
+
+    def deadline(self) -> float | None:
+        """The deadline (time.monotonic()), which ends each read of the stream; None without."""
+        return self._deadline
+
+    def after_broken_stream(self, exc: Exception) -> None:
+        """Once the deadline passed: TaskWaitTimeout when a state was seen; else (a stream cut
+        before its first event, or broken) the caller polls, which gets a first state."""
+        if self.last is not None:
+            self.give_up_at_deadline(exc)
 
     def give_up_at_deadline(self, exc: Exception) -> None:
         """Once the deadline passed: TaskWaitTimeout when a state was seen, else `exc`."""
@@ -517,8 +788,9 @@ class _Pacer:
         return new
 
     def pause_after_outage(self, exc: httpx.TransportError | ConveyorError) -> float:
-        """After no answer or a 502/503/504: the pause (its Retry-After, else `interval`,
-        within the deadline and the outage window), or `exc` once the window is over."""
+        """After no answer or a 502/503/504: the pause (its Retry-After, else `interval`, but
+        _OUTAGE_PAUSE_S at least, so that an `interval` of 0 spins no core; within the deadline
+        and the outage window), or `exc` once the window is over."""
         now = time.monotonic()
         if self._unreachable_since is None:
             self._unreachable_since = now
@@ -529,7 +801,7 @@ class _Pacer:
         pause = self._interval
         if isinstance(exc, ConveyorError) and exc.retry_after is not None:
             pause = exc.retry_after
-        pause = min(pause, window_left)
+        pause = min(max(pause, _OUTAGE_PAUSE_S), window_left)
         left = self.left()
         return pause if left is None else min(pause, left)
 
@@ -557,6 +829,16 @@ class _Config:
             raise ValueError("set CONVEYOR_CLIENT_ID and CONVEYOR_CLIENT_SECRET")
         base_url = os.environ.get("CONVEYOR_GATEWAY_URL") or DEFAULT_GATEWAY_URL
         return cls(base_url, client_id, client_secret, timeout)
+
+    def timeouts(self, seconds: float, read: float | None = None) -> httpx.Timeout:
+        """httpx's timeouts (each a phase, each read) for a request bounded to `seconds` whole;
+        `read` for the stream's reads (bounded by the follow's deadline instead)."""
+        phase = min(self.timeout, seconds)
+        return httpx.Timeout(phase, read=phase if read is None else read)
+
+    def request_seconds(self) -> float:
+        """A call's whole bound: connect, send and answer, each up to the client's timeout."""
+        return REQUEST_TIMEOUTS * self.timeout
 
     def httpx_options(self) -> dict[str, Any]:
         return {
@@ -590,15 +872,34 @@ class ConveyorClient(_FromEnv):
     ) -> None:
         self.config = _Config(base_url, client_id, client_secret, timeout)
         self._http = httpx.Client(transport=transport, **self.config.httpx_options())
+        _bound_sockets(self._http)
 
-    def _send(self, call: _Call, timeout: httpx.Timeout | None = None) -> httpx.Response:
-        return self._http.request(
-            call.method,
-            call.path,
-            json=call.json,
-            headers=call.headers,
-            timeout=_DEFAULT if timeout is None else timeout,  # None: the client's own
-        )
+    def _send(self, call: _Call, seconds: float | None = None) -> _Answer:
+        """The whole answer, within `seconds` (REQUEST_TIMEOUTS of the client's timeout by
+        default), else an httpx.TimeoutException."""
+        seconds = self.config.request_seconds() if seconds is None else seconds
+        request = _built(self._http, call, self.config.timeouts(seconds))
+        with _ending_by(time.monotonic() + seconds):
+            return self._answer(self._http.send(request, stream=True))
+
+    def _answer(self, response: httpx.Response) -> _Answer:
+        """`response` read whole (see _Body), then closed."""
+        body = _Body(response)
+        try:
+            with _decoding(response):
+                for chunk in response.iter_bytes():
+                    body.add(chunk)
+        finally:
+            response.close()
+        return body.answer()
+
+    def _open(self, request: httpx.Request) -> httpx.Response | None:
+        """The event stream; None when there is none (see _no_stream), and the caller polls."""
+        response = self._http.send(request, stream=True)
+        if _is_stream(response):
+            return response
+        _no_stream(self._answer(response))
+        return None
 
     def submit(
         self,
@@ -620,12 +921,12 @@ class ConveyorClient(_FromEnv):
         return _parse_batch(self._send(_batch_call(service, tasks, idempotency_key)))
 
     def get(self, service: str, task_id: str) -> Task:
-        return _parse_task(self._send(_get_call(service, task_id)))
+        return _parse_task(self._send(_get_call(service, task_id)), task_id)
 
     def cancel(self, service: str, task_id: str) -> Task:
         """FAILURE `Task cancelled.` (SPEC §11.1); idempotent; ConveyorError 409001 if it
         had already finished otherwise."""
-        return _parse_task(self._send(_cancel_call(service, task_id)))
+        return _parse_task(self._send(_cancel_call(service, task_id)), task_id)
 
     def follow(
         self,
@@ -652,57 +953,44 @@ class ConveyorClient(_FromEnv):
         return self._follow(service, task_id, pacer)
 
     def _follow(self, service: str, task_id: str, pacer: _Pacer) -> Iterator[Task]:
-        if not (yield from self._stream(service, task_id, pacer)):
-            yield from self._poll(service, task_id, pacer)
+        for task in self._stream(service, task_id, pacer):
+            yield task
+            if task.done:
+                return
+        yield from self._poll(service, task_id, pacer)
 
-    def _stream(self, service: str, task_id: str, pacer: _Pacer) -> Generator[Task, None, bool]:
-        """Yields the stream's states; returns True once the last was terminal, False when
-        polling is to go on (no stream, or it broke: the gateway went away)."""
-        opening = pacer.stream_timeout(self.config.timeout)
+    def _stream(self, service: str, task_id: str, pacer: _Pacer) -> Iterator[Task]:
+        """Yields the stream's states, until a terminal one; ends early when polling is to go
+        on (no stream, or it broke: the gateway went away)."""
+        seconds = pacer.request_seconds(self.config.timeout)
+        timeouts = self.config.timeouts(seconds, read=STREAM_READ_TIMEOUT_S)
+        request = _built(self._http, _events_call(service, task_id), timeouts)
         try:
-            with connect_sse(
-                self._http, "GET", _events_path(service, task_id), timeout=opening
-            ) as source:
-                if not _is_stream(source.response):
-                    source.response.read()
-                if _stream_refused(source.response):
-                    return False
-                # A quiet stream still sends comments, so no read timeout ends it: at the
-                # deadline its socket is shut down, which ends the blocked read at once.
-                left = pacer.left()
-                deadline = None if left is None else _StreamDeadline(source.response, left)
-                try:
-                    for sse in source.iter_sse():
-                        task = _stream_task(sse)
-                        if task is not None and pacer.seen(task):
-                            yield task
-                            if task.done:
-                                return True
-                except (httpx.StreamError, httpx.TransportError) as exc:
-                    if deadline is None or not deadline.passed.is_set():
-                        raise
-                    if pacer.last is None:
-                        return False  # cut before its first event: one last poll gets it
-                    raise TaskWaitTimeout(pacer.last) from exc
-                finally:
-                    if deadline is not None:
-                        deadline.cancel()
-                if pacer.last is not None and deadline is not None:
-                    if deadline.passed.is_set():
-                        raise TaskWaitTimeout(pacer.last)
-        except (httpx.StreamError, httpx.TransportError) as exc:
+            with _ending_by(time.monotonic() + seconds):
+                opened = self._open(request)
+        except _BROKEN_STREAM as exc:
             pacer.give_up_at_deadline(exc)  # else the gateway went away: polling rides it out
+            return
         except ConveyorError as exc:
             if not exc.unavailable:
                 raise
             time.sleep(pacer.pause_after_outage(exc))
-        return False
+            return
+        if opened is None:
+            return
+        try:
+            for event in _events_by(opened, pacer):
+                if (task := pacer.news(event, task_id)) is not None:
+                    yield task
+        finally:
+            opened.close()
 
     def _poll(self, service: str, task_id: str, pacer: _Pacer) -> Iterator[Task]:
         while True:
             call = _get_call(service, task_id)
             try:
-                task = _parse_task(self._send(call, pacer.poll_timeout(self.config.timeout)))
+                seconds = pacer.request_seconds(self.config.timeout)
+                task = _parse_task(self._send(call, seconds), task_id)
             except httpx.TransportError as exc:
                 time.sleep(pacer.pause_after_outage(exc))
                 continue
@@ -755,14 +1043,34 @@ class AsyncConveyorClient(_FromEnv):
         self.config = _Config(base_url, client_id, client_secret, timeout)
         self._http = httpx.AsyncClient(transport=transport, **self.config.httpx_options())
 
-    async def _send(self, call: _Call, timeout: httpx.Timeout | None = None) -> httpx.Response:
-        return await self._http.request(
-            call.method,
-            call.path,
-            json=call.json,
-            headers=call.headers,
-            timeout=_DEFAULT if timeout is None else timeout,  # None: the client's own
-        )
+    async def _send(self, call: _Call, seconds: float | None = None) -> _Answer:
+        """The whole answer, within `seconds` (REQUEST_TIMEOUTS of the client's timeout by
+        default), else an httpx.TimeoutException."""
+        seconds = self.config.request_seconds() if seconds is None else seconds
+        request = _built(self._http, call, self.config.timeouts(seconds))
+        return await _by(time.monotonic() + seconds, partial(self._exchange, request))
+
+    async def _exchange(self, request: httpx.Request) -> _Answer:
+        return await self._answer(await self._http.send(request, stream=True))
+
+    async def _answer(self, response: httpx.Response) -> _Answer:
+        """`response` read whole (see _Body), then closed."""
+        body = _Body(response)
+        try:
+            with _decoding(response):
+                async for chunk in response.aiter_bytes():
+                    body.add(chunk)
+        finally:
+            await response.aclose()
+        return body.answer()
+
+    async def _open(self, request: httpx.Request) -> httpx.Response | None:
+        """The event stream; None when there is none (see _no_stream), and the caller polls."""
+        response = await self._http.send(request, stream=True)
+        if _is_stream(response):
+            return response
+        _no_stream(await self._answer(response))
+        return None
 
     async def submit(
         self,
@@ -784,12 +1092,12 @@ class AsyncConveyorClient(_FromEnv):
         return _parse_batch(await self._send(_batch_call(service, tasks, idempotency_key)))
 
     async def get(self, service: str, task_id: str) -> Task:
-        return _parse_task(await self._send(_get_call(service, task_id)))
+        return _parse_task(await self._send(_get_call(service, task_id)), task_id)
 
     async def cancel(self, service: str, task_id: str) -> Task:
         """FAILURE `Task cancelled.` (SPEC §11.1); idempotent; ConveyorError 409001 if it
         had already finished otherwise."""
-        return _parse_task(await self._send(_cancel_call(service, task_id)))
+        return _parse_task(await self._send(_cancel_call(service, task_id)), task_id)
 
     def follow(
         self,
@@ -816,39 +1124,43 @@ class AsyncConveyorClient(_FromEnv):
         return self._follow(service, task_id, pacer)
 
     async def _follow(self, service: str, task_id: str, pacer: _Pacer) -> AsyncIterator[Task]:
-        left = pacer.left()
-        deadline = None if left is None else asyncio.get_running_loop().time() + left
-        opening = pacer.stream_timeout(self.config.timeout)
+        async for task in self._stream(service, task_id, pacer):
+            yield task
+            if task.done:
+                return
+        async for task in self._poll(service, task_id, pacer):
+            yield task
+
+    async def _stream(self, service: str, task_id: str, pacer: _Pacer) -> AsyncIterator[Task]:
+        """As ConveyorClient._stream: each await bounded, never a yield."""
+        seconds = pacer.request_seconds(self.config.timeout)
+        timeouts = self.config.timeouts(seconds, read=STREAM_READ_TIMEOUT_S)
+        request = _built(self._http, _events_call(service, task_id), timeouts)
         try:
-            async with aconnect_sse(
-                self._http, "GET", _events_path(service, task_id), timeout=opening
-            ) as source:
-                if not _is_stream(source.response):
-                    await source.response.aread()
-                if not _stream_refused(source.response):
-                    try:
-                        async with asyncio.timeout_at(deadline):
-                            async for sse in source.aiter_sse():
-                                task = _stream_task(sse)
-                                if task is not None and pacer.seen(task):
-                                    yield task
-                                    if task.done:
-                                        return
-                    except TimeoutError:
-                        if pacer.last is not None:
-                            raise TaskWaitTimeout(pacer.last) from None
-                        # cut before its first event: one last poll below gets it
-        except (httpx.StreamError, httpx.TransportError) as exc:
+            opened = await _by(time.monotonic() + seconds, partial(self._open, request))
+        except _BROKEN_STREAM as exc:
             pacer.give_up_at_deadline(exc)  # else the gateway went away: polling rides it out
+            return
         except ConveyorError as exc:
             if not exc.unavailable:
                 raise
             await asyncio.sleep(pacer.pause_after_outage(exc))
+            return
+        if opened is None:
+            return
+        try:
+            async for event in _aevents_by(opened, pacer):
+                if (task := pacer.news(event, task_id)) is not None:
+                    yield task
+        finally:
+            await opened.aclose()
+
+    async def _poll(self, service: str, task_id: str, pacer: _Pacer) -> AsyncIterator[Task]:
         while True:
             call = _get_call(service, task_id)
             try:
-                answer = await self._send(call, pacer.poll_timeout(self.config.timeout))
-                task = _parse_task(answer)
+                seconds = pacer.request_seconds(self.config.timeout)
+                task = _parse_task(await self._send(call, seconds), task_id)
             except httpx.TransportError as exc:
                 await asyncio.sleep(pacer.pause_after_outage(exc))
                 continue

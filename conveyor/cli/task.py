@@ -5,7 +5,8 @@ task move PENDING -> IN_PROGRESS -> SUCCESS/FAILURE with a live progress bar.
 Credentials and the gateway come from CONVEYOR_GATEWAY_URL, CONVEYOR_CLIENT_ID and
 CONVEYOR_CLIENT_SECRET (or the matching options). Errors print the gateway's
 error number and description and exit 1, never a traceback. Text from the gateway is
-printed without its control characters (an escape sequence would drive the terminal).
+printed without its control characters (an escape sequence would drive the terminal), and cut
+at MAX_SHOWN characters; the gateway's URL without its userinfo (a password).
 """
 
 from __future__ import annotations
@@ -98,6 +99,22 @@ TimeoutOpt = Annotated[
 
 # C0 and C1 control characters and DEL, but newline and tab.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# A URL's userinfo (`user:password@`), up to the authority's last '@'.
+_USERINFO = re.compile(r"(?<=//)[^/?#]*@")
+MAX_SHOWN = 2000  # characters of a gateway's description (or error details) printed
+
+
+def shown_url(url: str) -> str:
+    """The gateway's URL as printed: without its userinfo, which may hold a password."""
+    return clean(_USERINFO.sub("", url, count=1))
+
+
+def excerpt(text: str) -> str:
+    """Text from the gateway, cut at MAX_SHOWN characters (saying so): a terminal is no place
+    for a description of megabytes."""
+    if len(text) <= MAX_SHOWN:
+        return text
+    return f"{text[:MAX_SHOWN]}... (cut: {len(text)} characters in all)"
 
 
 def clean(text: object) -> str:
@@ -149,11 +166,13 @@ def reported_errors(gateway: str) -> Iterator[None]:
         )
         number = f"{exc.number} " if exc.number else ""
         retry = "" if exc.retry_after is None else f", retry after {exc.retry_after:g} s"
-        fail(f"{number}{clean(exc.description)} (HTTP {exc.http_status}{retry}){detail}")
+        description = excerpt(clean(exc.description))
+        fail(f"{number}{description} (HTTP {exc.http_status}{retry}){excerpt(detail)}")
     except httpx.TransportError as exc:
-        fail(f"cannot reach the gateway at {gateway}: {clean(exc or type(exc).__name__)}")
-    except httpx.HTTPError as exc:  # an answer httpx cannot read (a bad gzip body...)
-        fail(f"unreadable answer from the gateway at {gateway}: {clean(exc)}")
+        at = shown_url(gateway)
+        fail(f"cannot reach the gateway at {at}: {clean(exc or type(exc).__name__)}")
+    except httpx.HTTPError as exc:  # an answer httpx cannot read (too many redirects...)
+        fail(f"unreadable answer from the gateway at {shown_url(gateway)}: {clean(exc)}")
     except TaskWaitTimeout as exc:
         task = exc.task
         fail(f"gave up waiting: task {clean(task.task_id)} is still {clean(task.status)}")

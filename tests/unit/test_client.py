@@ -561,9 +561,8 @@ def test_answers_the_sdk_cannot_read_raise_conveyor_error(
 
 @pytest.mark.parametrize("progress", ["NaN", "Infinity", "-Infinity"])
 def test_a_progress_that_is_not_finite_reads_as_zero(progress: str) -> None:
-    body = (
-        f'{{"status":"success","data":{{"taskId":"x","status":"PENDING","progress":{progress}}}}}'
-    )
+    data = f'"taskId":"{TASK_ID}","status":"PENDING","progress":{progress}'
+    body = '{"status":"success","data":{' + data + "}}"
     answer = _raw(200, body)
     with ConveyorClient(BASE, "u", "p", transport=httpx.MockTransport(lambda _: answer)) as c:
         assert c.get("sleeper", TASK_ID).progress == 0.0
@@ -704,7 +703,7 @@ def test_cli_strips_control_characters_from_tasks(
     cli: tuple[CliRunner, FakeGateway], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner, _ = cli
-    failed = {**FAILURE, "taskId": "x\x1b]0;t\x07", "errorMessage": "Argh\x1b[2J\x9b!"}
+    failed = {**FAILURE, "taskId": TASK_ID, "errorMessage": "Argh\x1b[2J\x9b!"}
     _cli_against(monkeypatch, success(200, failed))
     watched = run(runner, "watch", "sleeper", TASK_ID, "--interval", "0.01")
     got = run(runner, "get", "sleeper", TASK_ID)

@@ -31,6 +31,7 @@ import os
 import re
 import ssl
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -660,9 +661,20 @@ def _parse_task(response: _Answer, task_id: str) -> Task:
 def _task_for(data: dict[str, Any], task_id: str) -> Task:
     """The task `task_id`; another task's answer is unreadable (a follow would end on it)."""
     task = _task(data)
-    if task.task_id != task_id:
+    if not _same_task(task.task_id, task_id):
         raise _Unreadable(f"taskId {task.task_id[:100]!r} is not the task asked for")
     return task
+
+
+def _same_task(answered: str, asked: str) -> bool:
+    """The gateway reads an id as a UUID (any case, braces, no hyphens) and answers with its
+    canonical form: the same task in another spelling."""
+    if answered == asked:
+        return True
+    try:
+        return uuid.UUID(answered) == uuid.UUID(asked)
+    except ValueError:
+        return False
 
 
 def _task_id(data: dict[str, Any]) -> str:

@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 # before the message is handed back for another delivery instead.
 TERMINAL_PATIENCE = 30.0
 REPUBLISH_TIMEOUT = 3.0
+DEAD_LETTER_PAUSE = 1.0  # before a message whose dead letter failed goes back to the queue
 # `started` and progress are informative: bounded, never retried.
 EVENT_TIMEOUT = 10.0
 
@@ -529,6 +530,7 @@ class Worker:
                 "dead letter not confirmed; nack-requeue instead",
                 extra={"task_id": submission.task_id, "error": repr(exc)},
             )
+            await asyncio.sleep(DEAD_LETTER_PAUSE)  # not a loop at full speed while -dlq refuses
             await delivery.nack_requeue()
             return
         acked = await delivery.ack()

@@ -138,8 +138,9 @@ class Outbox:
         self.pool = pool
         self.broker = broker
         self.ttl = ttl  # the reaper's time to live of a PENDING task
-        # Stamped on every submission: `-in`'s x-delivery-limit, for the dispatcher to go on
-        # counting crashes through a graceful requeue (conveyor.headers.DELIVERY_LIMIT).
+        # Stamped on every CloudEvents submission: `-in`'s x-delivery-limit, for the dispatcher
+        # to go on counting crashes through a graceful requeue (conveyor.headers.DELIVERY_LIMIT);
+        # a legacy `-in` is a classic queue without a limit.
         self.delivery_limit = delivery_limit
         self.interval = interval
         self.batch = batch
@@ -199,7 +200,8 @@ class Outbox:
     async def _send(self, submission: Submission, queue_name: str, path: str) -> None:
         """One confirmed publish; with tracing on, in a `publish` span of the task's trace,
         whose context the message carries on (the dispatcher's spans are its children)."""
-        submission = replace(submission, delivery_limit=self.delivery_limit)
+        if submission.message_format is MessageFormat.CLOUDEVENTS:  # a legacy -in has no limit
+            submission = replace(submission, delivery_limit=self.delivery_limit)
         if not tracing.enabled:
             await self.broker.publish(encode_submission(submission), topology.in_queue(queue_name))
             return

@@ -422,7 +422,7 @@ def wire_pod(
         _refuse_regular_containers_in_job(pod, function, owner)
     port = function_port(function, owner)
     existing = find_dispatcher(pod)
-    wiring = resolve(mode, name, options, existing)
+    wiring = resolve(mode, name, options, existing, warnings)
     dispatcher_port = choose_dispatcher_port(pod, existing, port)
     written = written_grace(existing)
     _make_native_sidecar(pod, function, port)

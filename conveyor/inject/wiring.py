@@ -234,18 +234,33 @@ def _replaced_defaults(mode: Mode, existing: Doc | None) -> dict[str, Any]:
     return {} if before == _MODE_DEFAULTS[mode] else before
 
 
-def _unless_replaced(replaced: dict[str, Any], key: str, value: Any) -> Any:
-    return None if key in replaced and value == replaced[key] else value
+def _unless_replaced(replaced: dict[str, Any], key: str, value: Any, given_way: list[str]) -> Any:
+    """`value`, or None (this mode's default) when it is the other mode's default; `given_way`
+    names it, for the one warning that says so (a user who chose it passes it as an option)."""
+    if key not in replaced or value != replaced[key]:
+        return value
+    given_way.append(f"--{key.replace('_', '-')}")
+    return None
 
 
-def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None) -> Wiring:
+def resolve(
+    mode: Mode,
+    name: str,
+    options: InjectOptions,
+    existing: Doc | None,
+    warnings: list[str] | None = None,
+) -> Wiring:
     """Option, else the value an earlier injection wrote (unless it was another mode's
     default), else the mode's default."""
     defaults = _MODE_DEFAULTS[mode]
     replaced = _replaced_defaults(mode, existing)
+    given_way: list[str] = []
     _refuse_references(mode, existing, options)
-    concurrency = options.concurrency or _unless_replaced(
-        replaced, "concurrency", int_or_none(setting_literal(existing, CONCURRENCY), CONCURRENCY)
+    written_concurrency = int_or_none(setting_literal(existing, CONCURRENCY), CONCURRENCY)
+    concurrency = options.concurrency or (
+        written_concurrency
+        if mode is Mode.JOB  # job mode takes 1 whatever was written: nothing to warn of
+        else _unless_replaced(replaced, "concurrency", written_concurrency, given_way)
     )
     if concurrency is not None and concurrency < 1:
         raise InjectError(f"{CONCURRENCY} must be at least 1, not {concurrency}")
@@ -258,11 +273,16 @@ def resolve(mode: Mode, name: str, options: InjectOptions, existing: Doc | None)
         # ONE_SHOT takes one message at a time whatever the buffer: none is written.
         concurrency, buffer = 1, 0
     shutdown = options.shutdown_mode or _unless_replaced(
-        replaced, "shutdown_mode", setting_literal(existing, SHUTDOWN_MODE)
+        replaced, "shutdown_mode", setting_literal(existing, SHUTDOWN_MODE), given_way
     )
     drain: float | None = options.drain_timeout
     if drain is None:
-        drain = _unless_replaced(replaced, "drain_timeout", written_drain(existing))
+        drain = _unless_replaced(replaced, "drain_timeout", written_drain(existing), given_way)
+    if given_way and warnings is not None:
+        warnings.append(
+            f"{mode.value} mode's defaults replace the other mode's ({', '.join(given_way)}):"
+            " pass them as options to keep the values written"
+        )
     idle = seconds_or_none(
         setting_literal(existing, IDLE_EXIT_SECONDS), IDLE_EXIT_SECONDS, positive=True
     )

@@ -668,6 +668,8 @@ def test_legacy_service_in_queue_is_the_seeds(
 
     (message,) = wait_until(lambda: take_all(amqp_url, in_queue), what="submission on -in")
     assert not any(k.startswith("ce-") for k in message.headers)
+    # its classic queue has no delivery limit: none is stamped (found by a review)
+    assert "x-conveyor-delivery-limit" not in message.headers
     assert json.loads(message.body) == {
         "taskId": task_id,
         "task_id": task_id,

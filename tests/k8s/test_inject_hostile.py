@@ -58,7 +58,9 @@ def test_job_output_injected_in_sidecar_mode_is_a_fresh_sidecar_injection() -> N
     docs = load_documents(done.stdout)
     assert [d["kind"] for d in docs] == ["Deployment", "TriggerAuthentication", "ScaledObject"]
     assert docs == inject(BARE_DEPLOYMENT)
-    assert done.stderr == ""  # no warning about a job-sized grace period
+    # one line says the mode's defaults replaced job mode's; none about a job-sized grace
+    assert done.stderr.count("warning:") == 1 and "grace" not in done.stderr, done.stderr
+    assert "sidecar mode's defaults replace" in done.stderr
 
 
 def test_a_switch_of_mode_keeps_what_the_user_chose() -> None:
@@ -71,6 +73,19 @@ def test_a_switch_of_mode_keeps_what_the_user_chose() -> None:
     (d,) = checks.dispatchers(docs)
     assert (d.env["DRAIN_TIMEOUT"], d.env["SHUTDOWN_MODE"]) == ("45", "drain")
     assert d.pod.spec["terminationGracePeriodSeconds"] == 900
+
+
+def test_a_value_given_way_on_a_switch_of_mode_is_said() -> None:
+    """A drain chosen on purpose in sidecar mode equal to job mode's defaults gives way to
+    sidecar's on the way back: silently, it made non-interruptible tasks interruptible (found
+    by a review). It is said in a warning, naming the option that keeps it."""
+    sidecar, _ = inject_yaml(
+        BARE_DEPLOYMENT, InjectOptions(shutdown_mode="drain", drain_timeout=600)
+    )
+    job, _ = inject_yaml(sidecar, InjectOptions(mode=Mode.JOB))
+    _, warnings = inject_yaml(job, InjectOptions(mode=Mode.SIDECAR))
+    (said,) = warnings
+    assert "--shutdown-mode" in said and "--drain-timeout" in said, warnings
 
 
 # --------------------------------------------- 2. settings the dispatcher refuses at start

@@ -345,6 +345,25 @@ def test_an_answer_for_another_task_is_conveyor_error(serve: Any, flavour: str) 
 
 
 @FLAVOURS
+def test_a_task_id_asked_in_another_spelling_is_the_same_task(serve: Any, flavour: str) -> None:
+    """The gateway reads a task id as a UUID (upper case, no hyphens, braces) and answers
+    with its canonical form: that answer is the task asked for (found by a review)."""
+    gateway = serve(lambda h: h.raw(200, "application/json", success(SUCCESS)))
+    spelled = TASK_ID.upper()
+    if flavour == "sync":
+        with ConveyorClient(gateway.url, "u", "p", timeout=5) as client:
+            task = client.get("sleeper", spelled)
+    else:
+
+        async def run() -> Any:
+            async with AsyncConveyorClient(gateway.url, "u", "p", timeout=5) as client:
+                return await client.get("sleeper", spelled)
+
+        task = asyncio.run(run())
+    assert task.task_id == TASK_ID
+
+
+@FLAVOURS
 def test_follow_does_not_end_on_another_tasks_event(serve: Any, flavour: str) -> None:
     other = [event({**SUCCESS, "taskId": OTHER_ID})]
     gateway = serve(

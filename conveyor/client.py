@@ -316,29 +316,48 @@ class _Event(NamedTuple):
     data: str
 
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark
+
+
 class _EventReader:
     """The event stream's bytes as events (only the `event` and `data` fields matter here), as
     UTF-8 whatever charset is declared. An event (its lines, comments included) over
     MAX_EVENT_BYTES breaks the stream: the SDK would otherwise buffer a line without end (why
-    not httpx-sse, which reads httpx's lines, each whole however long)."""
+    not httpx-sse, which reads httpx's lines, each whole however long). A line ends at CRLF,
+    LF or a lone CR, the moment its end arrives, and a leading BOM is dropped, as the event
+    stream format says."""
 
     def __init__(self) -> None:
         self._pending = bytearray()  # the line not ended yet
         self._size = 0  # the bytes of the event's ended lines
         self._name = ""
         self._data: list[str] = []
+        self._at_start = True  # a BOM may still come
+        self._after_cr = False  # a line just ended at a CR: an LF next is the same end
 
     def feed(self, chunk: bytes) -> list[_Event]:
         """The events `chunk` ends. Lines are split only when a line may have ended (a trickle
         of one endless line costs no rescan of it)."""
-        split = b"\n" in chunk or b"\r" in chunk or self._pending.endswith(b"\r")
+        if self._after_cr and chunk:
+            chunk = chunk[1:] if chunk.startswith(b"\n") else chunk
+            self._after_cr = False
+        if self._at_start:
+            chunk = bytes(self._pending) + chunk
+            self._pending.clear()
+            if len(chunk) < len(BOM) and BOM.startswith(chunk):
+                self._pending += chunk  # maybe the start of a BOM: wait for more
+                return []
+            self._at_start = False
+            chunk = chunk.removeprefix(BOM)
+        split = b"\n" in chunk or b"\r" in chunk
         self._pending += chunk
         events: list[_Event] = []
         if split:
             lines = bytes(self._pending).splitlines(keepends=True)  # on \r\n, \r and \n only
             tail = b""
-            if lines and not lines[-1].endswith(b"\n"):
-                tail = lines.pop()  # not ended, or a "\r" that may be half of a "\r\n"
+            if lines and not lines[-1].endswith((b"\n", b"\r")):
+                tail = lines.pop()  # not ended
+            self._after_cr = bool(lines) and not tail and lines[-1].endswith(b"\r")
             self._pending = bytearray(tail)
             events = [e for e in map(self._line, lines) if e is not None]
         if self._size + len(self._pending) > MAX_EVENT_BYTES:

@@ -222,6 +222,55 @@ def test_a_stream_quieter_than_the_clients_timeout_is_kept(serve: Any, flavour: 
     assert gateway.requests == ["events"]
 
 
+def timed_follow(flavour: str, url: str) -> list[tuple[str, float]]:
+    """Each state `follow` yields, with the seconds since the call when it came."""
+    began = time.monotonic()
+    if flavour == "sync":
+        with ConveyorClient(url, "u", "p", timeout=5) as client:
+            return [
+                (t.status, time.monotonic() - began)
+                for t in client.follow("sleeper", TASK_ID, timeout=15)
+            ]
+
+    async def run() -> list[tuple[str, float]]:
+        async with AsyncConveyorClient(url, "u", "p", timeout=5) as client:
+            return [
+                (t.status, time.monotonic() - began)
+                async for t in client.follow("sleeper", TASK_ID, timeout=15)
+            ]
+
+    return asyncio.run(run())
+
+
+@FLAVOURS
+@pytest.mark.parametrize("end", ["\r", "\n", "\r\n"], ids=["CR", "LF", "CRLF"])
+def test_an_event_is_read_the_moment_its_blank_line_arrives_whatever_its_line_ends(
+    serve: Any, flavour: str, end: str
+) -> None:
+    """Found by a review: an event whose lines end in a lone CR (the event stream format
+    allows CR, LF and CRLF) waited for the stream's next bytes, here 2 s; and a stream that
+    began with a byte order mark lost its first event (its first field read "\ufeffevent").
+    The CRLF case also cuts between the CR and its LF."""
+
+    def script(h: Handler) -> None:
+        if h.path.endswith("/events"):
+            first = event(PENDING).replace("\n", end)
+            second = event(SUCCESS).replace("\n", end)
+            if end == "\r\n":
+                h.stream(["\ufeff" + first[:-1], 0.2, first[-1:], 2.0, second])
+            else:
+                h.stream(["\ufeff" + first, 2.0, second])
+        else:
+            h.envelope(200, {"status": "success", "data": PENDING})
+
+    gateway = serve(script)
+    seen = timed_follow(flavour, gateway.url)
+
+    assert [status for status, _ in seen] == ["PENDING", "SUCCESS"]
+    assert seen[0][1] < 1.5, seen  # before the next bytes, 2 s later (2.2 s with CRLF)
+    assert gateway.requests == ["events"]  # never fell back to polling
+
+
 # --- 3. 502/503/504 are ridden out like an unreachable gateway -----------------------------
 
 UNAVAILABLE = {

@@ -23,10 +23,22 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
+from datetime import datetime, timedelta
 
 from dispatcher.shutdown import AbortToken
 
 MAX_REMEMBERED = 100_000
+RECALL_OVERLAP = timedelta(minutes=1)
+
+
+def recall_since(missed_from: datetime | None, memory_seconds: float, now: datetime) -> datetime:
+    """Where to read the cancel log from: at a start (None), all the memory holds; after an
+    outage, a minute before the first cancel that may have been missed (clocks differ), never
+    older than the memory."""
+    memory = now - timedelta(seconds=memory_seconds)
+    if missed_from is None:
+        return memory
+    return max(memory, min(missed_from - RECALL_OVERLAP, now))
 
 
 class Cancels:

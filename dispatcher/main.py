@@ -23,7 +23,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Coroutine
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -34,7 +34,7 @@ from conveyor.dispatcher_settings import DispatcherSettings, SettingsError
 from conveyor.events import WireError, decode_cancel
 from conveyor.topology import dead_letter_queue, in_queue, out_queue
 from dispatcher.api import EVERY_ADDRESS, ApiServer, Endpoints
-from dispatcher.cancels import Cancels
+from dispatcher.cancels import Cancels, recall_since
 from dispatcher.consumer import Broker, Delivery
 from dispatcher.inflight import InFlight
 from dispatcher.invoker import Invoker
@@ -50,7 +50,6 @@ log = logging.getLogger("dispatcher")
 # How long a start may spend reading the cancels kept from before it (a day of them is a few
 # thousand messages at most); past it, the dispatcher starts without them, as it used to.
 RECALL_PATIENCE = 5.0
-RECALL_OVERLAP = timedelta(minutes=1)
 
 
 def main() -> int:
@@ -241,13 +240,7 @@ class Dispatcher:
             self.cancels.heard(task_id)
 
     def _since(self, missed_from: datetime | None) -> datetime:
-        """Where to read the cancel log from: at a start (None), all the memory holds; after
-        an outage, a minute before the first cancel that may have been missed (clocks
-        differ), never older than the memory."""
-        memory = datetime.now(UTC) - timedelta(seconds=self.settings.cancel_memory_seconds)
-        if missed_from is None:
-            return memory
-        return max(memory, min(missed_from - RECALL_OVERLAP, datetime.now(UTC)))
+        return recall_since(missed_from, self.settings.cancel_memory_seconds, datetime.now(UTC))
 
     async def _recall_cancels(self, since: datetime) -> None:
         """The cancels broadcast when no queue of ours was there to hear them: before this

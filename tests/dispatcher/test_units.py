@@ -13,6 +13,7 @@ from aiohttp.http_exceptions import ContentLengthError
 
 from conveyor.storable import ERROR_LIMIT, truncate
 from dispatcher.api import parse_progress
+from dispatcher.cancels import RECALL_OVERLAP, recall_since
 from dispatcher.invoker import (
     Failure,
     Outcome,
@@ -430,3 +431,18 @@ def test_progress_body_validation(raw: bytes, expected: object) -> None:
         assert isinstance(value, str)
     else:
         assert value == expected
+
+
+def test_a_start_reads_every_cancel_the_memory_holds_and_a_reconnection_a_minute_before() -> None:
+    """Found by a black-box test: a dispatcher started more than a minute after a cancel read
+    the cancel log from a minute back only (the overlap meant for a reconnection), not from
+    CANCEL_MEMORY_SECONDS ago, and called the cancelled task. The start itself is end to end
+    in tests/e2e/test_cancel.py."""
+    now = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    day = 24 * 3600.0
+    assert recall_since(None, day, now) == now - timedelta(days=1)  # a start: all of it
+    lost = now - timedelta(minutes=10)
+    assert recall_since(lost, day, now) == lost - RECALL_OVERLAP  # an outage: from before it
+    assert recall_since(lost, 60.0, now) == now - timedelta(minutes=1)  # never past the memory
+    ahead = now + timedelta(minutes=5)  # a clock ahead of ours: from now, never the future
+    assert recall_since(ahead, day, now) == now

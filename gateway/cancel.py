@@ -67,22 +67,31 @@ async def cancel_task(
     if not finished_now and not await _cancelled(pool, task_id):
         raise errors.ApiError(errors.ALREADY_FINISHED)
     if finished_now:
-        await tell_dispatchers(broker, await _queue_names(pool, service), [task_id])
+        await tell_dispatchers(broker, await _queue_names(pool, service.name), [task_id])
     return data, finished_now
 
 
-async def _queue_names(pool: Pool, service: Service) -> list[str]:
+async def _queue_names(pool: Pool, service: str) -> list[str]:
     """Where the service's dispatchers may be: its queue, and the ones it moved away from
     while their dispatchers still run (they finish what they took, and an abort must reach
     them too). A legacy service's too: the seed's workers ignore the exchange, and Conveyor's
     dispatcher serving the queue hears it whatever the format."""
     async with pool.connection() as conn:
         cursor = await conn.execute(
-            "SELECT queue_name FROM moved_queues WHERE service = %(service)s",
-            {"service": service.name},
+            "SELECT queue_name FROM services WHERE name = %(service)s"
+            " UNION ALL SELECT queue_name FROM moved_queues WHERE service = %(service)s",
+            {"service": service},
         )
-        left = [row[0] for row in await cursor.fetchall()]
-    return [service.queue_name, *left]
+        return [row[0] for row in await cursor.fetchall()]
+
+
+async def tell_ended(pool: Pool, broker: Broker, ended: dict[str, list[uuid.UUID]]) -> None:
+    """Tasks the platform ended while they were still queued or running (the watchdog's),
+    per service, told to their dispatchers as cancels are: a message a crashed worker left
+    is then acked without a call, and a call still under way (its dispatcher frozen past the
+    limit) is aborted. Best effort, as a cancel's word is: their results would be ignored."""
+    for service, task_ids in ended.items():
+        await tell_dispatchers(broker, await _queue_names(pool, service), task_ids)
 
 
 async def tell_dispatchers(

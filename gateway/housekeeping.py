@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -130,23 +131,26 @@ async def reaper_loop(
     on_expired: Callable[[], None],
     hearing: Hearing,
     silence_margin: float = 300.0,
+    on_abandoned: Callable[[dict[str, list[uuid.UUID]]], Awaitable[None]] | None = None,
 ) -> None:
     """Ends what nothing else would: PENDING past its time to live, and IN_PROGRESS tasks
     whose worker has said nothing for longer than the service allows (the watchdog), the
-    silence counted only while results could be heard (gateway.hearing)."""
+    silence counted only while results could be heard (gateway.hearing). The watchdog's
+    tasks go to `on_abandoned` once their failure is committed: their dispatchers are told."""
     while True:
         try:
             async with pool.connection(MAINTENANCE_TIMEOUT) as conn:  # one statement each
                 expired = await lifecycle.expire_pending(conn, ttl)
-                abandoned: dict[str, int] = {}
+                abandoned: dict[str, list[uuid.UUID]] = {}
                 heard_since = hearing.since()  # read now: the statements above may have waited
                 if heard_since is not None:
                     abandoned = await lifecycle.abandon_silent(conn, silence_margin, heard_since)
                 await compact_backlog(conn)
-            for failed in (expired, abandoned):  # no durations: the platform ended them
+            silent_per_service = {service: len(ids) for service, ids in abandoned.items()}
+            for failed in (expired, silent_per_service):  # no durations: the platform ended them
                 for service, count in failed.items():
                     metrics.task_finished(service, "FAILURE", None, None, count)
-            reaped, silent = sum(expired.values()), sum(abandoned.values())
+            reaped, silent = sum(expired.values()), sum(silent_per_service.values())
             if reaped:
                 metrics.REAPED.inc(reaped)
                 log.info("expired pending tasks", extra={"count": reaped})
@@ -155,6 +159,8 @@ async def reaper_loop(
                 log.warning("failed silent in-progress tasks", extra={"count": silent})
             if reaped or silent:
                 on_expired()
+            if abandoned and on_abandoned is not None:
+                await on_abandoned(abandoned)
             supervisor.pass_succeeded()
         except Exception as exc:
             supervisor.pass_failed(exc)

@@ -538,18 +538,21 @@ _ABANDON = """
         UPDATE task_attempts a SET end_date = now(), outcome = 'abandoned'
           FROM task WHERE a.task_id = task.task_id AND a.end_date IS NULL
     )
-    SELECT service, count(*) FROM task GROUP BY service
+    SELECT service, task_id FROM task
     """
 
 
 async def abandon_silent(
     conn: psycopg.AsyncConnection[Any], margin: float, heard_since: datetime
-) -> dict[str, int]:
+) -> dict[str, list[uuid.UUID]]:
     """The watchdog's transition: IN_PROGRESS with no word for too long becomes FAILURE.
-    The silence counts from `heard_since` at the earliest (gateway.hearing). How many tasks
-    per service."""
+    The silence counts from `heard_since` at the earliest (gateway.hearing). The tasks per
+    service: their dispatchers are told, as for a cancel."""
     params = {"margin": margin, "default_limit": DEFAULT_TIME_LIMIT, "heard_since": heard_since}
-    return await _per_service(conn, _ABANDON, params)
+    abandoned: dict[str, list[uuid.UUID]] = {}
+    for service, task_id in await (await conn.execute(_ABANDON, params)).fetchall():
+        abandoned.setdefault(service, []).append(task_id)
+    return abandoned
 
 
 async def _per_service(

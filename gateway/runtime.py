@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from tenacity import AsyncRetrying, wait_exponential
 
@@ -19,6 +20,7 @@ from gateway.access_cache import AccessCache
 from gateway.auth import Authenticator
 from gateway.broker import Broker
 from gateway.callbacks import CallbackPolicy, close_resolver
+from gateway.cancel import tell_ended
 from gateway.catalog import SchemaCache
 from gateway.hearing import Hearing
 from gateway.housekeeping import reaper_loop
@@ -178,6 +180,7 @@ class Runtime:
                 self.notifier.wake,
                 self.hearing,
                 s.silence_margin,
+                partial(tell_ended, self.pool, self.broker),
             ),
             "planner-statistics": lambda: analyze_loop(self.pool, s.analyze_interval),
         }

@@ -23,10 +23,12 @@ from typing import Any
 import httpx
 import pytest
 
+from conveyor import topology
 from conveyor.client import AsyncConveyorClient, ConveyorClient
+from conveyor.events import EventKind, TaskEvent, encode_event
 from tests.e2e.conftest import CallbackSink, Stack, calls_of
-from tests.support.amqp import message_count, wait_until
-from tests.support.gateway import GatewayProcess, Platform
+from tests.support.amqp import message_count, publish, wait_until
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
 
 CANCELLED = "Task cancelled."
@@ -314,3 +316,46 @@ async def test_the_sdks_and_the_cli_cancel(stack: Stack) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["errorMessage"] == CANCELLED
+
+
+def test_a_task_the_watchdog_failed_is_not_called_by_a_later_dispatcher(
+    procs: Processes,
+    sleeper_url: str,
+    database_url: str,
+    amqp_url: str,
+    platform: Platform,
+    call_log: Path,
+) -> None:
+    """Found by a review: the watchdog fails a task whose worker fell silent (it crashed, and
+    its `started` was the last word), but the task's message is still queued; a dispatcher
+    that took it later called the function for a task already FAILURE. The watchdog's
+    failures are now broadcast as cancels are: the message is acked without a call."""
+    watchdog = GatewayProcess(
+        procs,
+        gateway_env(
+            database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="1", CONVEYOR_REAPER_INTERVAL="0.3"
+        ),
+        "gateway-watchdog",
+    )
+    service = platform.service(taskTimeout=1, maxAttempts=1)
+    stack = Stack(procs, watchdog, sleeper_url, amqp_url, service)
+    try:
+        task_id = stack.submit({"sleep": 0})
+        queued = f"{service.queue_name}-in"
+        assert wait_until(lambda: message_count(amqp_url, queued) == 1, 15)  # published
+        # A worker took it, said `started`, and crashed: nothing more is heard of it.
+        started = TaskEvent(kind=EventKind.STARTED, task_id=task_id, host="gone", attempt="a1")
+        publish(
+            amqp_url, topology.out_queue(service.queue_name), [encode_event(started, service.name)]
+        )
+        stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
+        failed = stack.watch(task_id, lambda d: d["status"] == "FAILURE", timeout=20)[-1]
+        assert failed["errorMessage"].startswith("No result from the worker")
+
+        stack.dispatcher("later-pod")  # the broker redelivers what the crashed worker held
+        assert wait_until(lambda: _in_queue_empty(stack), 15)
+        time.sleep(1.0)
+        assert calls_of(call_log, task_id) == []
+        assert stack.poll(task_id) == failed
+    finally:
+        stack.http.close()

@@ -77,13 +77,15 @@ POISON = "poison"  # the kind of a message that asks for nothing
 # and a connection that dropped under a healthy dispatcher alike) and dead-letters it at
 # `x-delivery-limit`. Crashes happen during attempts, and every attempt is announced
 # (`started`) as its call begins; a message waiting in a dispatcher's prefetch when its
-# broker node went away never started one. So when the workers started fewer attempts than
+# broker node went away never started one, and an attempt a shutdown handed back
+# (`requeued`) ended without a crash. So when the workers started fewer other attempts than
 # the limit, some returns were the infrastructure's, not crashes: the submission goes back
 # to `-in` as a new message, at most MAX_RETURNS times (a lost `started` cannot loop forever).
 MAX_RETURNS = 3
 
 _ATTEMPTS = """
-    SELECT t.task_id, (SELECT count(*) FROM task_attempts a WHERE a.task_id = t.task_id)
+    SELECT t.task_id, (SELECT count(*) FROM task_attempts a
+                        WHERE a.task_id = t.task_id AND a.outcome IS DISTINCT FROM 'requeued')
       FROM tasks t
      WHERE t.task_id = ANY(%(ids)s) AND t.status IN ('PENDING', 'IN_PROGRESS')
     """

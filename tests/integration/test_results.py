@@ -943,6 +943,38 @@ def test_a_dispatchers_dead_letter_without_attempts_started_is_given_back(
     assert _poll(gateway, svc, task_id)["status"] == "PENDING"
 
 
+def test_attempts_a_shutdown_handed_back_do_not_count_against_a_give_back(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a review: the give-back counted every attempt started, those a dispatcher's
+    SIGTERM handed back too; a task requeued by as many deploys as the delivery limit, then
+    returned by broker node losses, ended FAILURE as if its function had crashed workers."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    in_queue = topology.in_queue(svc.queue_name)
+    wait_until(lambda: message_count(amqp_url, in_queue) == 1, what="submission on -in")
+    take_all(amqp_url, in_queue)
+    limit = GatewaySettings().delivery_limit
+    for n in range(limit):  # each attempt handed back by a graceful shutdown, in order
+        for kind, fields in ((EventKind.STARTED, {"host": f"pod-{n}"}), (EventKind.REQUEUED, {})):
+            _publish_events(amqp_url, svc, _event(svc, kind, task_id, attempt=f"a{n}", **fields))
+    wait_until(
+        lambda: (
+            platform.sql(
+                "SELECT count(*) FROM task_attempts WHERE task_id = %(t)s AND outcome = 'requeued'",
+                {"t": task_id},
+            )
+            == [(limit,)]
+        ),
+        what="the hand-backs recorded",
+    )
+    dlq = topology.dead_letter_queue(svc.queue_name)
+    publish(amqp_url, dlq, [_dead_lettered_by_a_dispatcher(svc, task_id, limit + 1)])
+
+    again = wait_until(lambda: take_all(amqp_url, in_queue), what="given back")
+    assert len(again) == 1 and decode_submission(again[0]).task_id == task_id
+    assert _poll(gateway, svc, task_id)["status"] == "PENDING"
+
+
 @pytest.mark.timeout(60)
 def test_dead_lettered_submission_with_x_death_fails_its_task(
     gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str

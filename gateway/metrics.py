@@ -67,6 +67,10 @@ BATCHES_HANDED_BACK = Counter(
     "conveyor_gateway_result_batches_handed_back_total",
     "Result batches nacked back to the broker after an unexpected error",
 )
+RESULTS_RELEASED = Counter(
+    "conveyor_gateway_results_released_total",
+    "Times the database refused results long enough that they were handed back to the broker",
+)
 REPLACED_CHANNELS_REOPENED = Counter(
     "conveyor_gateway_replaced_channels_reopened_total",
     "Replaced results channels a broker reconnection reopened, closed again",

@@ -44,7 +44,14 @@ from aio_pika.abc import (
     AbstractRobustChannel,
 )
 from psycopg.types.json import Jsonb
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    RetryError,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from conveyor import headers as h
 from conveyor import logs, storable, topology, tracing
@@ -82,6 +89,10 @@ POISON = "poison"  # the kind of a message that asks for nothing
 # the limit, some returns were the infrastructure's, not crashes: the submission goes back
 # to `-in` as a new message, at most MAX_RETURNS times (a lost `started` cannot loop forever).
 MAX_RETURNS = 3
+
+# How long a batch may wait for the database before this replica lets go of the results it
+# holds (`ResultConsumer._release`); a blip (a failover: ~1 s) is retried in place.
+RELEASE_AFTER = 5.0
 
 _ATTEMPTS = """
     SELECT t.task_id, (SELECT count(*) FROM task_attempts a
@@ -185,6 +196,7 @@ class ResultConsumer:
         self._generation = 0
         self._applying = asyncio.Lock()
         self._broken: dict[str, str] = {}  # service -> why its topology could not be declared
+        self._released = False  # results handed back for the database (`_release`)
         # The tasks the batch being applied ended, with their traces (tracing on only).
         self._ended: list[tuple[uuid.UUID, lifecycle.Finished]] = []
 
@@ -218,25 +230,35 @@ class ResultConsumer:
             # A robust channel re-declares every queue it ever declared when it is restored,
             # so a removed service's queues (or a changed one's, as they were) would come back
             # after any reconnection, even once deleted. A fresh channel forgets them; unacked
-            # results go back to their queues. The old one is closed for good: restored after
-            # a reconnection, it would double the new channel's consumers.
+            # results go back to their queues.
             async with self._applying:
-                old = self._channel
                 # The broker's channels are robust (`connect_robust`).
                 fresh = await self.broker.channel(prefetch=BATCH_SIZE * 2)
-                self._channel = cast(AbstractRobustChannel, fresh)
-                self._generation += 1
-                self._subscribed.clear()
-                self._retired = {queue_name: [] for queue_name in self._retired}
-                if old is not None:
-                    self._replaced.append(old)
-                    await _close_quietly(old)
+                await self._replace_channel(cast(AbstractRobustChannel, fresh))
+                if self._released:  # the database answered the catalog's read above
+                    self._released = False
+                    self.hearing.heard()
+                    log.info("database available again; consuming results")
         for name in set(self._broken) - set(services):
             del self._broken[name]
+        if (channel := self._channel) is None:
+            return  # released meanwhile: the next refresh opens one
         for service in services.values():
             if service.name not in self._subscribed:
-                await self._subscribe(self._channel, service)
-        await self._consume_retired(self._channel, {s.queue_name for s in services.values()}, moved)
+                await self._subscribe(channel, service)
+        await self._consume_retired(channel, {s.queue_name for s in services.values()}, moved)
+
+    async def _replace_channel(self, fresh: AbstractRobustChannel | None) -> None:
+        """The results channel replaced (None: none until the next refresh), its consumers
+        with it. The old one is closed for good: restored after a reconnection, it would
+        double the new channel's consumers. Under `_applying`: never under a batch."""
+        old, self._channel = self._channel, fresh
+        self._generation += 1
+        self._subscribed.clear()
+        self._retired = {queue_name: [] for queue_name in self._retired}
+        if old is not None:
+            self._replaced.append(old)
+            await _close_quietly(old)
 
     async def _close_reopened(self) -> None:
         """A replaced channel the reconnection reopened anyway would consume every result queue
@@ -404,6 +426,7 @@ class ResultConsumer:
             retrying = AsyncRetrying(
                 retry=retry_if_exception(_transient),
                 wait=wait_exponential(multiplier=0.5, max=10.0),
+                stop=stop_after_delay(RELEASE_AFTER),
                 before_sleep=self._unavailable,
             )
             async for attempt in retrying:
@@ -415,6 +438,9 @@ class ResultConsumer:
                         [d for d in batch if id(d) not in given_back]
                     )
                     callbacks = await self._apply([d for d in batch if id(d) not in given_back])
+        except RetryError as failed:
+            await self._release(batch, given_back, failed.last_attempt.exception())
+            return
         except Exception:
             log.exception("batch not applied; handed back", extra={"size": len(batch)})
             metrics.BATCHES_HANDED_BACK.inc()
@@ -429,6 +455,27 @@ class ResultConsumer:
             self._trace_results(started, applied)
         if callbacks:
             self.on_finished()
+
+    async def _release(
+        self, batch: list[Delivery], given_back: set[int], error: BaseException | None
+    ) -> None:
+        """The database has refused this batch for RELEASE_AFTER: every result this replica
+        holds goes back to the broker (its channel closed) for the replicas that can write
+        them, and none is taken until a refresh reads the database again. Held instead, they
+        would be silence to the other replicas' watchdogs, which would fail tasks whose
+        results were waiting here (found by a black-box test: a replica's database link
+        stalled for 70 s). What was published again already is acked, not published twice."""
+        self.hearing.lost()
+        for delivery in batch:
+            if id(delivery) in given_back:
+                await _settle(delivery.message.ack)
+        self._released = True
+        await self._replace_channel(None)
+        metrics.RESULTS_RELEASED.inc()
+        log.warning(
+            "database unavailable; results handed back to the broker until it answers",
+            extra={"size": len(batch), "error": logs.describe(error)},
+        )
 
     def _unavailable(self, state: RetryCallState) -> None:
         self.hearing.lost()  # the watchdog waits: what silence there is proves nothing

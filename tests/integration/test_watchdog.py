@@ -7,7 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from conveyor import topology
@@ -15,6 +17,7 @@ from conveyor.events import EventKind, TaskEvent, encode_event
 from tests.support.amqp import publish, queues_of, remove_service, wait_for_queues, wait_until
 from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
 from tests.support.processes import Processes
+from tests.support.tcpproxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -138,3 +141,52 @@ def test_a_task_handed_back_waits_pending_and_the_watchdog_leaves_it(
     _send(amqp_url, service, EventKind.SUCCEEDED, task_id, attempt="a2", response={"ok": 1})
     assert _until(watchdog, service, task_id, "SUCCESS")["response"] == {"ok": 1}
     assert _attempts(platform, task_id) == [("a1", "requeued"), ("a2", "success")]
+
+
+def test_results_a_replica_cannot_write_are_applied_by_another_before_its_watchdog_fails_them(
+    procs: Processes, make_service: Any, database_url: str, amqp_url: str
+) -> None:
+    """Found by a black-box test: a replica whose database link stalled held the results it
+    had taken from `-out`, unacked, for the whole stall; the other replica's watchdog, which
+    could write and hear, counted the silence and failed tasks that had succeeded. A replica
+    that cannot write its results for a few seconds now hands them back to the broker."""
+    proxy = TcpProxy(*_host_and_port(database_url))
+    stalled = GatewayProcess(
+        procs,
+        gateway_env(proxy.url(database_url), amqp_url, CONVEYOR_DB_TIMEOUT="2"),
+        "gateway-stalled",
+    )
+    healthy = GatewayProcess(
+        procs,
+        gateway_env(
+            database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="14", CONVEYOR_REAPER_INTERVAL="0.3"
+        ),
+        "gateway-healthy",
+    )
+    service = make_service(taskTimeout=1, maxAttempts=1)
+    try:
+        task_ids = [_running(healthy, service, amqp_url, host=f"pod-{n}") for n in range(8)]
+        proxy.pause()  # the stalled replica's database stops answering, its sockets open
+        for task_id in task_ids:  # each replica takes its share of them
+            _send(amqp_url, service, EventKind.SUCCEEDED, task_id, attempt="a1", response={"n": 1})
+        # The healthy replica's watchdog would fail each task 15 s after its start.
+        for task_id in task_ids:
+            assert _until(healthy, service, task_id, "SUCCESS")["response"] == {"n": 1}
+        assert _released(stalled) >= 1  # some were the stalled replica's to apply
+    finally:
+        proxy.resume()
+        proxy.close()
+
+
+def _host_and_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 5432
+
+
+def _released(gateway: GatewayProcess) -> float:
+    text = httpx.get(f"{gateway.url}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("conveyor_gateway_results_released_total ")
+    )

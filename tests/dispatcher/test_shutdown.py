@@ -189,12 +189,31 @@ async def test_graceful_requeues_alone_never_reach_the_delivery_limit(
     assert await last.exit_code(10) == 0
 
 
+async def test_a_returned_delivery_is_on_record_as_started_before_its_call(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a black-box test: a worker killed within STARTED_DELAY_MS of its call left
+    no `started`, so the gateway took the returns for the broker's (no attempt explains
+    them) and gave the dead letter back three times: 24 calls for a limit of 5, and no
+    attempt in the task's history. A delivery the broker returned says `started`, confirmed,
+    before its call; a first delivery keeps the delay."""
+    task_id = await rabbit.submit({"sleep": 30})
+    await _stop_each_call(function, launch, task_id, KILL, KILL, KILL)
+    assert len(function.calls(task_id)) == 3
+
+    def started() -> list[str | None]:
+        return [e.host for e in rabbit.of(task_id) if e.kind is EventKind.STARTED]
+
+    await eventually(lambda: len(started()) >= 2, 10, "started events")
+    assert started() == ["pod-2", "pod-3"]  # the returned deliveries', not the first's
+
+
 async def _stop_each_call(
     function: FakeFunction, launch: Launch, task_id: str, *signals: signal.Signals
 ) -> None:
     """One dispatcher per signal, stopped by it once it has called the function."""
     for calls, sig in enumerate(signals, 1):
-        dispatcher = launch(function.url)
+        dispatcher = launch(function.url, started_delay_ms=5000)  # a kill always comes first
         await function.wait_calls(task_id, count=calls)
         dispatcher.signal(sig)
         assert await dispatcher.exit_code(10) in (0, -signal.SIGKILL)

@@ -97,12 +97,23 @@ class Intake:
             if len(batch) == 1 or isinstance(exc, (*CONNECTION_ERRORS, ApiError)):
                 for _, future in batch:
                     _settle(future, exc=exc)
+                if isinstance(exc, CONNECTION_ERRORS):
+                    self._give_up_waiting(_service(batch[0]), exc)
                 return
             log.info("batch insert refused; rows retried one by one", extra={"size": len(batch)})
             await asyncio.gather(*(self._write([waiting]) for waiting in batch))
             return
         for (_, future), result in zip(batch, accepted, strict=True):
             _settle(future, result=result)
+
+    def _give_up_waiting(self, service: str, exc: BaseException) -> None:
+        """The requests of `service` that waited behind a batch the database gave up on get
+        its answer too (503): written next, they would wait as long again, and be answered
+        after up to twice DB_TIMEOUT (found by a black-box test behind a `LOCK TABLE`)."""
+        waiting = [w for w in self._waiting if _service(w) == service]
+        self._waiting = [w for w in self._waiting if _service(w) != service]
+        for _, future in waiting:
+            _settle(future, exc=exc)
 
     async def _insert(self, tasks: list[NewTask]) -> list[Accepted]:
         return await insert_in_turn(self.pool, tasks, self.grace)

@@ -9,9 +9,12 @@ when two gateway replicas take submissions for one service at the same moment.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
+import psycopg
 
+from gateway.database_url import libpq
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
 
@@ -102,3 +105,45 @@ def test_two_replicas_number_one_service_s_tasks_once(
         svc = platform.service()
         created = asyncio.run(_submit_all(gateway, [svc], per_service=120, replica=replica))
         assert sorted(p for _, _, p in created) == list(range(1, 121))
+
+
+def test_submissions_behind_a_locked_table_are_answered_within_the_timeout_and_never_later(
+    platform: Platform, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """Found by a black-box test: behind an operator's `LOCK TABLE tasks`, a submission that
+    arrived while its service's batch waited on the lock waited for that batch to fail, then
+    for its own: answered after up to twice `DB_TIMEOUT`. Each is answered within it now (a
+    batch the database gave up on answers the waiting requests of its service too), and a
+    503 leaves no task behind."""
+    gateway = GatewayProcess(
+        procs,
+        gateway_env(database_url, amqp_url, CONVEYOR_DB_TIMEOUT="5"),
+        "gateway-short-timeout",
+    )
+    svc = platform.service()
+    answers: list[tuple[int, float]] = []
+
+    async def one(client: httpx.AsyncClient, delay: float) -> None:
+        await asyncio.sleep(delay)
+        began = time.monotonic()
+        answer = await client.post(gateway.tasks_url(svc.name), json={"body": {"n": 1}})
+        answers.append((answer.status_code, time.monotonic() - began))
+
+    async def submit_during_the_lock() -> None:
+        auth = svc.clients[0].auth
+        async with httpx.AsyncClient(base_url=gateway.url, auth=auth, timeout=30) as client:
+            await one(client, 0)  # the access is cached: only the insert meets the lock
+            with psycopg.connect(libpq(database_url)) as locker:
+                locker.execute("LOCK TABLE tasks IN ACCESS EXCLUSIVE MODE")
+                await asyncio.gather(*(one(client, n * 0.05) for n in range(80)))
+                locker.rollback()
+
+    asyncio.run(submit_during_the_lock())
+
+    refused = [took for status, took in answers[1:] if status == 503]
+    assert refused, answers  # the lock outlived DB_TIMEOUT
+    assert max(took for _, took in answers) < 5.0, answers  # DB_TIMEOUT
+    time.sleep(1.0)  # a batch given up on commits nothing afterwards
+    created = sum(1 for status, _ in answers if status == 201)
+    (count,) = platform.sql("SELECT count(*) FROM tasks WHERE service = %(s)s", {"s": svc.name})
+    assert count[0] == created

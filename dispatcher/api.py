@@ -186,8 +186,24 @@ class Endpoints:
         return _app([web.post("/tasks/{task_id}/progress/{token}", self.remote_progress)])
 
 
+@web.middleware
+async def _unmatched_in_envelope(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """The router's own 404 and 405 (plain text) in the SPEC §3 envelope, as the gateway
+    answers them: a caller reads one format whichever port it reached. 405 keeps `Allow`."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        refused = _error(405, 405000, "Method not allowed.")
+        refused.headers["Allow"] = exc.headers["Allow"]
+        return refused
+    except web.HTTPNotFound:
+        return _error(404, 404000, "Not found.")
+
+
 def _app(routes: list[web.RouteDef]) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[_unmatched_in_envelope])
     app.add_routes(routes)
     return app
 

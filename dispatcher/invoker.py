@@ -35,6 +35,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from email.message import Message
 from typing import Any
 
 import aiohttp
@@ -132,13 +133,14 @@ def rfc3339(moment: datetime) -> str:
 
 
 def classify(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Outcome:
-    """SPEC §7 table. `headers` only matters for Retry-After."""
+    """SPEC §7 table. `headers` only matters for Retry-After, Location and the charset."""
+    charset = declared_charset(headers or {})
     if 200 <= status < 300:
         try:
-            return Success(response_value(body))
+            return Success(response_value(body, charset))
         except Unparseable as exc:
             return Failure(f"The function's answer could not be parsed: {exc}.", retryable=False)
-    message = error_message(body)
+    message = error_message(body, charset)
     if 400 <= status < 500 and status not in RETRYABLE_STATUS:
         # The function's own refusal: its message is the task's errorMessage (SPEC §7).
         return Failure(truncate(message or f"HTTP {status}"), retryable=False)
@@ -185,9 +187,9 @@ def _parse_error(exc: aiohttp.ClientError) -> str:
     return " ".join(line for line in lines if line.strip("^"))
 
 
-def response_value(body: bytes) -> Any:
-    """2xx body: JSON when it parses, else the text as a JSON string; empty -> None.
-    Raises Unparseable for JSON too deep to carry."""
+def response_value(body: bytes, charset: str | None = None) -> Any:
+    """2xx body: JSON when it parses, else the text (in `charset`) as a JSON string;
+    empty -> None. Raises Unparseable for JSON too deep to carry."""
     if not body.strip():
         return None
     try:
@@ -195,18 +197,18 @@ def response_value(body: bytes) -> Any:
     except Unparseable:
         raise
     except ValueError:
-        return _text(body)
+        return _text(body, charset)
 
 
-def error_message(body: bytes) -> str:
-    """The body's errorMessage, error or detail, else its text. A field that is empty, or
-    only blanks, says nothing and is passed over."""
+def error_message(body: bytes, charset: str | None = None) -> str:
+    """The body's errorMessage, error or detail, else its text (in `charset`). A field that
+    is empty, or only blanks, says nothing and is passed over."""
     if not body.strip():
         return ""
     try:
         payload = _strict_json(body)
     except ValueError:
-        return _text(body).strip()
+        return _text(body, charset).strip()
     if isinstance(payload, dict):
         for name in _ERROR_FIELDS:
             value = payload.get(name)
@@ -233,8 +235,25 @@ def _strict_json(body: bytes) -> Any:
     return value
 
 
-def _text(body: bytes) -> str:
-    return storable.text(body.decode("utf-8", errors="replace"))
+def declared_charset(headers: Mapping[str, str]) -> str | None:
+    """The charset parameter of the answer's Content-Type, if it names one."""
+    content_type = headers.get("content-type")
+    if not content_type:
+        return None
+    message = Message()
+    message["content-type"] = content_type
+    return message.get_content_charset()
+
+
+def _text(body: bytes, charset: str | None) -> str:
+    """The body in the charset it declares (ISO-8859-1 read as UTF-8 lost its accents), else
+    UTF-8; both with replacement. A name that is no text codec (`zlib`, `base64`, unknown), or
+    a codec without replacement (`idna`), is UTF-8: what a function declares never fails it."""
+    try:
+        decoded = body.decode(charset or "utf-8", errors="replace")
+    except (LookupError, ValueError):
+        decoded = body.decode("utf-8", errors="replace")
+    return storable.text(decoded)
 
 
 # ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from conveyor.events import MAX_TIMEOUT
 from conveyor.logs import LogFormat
+from conveyor.topology import check_name
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 # Short enough that a frozen broker node is left within a minute, long enough that a
@@ -54,11 +55,17 @@ def _http_url(default: str | None) -> Any:
     return dataclasses.field(default=default, metadata={"http_url": True})
 
 
+def _queue_name(default: str) -> Any:
+    """A queue the gateway declares: refused at start unless the gateway's rule for a queue
+    name takes it (an empty one waited forever for `-in` and `-out`)."""
+    return dataclasses.field(default=default, metadata={"queue_name": True})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DispatcherSettings:
     amqp_url: str = DEFAULT_AMQP_URL
     amqp_heartbeat: int = _bounded(DEFAULT_AMQP_HEARTBEAT, ge=0)
-    queue: str = "sleeper"
+    queue: str = _queue_name("sleeper")
     function_url: str = _http_url("http://127.0.0.1:8080/")
     function_ready_url: str | None = _http_url(None)
     concurrency: int = _bounded(4, ge=1, le=1000)
@@ -201,6 +208,12 @@ def is_http_url(url: str) -> bool:
 def _problem(settings: DispatcherSettings, f: dataclasses.Field[Any]) -> str | None:
     value = getattr(settings, f.name)
     if value is None:
+        return None
+    if f.metadata.get("queue_name"):
+        try:
+            check_name(value)
+        except ValueError as exc:
+            return f"{dispatcher_variable(f.name, prefixed=True)} must be a queue name: {exc}"
         return None
     if f.metadata.get("http_url"):
         if is_http_url(value):

@@ -28,6 +28,7 @@ PRECONDITION_FAILED otherwise. On a cluster their `-out` lives on one node.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,20 @@ from conveyor.events import MessageFormat
 
 if TYPE_CHECKING:
     import aio_pika
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def check_name(value: str) -> str:
+    """The rule of every service, queue name and id, in a platform file, on the command line
+    and in a dispatcher's CONVEYOR_QUEUE alike: it goes into URLs, queue names and Basic auth
+    (which splits at the first ':'). Whole: `$` let a trailing newline through."""
+    if not _NAME.fullmatch(value):
+        raise ValueError(
+            "use 1 to 100 letters, digits, '.', '_' or '-', the first a letter or digit"
+        )
+    return value
 
 
 def in_queue(queue_name: str) -> str:

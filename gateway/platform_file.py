@@ -14,10 +14,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conveyor.events import MessageFormat
+from conveyor.topology import check_name
 
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 # The columns' range (gateway/models.py: capacities and taskTimeout are `Integer`): a larger
 # number is refused here, naming its field, rather than by PostgreSQL as a traceback.
@@ -47,25 +47,18 @@ def parse_duration(value: Any) -> int:
     return seconds
 
 
-def check_name(value: str) -> str:
-    """The rule of every id and name, in a platform file and on the command line alike: it
-    goes into URLs, queue names and Basic auth (which splits at the first ':')."""
-    if not _NAME.match(value):
-        raise ValueError(
-            "use 1 to 100 letters, digits, '.', '_' or '-', the first a letter or digit"
-        )
-    return value
-
-
 class ServiceSpec(BaseModel):
+    """A service's settings. Its numbers are `strict`: `maxAttempts: true` was applied as 1,
+    `taskTimeout: "300"` as 300 (pydantic's lax coercion), a wrong quote silently a setting."""
+
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str
     queueName: str | None = None
-    capacity: int | None = Field(None, ge=0, le=INT4_MAX)
+    capacity: int | None = Field(None, ge=0, le=INT4_MAX, strict=True)
     jsonSchema: dict[str, Any] | None = None
     messageFormat: MessageFormat = MessageFormat.CLOUDEVENTS
-    taskTimeout: int = Field(300, gt=0, le=INT4_MAX)
-    maxAttempts: int = Field(3, ge=1, le=100)
+    taskTimeout: int = Field(300, gt=0, le=INT4_MAX, strict=True)
+    maxAttempts: int = Field(3, ge=1, le=100, strict=True)
     retention: int = 7 * 86400
 
     _name = field_validator("name", "queueName")(lambda cls, v: v if v is None else check_name(v))
@@ -93,7 +86,7 @@ class ServiceSpec(BaseModel):
 class GrantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     service: str
-    capacity: int | None = Field(None, ge=0, le=INT4_MAX)
+    capacity: int | None = Field(None, ge=0, le=INT4_MAX, strict=True)
 
 
 MIN_SECRET_BYTES = 8  # counted in bytes, as bcrypt reads them and docs/operations.md says

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from conveyor import logs
-from conveyor.dispatcher_settings import DispatcherSettings
+from conveyor.dispatcher_settings import MAX_PORT, DispatcherSettings
 from conveyor.settings import GatewaySettings
 
 
@@ -34,6 +34,9 @@ def gateway(
     ),
 ) -> None:
     """The consumer API and its background loops."""
+    if not 1 <= port <= MAX_PORT:  # uvicorn takes any integer: 85143 listened on 19607
+        typer.echo(f"error: --port must be from 1 to {MAX_PORT}, not {port}", err=True)
+        raise typer.Exit(2)
     settings = GatewaySettings()
     logs.configure(settings.log_level, settings.log_format)
     if no_background and only_background:

@@ -236,7 +236,9 @@ def label_maps(value: Any) -> Iterator[dict]:
 @pytest.mark.parametrize("args", [[], ["--mode", "job"]])
 def test_a_long_workload_name_gives_valid_labels_and_names(args: list[str]) -> None:
     name = "fn-" + "x" * 200
-    done = run_cli(*args, stdin=BARE_DEPLOYMENT.replace("{name: fn}", f"{{name: {name}}}"))
+    # Its queue is named: by default the workload's name, longer than a queue name may be.
+    deployment = BARE_DEPLOYMENT.replace("{name: fn}", f"{{name: {name}}}")
+    done = run_cli(*args, "--queue", "fn", stdin=deployment)
     assert done.returncode == 0, done.stderr
     docs = load_documents(done.stdout)
     for labels in (m for doc in docs for m in label_maps(doc)):

@@ -26,6 +26,7 @@ from conveyor.dispatcher_settings import (
     is_http_url,
 )
 from conveyor.logs import LogFormat
+from conveyor.topology import check_name
 
 HINTS = typing.get_type_hints(DispatcherSettings)
 INTS = [
@@ -63,19 +64,25 @@ def _callable(cls: type, url: str | None) -> str | None:
     return url
 
 
+def _queue_name(cls: type, name: str) -> str:
+    return check_name(name)
+
+
 def reference() -> type[BaseSettings]:
     """DispatcherSettings as the pydantic-settings class it used to be, with the URLs it calls
-    checked as it checks them since."""
+    and its queue's name checked as it checks them since."""
     fields: dict[str, Any] = {}
     validators: dict[str, Any] = {}
     for f in dataclasses.fields(DispatcherSettings):
         alias = AliasChoices(
             dispatcher_variable(f.name, prefixed=True), dispatcher_variable(f.name)
         )
-        bounds = {k: v for k, v in f.metadata.items() if k != "http_url"}
+        bounds = {k: v for k, v in f.metadata.items() if k not in ("http_url", "queue_name")}
         fields[f.name] = (HINTS[f.name], Field(f.default, validation_alias=alias, **bounds))
         if f.metadata.get("http_url"):
             validators[f"{f.name}_callable"] = field_validator(f.name)(_callable)
+        if f.metadata.get("queue_name"):
+            validators[f"{f.name}_queue_name"] = field_validator(f.name)(_queue_name)
     return create_model("Reference", __base__=_Base, __validators__=validators, **fields)
 
 

@@ -1,0 +1,71 @@
+"""The platform file takes each field in its own type: `maxAttempts: true` was applied as 1,
+`taskTimeout: "300"` as 300 and `capacity: false` as 0 (pydantic's lax coercion), a typo or a
+wrong quote silently becoming a setting. Each is now refused, naming the field, as any other
+wrong value of the file is; the spellings YAML gives for the right types still load."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.platform_file import PlatformError, ServiceSpec, load, validate
+
+CLIENT = "clients:\n- id: c\n  secret: secretsecret\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        ("services:\n- name: s\n  maxAttempts: true\n", "services.0.maxAttempts: "),
+        ("services:\n- name: s\n  taskTimeout: '300'\n", "services.0.taskTimeout: "),
+        ("services:\n- name: s\n  taskTimeout: 300.0\n", "services.0.taskTimeout: "),
+        ("services:\n- name: s\n  capacity: false\n", "services.0.capacity: "),
+        ("services:\n- name: s\n  capacity: '10'\n", "services.0.capacity: "),
+        (
+            CLIENT + "  grants:\n  - service: s\n    capacity: '5'\n",
+            "clients.0.grants.0.capacity: ",
+        ),
+        (
+            CLIENT + "  grants:\n  - service: s\n    capacity: true\n",
+            "clients.0.grants.0.capacity: ",
+        ),
+        # numbers for strings, booleans for what is no boolean
+        ("services:\n- name: 123\n", "services.0.name: "),
+        ("services:\n- name: s\n  queueName: 12\n", "services.0.queueName: "),
+        ("clients:\n- id: c\n  secret: 123456789\n", "clients.0.secret: "),
+        ("operators:\n- id: true\n  secret: secretsecret\n", "operators.0.id: "),
+        (CLIENT + "  grants:\n  - service: 5\n", "clients.0.grants.0.service: "),
+        ("services:\n- name: s\n  messageFormat: true\n", "services.0.messageFormat: "),
+        ("services:\n- name: s\n  retention: true\n", "services.0.retention: "),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_its_field(text: str, refusal: str) -> None:
+    with pytest.raises(PlatformError) as refused:
+        load(text)
+    assert str(refused.value).startswith(refusal), refused.value
+
+
+def test_the_types_yaml_gives_still_load() -> None:
+    spec = load(
+        "services:\n"
+        "- name: s\n  queueName: q\n  capacity: 10\n  taskTimeout: 60\n  maxAttempts: 5\n"
+        "  messageFormat: legacy\n  retention: 7d\n  jsonSchema: {type: object}\n"
+        "- name: t\n  retention: 3600\n"
+        + CLIENT
+        + "  grants:\n  - service: s\n    capacity: 2\n  - service: t\n"
+    )
+    first, second = spec.services
+    assert (first.capacity, first.taskTimeout, first.maxAttempts) == (10, 60, 5)
+    assert (first.messageFormat.value, first.retention, second.retention) == (
+        "legacy",
+        7 * 86400,
+        3600,
+    )
+    assert [g.capacity for g in spec.clients[0].grants] == [2, None]
+
+
+def test_stored_settings_and_the_command_lines_strings_still_validate() -> None:
+    """`service create` validates the stored row (messageFormat as text) with the options
+    (retention as the command line's string) over it."""
+    stored = {"capacity": 3, "messageFormat": "cloudevents", "taskTimeout": 30, "retention": 60}
+    spec = validate(ServiceSpec, {**stored, "retention": "2h", "name": "s", "maxAttempts": 4})
+    assert (spec.capacity, spec.retention, spec.maxAttempts) == (3, 7200, 4)

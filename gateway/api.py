@@ -16,6 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
@@ -73,7 +74,7 @@ _SUSPECT = re.compile(rb"\\u0000|\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _UTF8 = ("utf-8", "utf-8-sig")  # json.detect_encoding's names; a UTF-8 byte order mark is read
 # RFC 3339 §5.6 date-time, T and Z in either case; the values are checked by datetime.
 _RFC3339 = re.compile(
-    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?"
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:(?P<second>[0-9]{2})(\.[0-9]+)?"
     r"([Zz]|[+-][0-9]{2}:[0-9]{2})"
 )
 
@@ -86,7 +87,10 @@ async def authenticated(request: Request, auth: Authenticator) -> str:
     """The caller's id for this authenticator (clients, or operators), or the one 403001
     every authentication failure gets."""
     source = request.client.host if request.client else ""
-    found = await auth.authenticate(request.headers.get("authorization"), source)
+    # Two credentials are malformed ones: which a proxy or a server honours differs (the
+    # first was taken, so a request naming two clients was served as one of them).
+    given = request.headers.getlist("authorization")
+    found = await auth.authenticate(given[0] if len(given) == 1 else None, source)
     if found is None:
         metrics.AUTH_FAILURES.inc()
         raise errors.ApiError(errors.FORBIDDEN)
@@ -114,6 +118,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise errors.ApiError(errors.TOO_LARGE)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _content_type(request: Request) -> str | None:
+    """The request's one Content-Type. Two, even alike, are refused as a wrong one is: which
+    a proxy or a server honours differs (the first was taken, `text/plain` second or not)."""
+    given = request.headers.getlist("content-type")
+    if len(given) > 1:
+        raise errors.invalid("Content-Type", "must be given once, as application/json")
+    return given[0] if given else None
 
 
 def _parse(raw: bytes, content_type: str | None, items_below: int = 0) -> dict[str, Any]:
@@ -271,7 +284,7 @@ async def create(service: str, request: Request) -> Json:
         payload = _check_item(
             _parse(
                 await _read_body(request, rt.settings.max_body_bytes),
-                request.headers.get("content-type"),
+                _content_type(request),
             )
         )
         key = _idempotency_key(request)
@@ -304,18 +317,18 @@ async def create(service: str, request: Request) -> Json:
 @router.post("/v1/services/{service}/tasks/batch", summary="Create many tasks", **_BATCH_DOC)
 @router.post("/v1/services/{service}/tasks/batch/", include_in_schema=False, **_BATCH_DOC)
 async def create_batch(service: str, request: Request) -> Json:
-    """All or nothing: one transaction, one insert, capacity counted for the whole batch;
-    one trace for the whole batch, as for any one request."""
+    """All or nothing: one transaction, one insert, capacity counted for the whole batch.
+    The request is a `submit-batch` span; each task begins a trace of its own, linked to it."""
     rt = runtime(request)
     incoming = tracing.checked(request.headers.get(h.TRACEPARENT))
-    with tracing.span("submit", incoming, {"conveyor.service": service}, kind="server"):
+    with tracing.span("submit-batch", incoming, {"conveyor.service": service}, kind="server"):
         return await _create_batch(service, request, rt, tracing.current() or incoming)
 
 
 async def _create_batch(service: str, request: Request, rt: Runtime, trace: str | None) -> Json:
     client_id, access = await _granted(request, rt, service)
     raw = await _read_body(request, rt.settings.max_batch_bytes)
-    payload = _parse(raw, request.headers.get("content-type"), items_below=2)
+    payload = _parse(raw, _content_type(request), items_below=2)
     unknown = sorted(set(payload) - {"tasks"})
     if unknown:
         raise errors.invalid(unknown[0][:100], "unknown field")
@@ -359,10 +372,21 @@ async def _create_batch(service: str, request: Request, rt: Runtime, trace: str 
         if isinstance(outcome, BaseException):
             raise outcome
     news = [c for c in checked if isinstance(c, NewTask)]
-    stored = time.perf_counter()
-    accepted = await create_tasks(rt.pool, news, rt.settings.outbox_grace)
-    metrics.child(metrics.SUBMIT_PHASES, "store").observe(time.perf_counter() - stored)
-    await _publish(rt, list(zip(news, accepted, strict=True)))
+    roots = [tracing.root("submit", trace, {"conveyor.service": service}) for _ in news]
+    news = [
+        replace(n, traceparent=r.traceparent or n.traceparent)
+        for n, r in zip(news, roots, strict=True)
+    ]
+    try:
+        stored = time.perf_counter()
+        accepted = await create_tasks(rt.pool, news, rt.settings.outbox_grace)
+        metrics.child(metrics.SUBMIT_PHASES, "store").observe(time.perf_counter() - stored)
+        for made, task in zip(roots, accepted, strict=True):
+            made.annotate("conveyor.task_id", str(task.task_id))
+        await _publish(rt, list(zip(news, accepted, strict=True)))
+    finally:
+        for made in roots:
+            made.end()
     created = bool(accepted) and accepted[0].created
     tasks = [{"taskId": str(a.task_id), "taskPosition": a.position} for a in accepted]
     return _ok({"tasks": tasks}, 201 if created else 200)
@@ -427,6 +451,20 @@ def _request_of(item: Any) -> Any:
     return {name: value for name, value in item.items() if value is not None}
 
 
+def parse_rfc3339(text: str) -> datetime:
+    """An RFC 3339 §5.6 date-time with its offset, in UTC; ValueError if `text` is not one,
+    OverflowError if it falls before year 1 or after 9999 in UTC. A leap second (`23:59:60Z`,
+    valid RFC 3339, which datetime cannot hold) is read as the second after `:59`."""
+    found = _RFC3339.fullmatch(text) if len(text) <= 64 else None
+    if found is None:
+        raise ValueError("not an RFC 3339 date-time")
+    leap = found["second"] == "60"
+    if leap:
+        text = text[: found.start("second")] + "59" + text[found.end("second") :]
+    when = datetime.fromisoformat(text.upper()).astimezone(UTC)  # it reads `Z`, not `z`
+    return when + timedelta(seconds=1) if leap else when
+
+
 def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime | None:
     """When a task may run (SPEC §11.4): `notBefore` (RFC 3339, with its offset) or
     `delaySeconds`, not both, at most `max_delay` ahead; a time already past is now."""
@@ -443,18 +481,15 @@ def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime 
             raise errors.invalid(where + "delaySeconds", f"at most {max_delay:.0f} seconds")
         return now + timedelta(seconds=delay)
     field = where + "notBefore"
-    try:
-        if not isinstance(at, str) or len(at) > 64 or not _RFC3339.fullmatch(at):
-            raise ValueError
-        when = datetime.fromisoformat(at.upper())  # which reads `Z`, not `z`
+    text = at if isinstance(at, str) else ""  # a number or an object is no time either
+    try:  # in UTC: RFC 3339's offsets go to ±23:59, those PostgreSQL takes to ±15:59
+        when = parse_rfc3339(text)
     except ValueError:
         raise errors.invalid(
             field, "must be an RFC 3339 date and time with its offset (Z or +hh:mm)"
         ) from None
-    try:  # in UTC: RFC 3339's offsets go to ±23:59, those PostgreSQL takes to ±15:59
-        when = when.astimezone(UTC)
-    except OverflowError:  # before year 1 or after 9999, once in UTC
-        when = now if when.year == 1 else datetime.max.replace(tzinfo=UTC)
+    except OverflowError:  # before year 1 (a long past time is now) or after 9999, in UTC
+        when = now if text.startswith("0001-") else datetime.max.replace(tzinfo=UTC)
     if when > now + timedelta(seconds=max_delay):
         raise errors.invalid(field, f"at most {max_delay:.0f} seconds ahead")
     return when

@@ -231,3 +231,47 @@ def test_a_task_without_a_client_trace_gets_one_of_its_own(
     assert set(spans) == GATEWAY_SPANS | DISPATCHER_SPANS, sorted(spans)
     (seen,) = _seen_by_function(trace_log, task_id)
     assert seen.split("-")[1] == submit.trace_id
+
+
+def test_each_task_of_a_batch_has_a_trace_of_its_own_linked_to_the_batch(
+    traced: Stack, receiver: OtlpReceiver, trace_log: Path
+) -> None:
+    """Found by a black-box test: a batch's tasks all shared the request's trace (SPEC §11.6
+    asks for one trace per task), so a batch of 1,000 was one trace of 1,000 tasks. The
+    request is a `submit-batch` span in the client's trace; each task's `submit` begins a
+    trace of its own, linked to it, and the rest of the task's spans follow in that trace."""
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    answer = traced.http.post(
+        f"{traced.gateway.tasks_url(traced.service.name)}/batch",
+        json={"tasks": [{"body": {"n": n}} for n in range(3)]},
+        headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+    )
+    assert answer.status_code == 201, answer.text
+    task_ids = [t["taskId"] for t in answer.json()["data"]["tasks"]]
+    for task_id in task_ids:
+        assert traced.finish(task_id)["status"] == "SUCCESS"
+
+    def submits() -> dict[str, ReceivedSpan]:
+        spans = receiver.received()
+        return {
+            s.attributes["conveyor.task_id"]: s
+            for s in spans
+            if s.name == "submit" and s.attributes.get("conveyor.task_id") in task_ids
+        }
+
+    wait_until(lambda: len(submits()) == 3, timeout=20)
+    (batch,) = wait_until(
+        lambda: [
+            s for s in receiver.received() if s.name == "submit-batch" and s.trace_id == trace_id
+        ]
+    )
+    assert batch.parent_id == client_span
+    traces = set()
+    for task_id, submit in submits().items():
+        assert submit.parent_id == "" and submit.trace_id != trace_id  # a trace of its own
+        assert submit.links == ((trace_id, batch.span_id),)
+        traces.add(submit.trace_id)
+        receiver.wait_for(GATEWAY_SPANS | DISPATCHER_SPANS, submit.trace_id)
+        (seen,) = _seen_by_function(trace_log, task_id)
+        assert seen.split("-")[1] == submit.trace_id
+    assert len(traces) == 3

@@ -28,6 +28,7 @@ class ReceivedSpan:
     parent_id: str  # "" for a root span
     attributes: dict[str, Any]
     error: str | None = None  # the status message of a span that ended in error
+    links: tuple[tuple[str, str], ...] = ()  # (trace id, span id) of each span it links to
 
 
 class OtlpReceiver:
@@ -91,6 +92,9 @@ class OtlpReceiver:
                             error=span.status.message or "error"
                             if span.status.code == span.status.STATUS_CODE_ERROR
                             else None,
+                            links=tuple(
+                                (link.trace_id.hex(), link.span_id.hex()) for link in span.links
+                            ),
                         )
                     )
         with self._lock:

@@ -104,6 +104,12 @@ async def _access(rt: Runtime, client_id: str, service: str) -> catalog.Access |
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, up to `limit` bytes (413001 past it). The gateway decodes no
+    `Content-Encoding`: one was ignored, a compressed body then refused as malformed JSON
+    and a plain one labelled gzip taken as it was; it is refused by name."""
+    for coding in request.headers.getlist("content-encoding"):
+        if any(part.strip().lower() not in ("", "identity") for part in coding.split(",")):
+            raise errors.invalid("Content-Encoding", "not supported: send the body as it is")
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():

@@ -27,7 +27,7 @@ from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
-from conveyor import envelope, strict_json, tracing
+from conveyor import envelope, rfc3339, strict_json, tracing
 from conveyor import headers as h
 from gateway import api_models, catalog, errors, metrics, store
 from gateway.auth import Authenticator
@@ -72,11 +72,6 @@ _JSON_TYPES = ("application/json", "application/cloudevents+json")
 # Searched in the bytes as sent, so only bytes the reader takes as UTF-8 are let through.
 _SUSPECT = re.compile(rb"\\u0000|\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _UTF8 = ("utf-8", "utf-8-sig")  # json.detect_encoding's names; a UTF-8 byte order mark is read
-# RFC 3339 §5.6 date-time, T and Z in either case; the values are checked by datetime.
-_RFC3339 = re.compile(
-    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:(?P<second>[0-9]{2})(\.[0-9]+)?"
-    r"([Zz]|[+-][0-9]{2}:[0-9]{2})"
-)
 
 
 def runtime(request: Request) -> Runtime:
@@ -457,20 +452,6 @@ def _request_of(item: Any) -> Any:
     return {name: value for name, value in item.items() if value is not None}
 
 
-def parse_rfc3339(text: str) -> datetime:
-    """An RFC 3339 §5.6 date-time with its offset, in UTC; ValueError if `text` is not one,
-    OverflowError if it falls before year 1 or after 9999 in UTC. A leap second (`23:59:60Z`,
-    valid RFC 3339, which datetime cannot hold) is read as the second after `:59`."""
-    found = _RFC3339.fullmatch(text) if len(text) <= 64 else None
-    if found is None:
-        raise ValueError("not an RFC 3339 date-time")
-    leap = found["second"] == "60"
-    if leap:
-        text = text[: found.start("second")] + "59" + text[found.end("second") :]
-    when = datetime.fromisoformat(text.upper()).astimezone(UTC)  # it reads `Z`, not `z`
-    return when + timedelta(seconds=1) if leap else when
-
-
 def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime | None:
     """When a task may run (SPEC §11.4): `notBefore` (RFC 3339, with its offset) or
     `delaySeconds`, not both, at most `max_delay` ahead; a time already past is now."""
@@ -489,7 +470,7 @@ def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime 
     field = where + "notBefore"
     text = at if isinstance(at, str) else ""  # a number or an object is no time either
     try:  # in UTC: RFC 3339's offsets go to ±23:59, those PostgreSQL takes to ±15:59
-        when = parse_rfc3339(text)
+        when = rfc3339.parse(text)
     except ValueError:
         raise errors.invalid(
             field, "must be an RFC 3339 date and time with its offset (Z or +hh:mm)"

@@ -30,6 +30,7 @@ from rich.highlighter import JSONHighlighter
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from conveyor import rfc3339
 from conveyor.client import (
     DEFAULT_GATEWAY_URL,
     ConveyorClient,
@@ -215,14 +216,14 @@ def parse_body(text: str) -> dict[str, Any]:
 
 
 def parse_time(text: str) -> datetime:
-    """`--not-before`: an RFC 3339 time with its offset (Z or +hh:mm)."""
+    """`--not-before`: an RFC 3339 time with its offset, read as the gateway reads it."""
     try:
-        when = datetime.fromisoformat(text)
+        return rfc3339.parse(text)
     except ValueError:
-        raise typer.BadParameter("an RFC 3339 time", param_hint="--not-before") from None
-    if when.tzinfo is None:
-        raise typer.BadParameter("give the offset (Z or +hh:mm)", param_hint="--not-before")
-    return when
+        message = "an RFC 3339 time with its offset (Z or +hh:mm)"
+    except OverflowError:
+        message = "a time between the years 1 and 9999"
+    fail(f"--not-before: {message}, not {text[:100]!r}", 2)
 
 
 def parse_batch(source: str) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gateway.api import parse_rfc3339
+from conveyor.rfc3339 import parse as parse_rfc3339
 from tests.support.gateway import GatewayProcess, Platform
 
 

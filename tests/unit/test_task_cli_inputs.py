@@ -4,6 +4,7 @@ request made (the SDK's ValueErrors included), and a short --timeout that gives 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,20 @@ def test_a_service_that_is_not_one_path_segment_is_refused_in_one_line(
 ) -> None:
     assert "service" in one_line(refused(gateway, "get", service, TASK_ID))
     assert "service" in one_line(refused(gateway, "submit", service, "--body", "{}"))
+
+
+# --- --not-before ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["2030-01-01T10:00:00", "tomorrow", "2030-01-01T10:00:00+0000"])
+def test_a_not_before_the_gateway_would_refuse_is_refused_in_one_line(
+    gateway: Gateway, value: str
+) -> None:
+    args = ("submit", "sleeper", "--body", "{}", "--not-before", value)
+    assert "--not-before" in one_line(refused(gateway, *args))
+
+
+def test_a_leap_second_is_read_as_the_gateway_reads_it() -> None:
+    """Found by a black-box test: the gateway took `23:59:60Z` once fixed, the CLI did not
+    (datetime has no second 60). Both read it with conveyor/rfc3339.py: the next second."""
+    assert task_cli.parse_time("2030-06-30T23:59:60Z") == datetime(2030, 7, 1, tzinfo=UTC)

@@ -40,7 +40,7 @@ from tenacity import (
 
 from conveyor import headers as h
 from conveyor import logs, tracing
-from gateway import callbacks, metrics
+from gateway import callbacks, metrics, supervisor
 from gateway.pgpool import CONNECTION_ERRORS, Pool
 from gateway.store import task_view
 
@@ -157,7 +157,12 @@ class Notifier:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._keep_leases())
             while True:
-                await self.claim()
+                try:
+                    await self.claim()
+                    supervisor.pass_succeeded()
+                except CONNECTION_ERRORS as exc:  # the database away or stuck: tried again
+                    supervisor.pass_failed(exc)  # named in /readyz, not restarted (it flapped)
+                    log.warning("could not claim callbacks", extra={"error": logs.describe(exc)})
                 await asyncio.sleep(WAKE_GAP)
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), idle)

@@ -27,9 +27,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from conveyor import logs, topology
-from gateway import metrics
+from gateway import metrics, supervisor
 from gateway.broker import Broker
-from gateway.pgpool import Pool
+from gateway.pgpool import CONNECTION_ERRORS, Pool
 
 log = logging.getLogger("conveyor.gateway.service_stats")
 
@@ -109,7 +109,12 @@ class ServiceStats:
     async def refresh_loop(self, interval: float) -> None:
         """Keeps the gauges fresh when nobody looks at the dashboard."""
         while True:
-            await self.snapshot()
+            try:
+                await self.snapshot()
+                supervisor.pass_succeeded()
+            except CONNECTION_ERRORS as exc:  # the database away or stuck: tried again
+                supervisor.pass_failed(exc)  # named in /readyz, not restarted (it flapped)
+                log.warning("service figures not read", extra={"error": logs.describe(exc)})
             await asyncio.sleep(interval)
 
     async def _take(self) -> list[dict[str, Any]]:

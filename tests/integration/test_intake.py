@@ -147,3 +147,35 @@ def test_submissions_behind_a_locked_table_are_answered_within_the_timeout_and_n
     created = sum(1 for status, _ in answers if status == 201)
     (count,) = platform.sql("SELECT count(*) FROM tasks WHERE service = %(s)s", {"s": svc.name})
     assert count[0] == created
+
+
+def test_loops_that_fail_behind_a_locked_table_are_named_failing_not_restarted(
+    platform: Platform, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """Found by a black-box test: behind a `LOCK TABLE tasks`, the notifier's and the service
+    figures' loops crashed at each pass and were restarted, so `/readyz` flapped between 200
+    and 503 every few seconds (loops down, then running again) while its database check said
+    true. They now fail a pass and try again, named under `failing`, as the reaper does."""
+    gateway = GatewayProcess(
+        procs,
+        gateway_env(database_url, amqp_url, CONVEYOR_DB_TIMEOUT="3", CONVEYOR_STATS_INTERVAL="1"),
+        "gateway-locked-loops",
+    )
+    seen: list[tuple[int, dict]] = []
+    with psycopg.connect(libpq(database_url)) as locker:
+        locker.execute("LOCK TABLE tasks IN ACCESS EXCLUSIVE MODE")
+        deadline = time.monotonic() + 9
+        while time.monotonic() < deadline:
+            answer = httpx.get(f"{gateway.url}/readyz", timeout=10)
+            seen.append((answer.status_code, answer.json()))
+            time.sleep(0.3)
+        locker.rollback()
+    failing = set().union(*(body.get("failing", {}) for _, body in seen))
+    assert {"notifier", "service-stats"} <= failing, seen[-1]
+    assert {status for status, _ in seen} == {200}, [b for s, b in seen if s != 200][:2]
+    restarts = [
+        line
+        for line in httpx.get(f"{gateway.url}/metrics").text.splitlines()
+        if line.startswith("conveyor_gateway_loop_restarts_total{") and not line.endswith(" 0.0")
+    ]
+    assert restarts == []

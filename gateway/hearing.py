@@ -44,5 +44,6 @@ class Hearing:
             self._writing_since = datetime.now(UTC)
 
     def restarted(self) -> None:
-        """The broker connection was made again: what waited is only now delivered."""
+        """The broker connection was made again, or the process was not running (frozen):
+        what waited is only now delivered."""
         self._connected_since = datetime.now(UTC)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -124,6 +125,12 @@ async def _delete_in_batches(
             return total, batches
 
 
+# A reaper pass this late (seconds past its interval) means the process was not running: the
+# watchdog's silence then counts from now (found by a black-box test: a gateway thawed after a
+# SIGSTOP failed tasks whose results waited on `-out`, its pass coming before their read).
+LATE_PASS = 5.0
+
+
 async def reaper_loop(
     pool: Pool,
     ttl: float,
@@ -165,4 +172,10 @@ async def reaper_loop(
         except Exception as exc:
             supervisor.pass_failed(exc)
             log.warning("reaper pass failed", extra={"error": logs.describe(exc)})
+        paused = time.monotonic()
         await asyncio.sleep(interval)
+        if (late := time.monotonic() - paused - interval) > LATE_PASS:
+            # The process did not run (frozen, a paused VM): results that waited on `-out`
+            # meanwhile are only now being read, and this pass would come first.
+            hearing.restarted()
+            log.warning("reaper pass late; silence counts from now", extra={"late_s": late})

@@ -4,6 +4,8 @@ a shutdown handed back to the queue (found by a black-box test of the running pl
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -190,3 +192,32 @@ def _released(gateway: GatewayProcess) -> float:
         for line in text.splitlines()
         if line.startswith("conveyor_gateway_results_released_total ")
     )
+
+
+def test_a_gateway_frozen_past_the_limit_does_not_fail_tasks_whose_results_wait(
+    procs: Processes, make_service: Any, database_url: str, amqp_url: str
+) -> None:
+    """Found by a black-box test: a gateway frozen (SIGSTOP) longer than a task's limit ran
+    its overdue reaper pass first thing once thawed, before it read the results that had
+    waited on `-out`, and failed tasks that had succeeded: nothing told its hearing that
+    the process had not been running. A pass that comes late says so: silence counts again
+    from then."""
+    gateway = GatewayProcess(
+        procs,
+        gateway_env(
+            database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="2", CONVEYOR_REAPER_INTERVAL="0.3"
+        ),
+        "gateway-frozen",
+    )
+    service = make_service(taskTimeout=1, maxAttempts=1)
+    task_ids = [_running(gateway, service, amqp_url, host=f"pod-{n}") for n in range(5)]
+    pid = gateway.proc.popen.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for task_id in task_ids:  # their workers answer while the gateway is frozen
+            _send(amqp_url, service, EventKind.SUCCEEDED, task_id, attempt="a1", response={"n": 1})
+        time.sleep(6)  # past each task's limit and margin (3 s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for task_id in task_ids:
+        assert _until(gateway, service, task_id, "SUCCESS")["response"] == {"n": 1}

@@ -18,7 +18,8 @@ MAX_LENGTH = 64
 def parse(text: str) -> datetime:
     """`text` in UTC; ValueError if it is not an RFC 3339 date-time with its offset,
     OverflowError if it falls before year 1 or after 9999 in UTC. A leap second (`23:59:60Z`,
-    valid RFC 3339, which datetime cannot hold) is read as the second after `:59`."""
+    valid RFC 3339 in a UTC day's last minute, which datetime cannot hold) is read as the
+    second after `:59`."""
     found = _RFC3339.fullmatch(text) if len(text) <= MAX_LENGTH else None
     if found is None:
         raise ValueError("not an RFC 3339 date-time with its offset")
@@ -26,4 +27,8 @@ def parse(text: str) -> datetime:
     if leap:
         text = text[: found.start("second")] + "59" + text[found.end("second") :]
     when = datetime.fromisoformat(text.upper()).astimezone(UTC)  # it reads `Z`, not `z`
-    return when + timedelta(seconds=1) if leap else when
+    if not leap:
+        return when
+    if (when.hour, when.minute) != (23, 59):  # RFC 3339 §5.7: the last minute of a UTC day
+        raise ValueError("a leap second is 23:59:60 UTC")
+    return when + timedelta(seconds=1)

@@ -30,6 +30,7 @@ U+FFFD.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import json
 from collections.abc import Mapping
@@ -248,9 +249,12 @@ def declared_charset(headers: Mapping[str, str]) -> str | None:
 def _text(body: bytes, charset: str | None) -> str:
     """The body in the charset it declares (ISO-8859-1 read as UTF-8 lost its accents), else
     UTF-8; both with replacement. A name that is no text codec (`zlib`, `base64`, unknown), or
-    a codec without replacement (`idna`), is UTF-8: what a function declares never fails it."""
+    a codec without replacement (`idna`), or one that reads escapes (`unicode_escape`: the
+    body's `\\u0041` would be stored as `A`), is UTF-8: what a function declares never fails it."""
     try:
-        decoded = body.decode(charset or "utf-8", errors="replace")
+        if charset is None or codecs.lookup(charset).name.endswith("escape"):
+            raise LookupError(charset)
+        decoded = body.decode(charset, errors="replace")
     except (LookupError, ValueError):
         decoded = body.decode("utf-8", errors="replace")
     return storable.text(decoded)

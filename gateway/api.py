@@ -373,12 +373,13 @@ async def _create_batch(service: str, request: Request, rt: Runtime, trace: str 
         if isinstance(outcome, BaseException):
             raise outcome
     news = [c for c in checked if isinstance(c, NewTask)]
-    roots = [tracing.root("submit", trace, {"conveyor.service": service}) for _ in news]
-    news = [
-        replace(n, traceparent=r.traceparent or n.traceparent)
-        for n, r in zip(news, roots, strict=True)
-    ]
+    roots: list[tracing.Root] = []
     try:
+        roots = [tracing.root("submit", trace, {"conveyor.service": service}) for _ in news]
+        news = [
+            replace(n, traceparent=r.traceparent or n.traceparent)
+            for n, r in zip(news, roots, strict=True)
+        ]
         stored = time.perf_counter()
         accepted = await create_tasks(rt.pool, news, rt.settings.outbox_grace)
         metrics.child(metrics.SUBMIT_PHASES, "store").observe(time.perf_counter() - stored)

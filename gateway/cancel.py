@@ -91,7 +91,8 @@ async def tell_ended(pool: Pool, broker: Broker, ended: dict[str, list[uuid.UUID
     is then acked without a call, and a call still under way (its dispatcher frozen past the
     limit) is aborted. Best effort, as a cancel's word is: their results would be ignored."""
     for service, task_ids in ended.items():
-        await tell_dispatchers(broker, await _queue_names(pool, service), task_ids)
+        if not await tell_dispatchers(broker, await _queue_names(pool, service), task_ids):
+            return  # the broker refused: it is away for the other services too
 
 
 async def tell_dispatchers(

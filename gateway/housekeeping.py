@@ -129,6 +129,7 @@ async def _delete_in_batches(
 # watchdog's silence then counts from now (found by a black-box test: a gateway thawed after a
 # SIGSTOP failed tasks whose results waited on `-out`, its pass coming before their read).
 LATE_PASS = 5.0
+TELL_PATIENCE = 10.0  # for telling the dispatchers of the watchdog's failures, all services
 
 
 async def reaper_loop(
@@ -167,7 +168,11 @@ async def reaper_loop(
             if reaped or silent:
                 on_expired()
             if abandoned and on_abandoned is not None:
-                await on_abandoned(abandoned)
+                try:  # best effort, bounded: the reaper's next pass must not wait on the broker
+                    async with asyncio.timeout(TELL_PATIENCE):
+                        await on_abandoned(abandoned)
+                except Exception as exc:  # TimeoutError too: the tasks stay ended
+                    log.warning("watchdog's failures not told", extra={"error": logs.describe(exc)})
             supervisor.pass_succeeded()
         except Exception as exc:
             supervisor.pass_failed(exc)

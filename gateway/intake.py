@@ -25,14 +25,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 
 from gateway.errors import ApiError
-from gateway.pgpool import CONNECTION_ERRORS, Pool
+from gateway.pgpool import CONNECTION_ERRORS, Pool, server_timeout
 from gateway.store import Accepted, NewTask, insert_in_turn
 
 log = logging.getLogger("conveyor.gateway.intake")
 
-_Waiting = tuple[NewTask, "asyncio.Future[Accepted]"]
+# What answering takes besides the statement (the pool, the event loop), within DB_TIMEOUT.
+ANSWER_ALLOWANCE = 0.5
+
+_Waiting = tuple[NewTask, "asyncio.Future[Accepted]", float]  # and when it came (monotonic)
 
 
 class Intake:
@@ -49,7 +53,7 @@ class Intake:
 
     async def insert(self, new: NewTask) -> Accepted:
         future: asyncio.Future[Accepted] = asyncio.get_running_loop().create_future()
-        self._waiting.append((new, future))
+        self._waiting.append((new, future, time.monotonic()))
         self._start_writers()
         return await future
 
@@ -86,16 +90,16 @@ class Intake:
         try:
             await self._write_batch(batch)
         finally:  # whatever went wrong here, no request waits for an answer for ever
-            for _, future in batch:
+            for _, future, _ in batch:
                 _settle(future, exc=RuntimeError("the submission's batch was not written"))
 
     async def _write_batch(self, batch: list[_Waiting]) -> None:
         try:
-            accepted = await self._insert([new for new, _ in batch])
+            accepted = await self._insert([new for new, _, _ in batch])
         except Exception as exc:
             # one service's batch: its service gone, or the database away, is every row's
             if len(batch) == 1 or isinstance(exc, (*CONNECTION_ERRORS, ApiError)):
-                for _, future in batch:
+                for _, future, _ in batch:
                     _settle(future, exc=exc)
                 if isinstance(exc, CONNECTION_ERRORS):
                     self._give_up_waiting(_service(batch[0]), exc)
@@ -103,16 +107,20 @@ class Intake:
             log.info("batch insert refused; rows retried one by one", extra={"size": len(batch)})
             await asyncio.gather(*(self._write([waiting]) for waiting in batch))
             return
-        for (_, future), result in zip(batch, accepted, strict=True):
+        for (_, future, _), result in zip(batch, accepted, strict=True):
             _settle(future, result=result)
 
     def _give_up_waiting(self, service: str, exc: BaseException) -> None:
-        """The requests of `service` that waited behind a batch the database gave up on get
-        its answer too (503): written next, they would wait as long again, and be answered
-        after up to twice DB_TIMEOUT (found by a black-box test behind a `LOCK TABLE`)."""
-        waiting = [w for w in self._waiting if _service(w) == service]
-        self._waiting = [w for w in self._waiting if _service(w) != service]
-        for _, future in waiting:
+        """The requests of `service` that waited behind a batch the database gave up on, too
+        long for another batch to end within their DB_TIMEOUT, get its answer too (503):
+        written next, they were answered after up to twice DB_TIMEOUT (found by a black-box
+        test behind a `LOCK TABLE`). Newer ones are written next, as after a lost connection."""
+        limit = self.pool.use_timeout
+        oldest = time.monotonic() - max(0.0, limit - server_timeout(limit) - ANSWER_ALLOWANCE)
+        doomed = [w for w in self._waiting if _service(w) == service and w[2] <= oldest]
+        gone = {id(w) for w in doomed}
+        self._waiting = [w for w in self._waiting if id(w) not in gone]
+        for _, future, _ in doomed:
             _settle(future, exc=exc)
 
     async def _insert(self, tasks: list[NewTask]) -> list[Accepted]:

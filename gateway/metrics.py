@@ -67,6 +67,10 @@ BATCHES_HANDED_BACK = Counter(
     "conveyor_gateway_result_batches_handed_back_total",
     "Result batches nacked back to the broker after an unexpected error",
 )
+RESULTS_HELD = Counter(
+    "conveyor_gateway_results_held_total",
+    "Results put back to their queue because their task's row was locked by a transaction",
+)
 RESULTS_RELEASED = Counter(
     "conveyor_gateway_results_released_total",
     "Times the database refused results long enough that they were handed back to the broker",

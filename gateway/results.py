@@ -49,7 +49,6 @@ from tenacity import (
     RetryCallState,
     RetryError,
     retry_if_exception,
-    stop_after_delay,
     wait_exponential,
 )
 
@@ -89,6 +88,14 @@ POISON = "poison"  # the kind of a message that asks for nothing
 # the limit, some returns were the infrastructure's, not crashes: the submission goes back
 # to `-in` as a new message, at most MAX_RETURNS times (a lost `started` cannot loop forever).
 MAX_RETURNS = 3
+
+# How long a results statement waits for a row lock: a batch that meets a locked task is then
+# applied one result at a time, each waiting less, and the locked task's result goes back to
+# the queue; the others are applied (found by a black-box test: one task row held by a
+# `SELECT … FOR UPDATE` stalled every replica's results for as long as it was held).
+_LOCK_WAIT = "SELECT set_config('lock_timeout', %(ms)s || 'ms', true)"
+TOGETHER_LOCK_WAIT_MS = 2000
+ALONE_LOCK_WAIT_MS = 200
 
 # How long a batch may wait for the database before this replica lets go of the results it
 # holds (`ResultConsumer._release`); a blip (a failover: ~1 s) is retried in place.
@@ -161,6 +168,20 @@ class Subscription:
         )
 
 
+def _time_to_release(state: RetryCallState) -> bool:
+    """RELEASE_AFTER of refusals, the last one not a statement the server gave up on (its
+    statement_timeout: a slow database, which another replica would find as slow)."""
+    error = state.outcome.exception() if state.outcome else None
+    slow = isinstance(error, psycopg.errors.QueryCanceled)
+    return (state.seconds_since_start or 0.0) >= RELEASE_AFTER and not slow
+
+
+def _locked(exc: BaseException) -> bool:
+    """A statement gave up waiting for a row lock (`lock_timeout`): another transaction holds
+    the task (an operator's `SELECT … FOR UPDATE`), not the database away."""
+    return isinstance(exc, psycopg.errors.LockNotAvailable)
+
+
 def _transient(exc: BaseException) -> bool:
     """Database unreachable (retry the whole batch) rather than a refused statement."""
     return isinstance(exc, CONNECTION_ERRORS)
@@ -197,6 +218,8 @@ class ResultConsumer:
         self._applying = asyncio.Lock()
         self._broken: dict[str, str] = {}  # service -> why its topology could not be declared
         self._released = False  # results handed back for the database (`_release`)
+        self._releases = 0  # how many times
+        self._held: list[Delivery] = []  # the batch's results whose task row was locked
         # The tasks the batch being applied ended, with their traces (tracing on only).
         self._ended: list[tuple[uuid.UUID, lifecycle.Finished]] = []
 
@@ -218,6 +241,7 @@ class ResultConsumer:
 
     async def refresh(self) -> None:
         await self._close_reopened()
+        releases = self._releases  # a release after the read below: the read proves nothing
         async with self.pool.connection() as conn:
             services = {s.name: s for s in await catalog.all_services(conn)}
             moved = await catalog.moved_queues(conn)
@@ -232,6 +256,8 @@ class ResultConsumer:
             # after any reconnection, even once deleted. A fresh channel forgets them; unacked
             # results go back to their queues.
             async with self._applying:
+                if self._releases != releases:
+                    return  # the next refresh reads the database again first
                 # The broker's channels are robust (`connect_robust`).
                 fresh = await self.broker.channel(prefetch=BATCH_SIZE * 2)
                 await self._replace_channel(cast(AbstractRobustChannel, fresh))
@@ -426,11 +452,12 @@ class ResultConsumer:
             retrying = AsyncRetrying(
                 retry=retry_if_exception(_transient),
                 wait=wait_exponential(multiplier=0.5, max=10.0),
-                stop=stop_after_delay(RELEASE_AFTER),
+                stop=_time_to_release,
                 before_sleep=self._unavailable,
             )
             async for attempt in retrying:
                 with attempt:
+                    self._held = []
                     given_back |= await self._move_on(
                         [d for d in batch if d.left_behind and id(d) not in given_back]
                     )
@@ -449,7 +476,13 @@ class ResultConsumer:
             return
         applied = time.time_ns()
         self.hearing.heard()
-        for message in last_per_channel(batch):
+        held = {id(delivery) for delivery in self._held}
+        for delivery in self._held:  # back to the queue, to be applied once its row is free
+            await _settle(delivery.message.nack, requeue=True)
+        if held:
+            metrics.RESULTS_HELD.inc(len(held))
+            log.warning("results of locked tasks put back to wait", extra={"count": len(held)})
+        for message in last_per_channel([d for d in batch if id(d) not in held]):
             await _settle(message.ack, multiple=True)
         if self._ended:
             self._trace_results(started, applied)
@@ -470,6 +503,7 @@ class ResultConsumer:
             if id(delivery) in given_back:
                 await _settle(delivery.message.ack)
         self._released = True
+        self._releases += 1
         await self._replace_channel(None)
         metrics.RESULTS_RELEASED.inc()
         log.warning(
@@ -573,7 +607,7 @@ class ResultConsumer:
         try:
             return await self._apply_together(batch)
         except Exception as exc:
-            if _transient(exc):
+            if _transient(exc) and not _locked(exc):
                 raise
             return await self._apply_alone(batch)
 
@@ -589,6 +623,7 @@ class ResultConsumer:
         shared = {id(change) for change in finishes.changes}
         sent: list[tuple[lifecycle.Transition, psycopg.AsyncCursor[Any], str]] = []
         async with self.pool.batch() as conn:
+            await conn.execute(_LOCK_WAIT, {"ms": TOGETHER_LOCK_WAIT_MS})
             for delivery, plan in zip(batch, planned, strict=True):
                 if plan.aside is not None:
                     await _set_aside(conn, delivery, plan.aside)
@@ -616,6 +651,9 @@ class ResultConsumer:
             try:
                 callbacks |= await self._apply_one(delivery, plan)
             except Exception as exc:
+                if _locked(exc):  # its row is locked (a long transaction): it waits, alone
+                    self._held.append(delivery)
+                    continue
                 if _transient(exc):
                     raise
                 callbacks |= await self._apply_one(delivery, _refused(plan, exc))
@@ -623,6 +661,7 @@ class ResultConsumer:
 
     async def _apply_one(self, delivery: Delivery, plan: Plan) -> bool:
         async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute(_LOCK_WAIT, {"ms": ALONE_LOCK_WAIT_MS})
             if plan.aside is not None:
                 await _set_aside(conn, delivery, plan.aside)
             if plan.change is None:

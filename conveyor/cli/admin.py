@@ -45,7 +45,7 @@ def _fail(message: str) -> None:
 def _valid_id(kind: str, value: str) -> None:
     """Ids and names are held to the platform file's rule (`check_name`) before anything is
     written; the value itself is not echoed (it may be long, or span lines)."""
-    from gateway.platform_file import check_name
+    from conveyor.topology import check_name
 
     try:
         check_name(value)

@@ -26,6 +26,9 @@ from dispatcher.invoker import Failure, Success, classify
         ("text/plain; charset=idna", b"na\xefve", "na\ufffdve"),
         ("text/plain; charset=undefined", b"naive", "naive"),
         ("text/plain; charset=", b"naive", "naive"),
+        # a codec that reads escapes is no way to read text (from a review)
+        ("text/plain; charset=unicode_escape", b"\\u0041", "\\u0041"),
+        ("text/plain; charset=raw-unicode-escape", b"\\u0041", "\\u0041"),
         # the storable rules still apply to the decoded text
         ("text/plain; charset=utf-16-le", "a\x00b".encode("utf-16-le"), "a\ufffdb"),
     ],

@@ -29,7 +29,14 @@ def test_rfc3339_reads_a_leap_second_as_the_next_one(text: str, instant: str) ->
 
 @pytest.mark.parametrize(
     "text",
-    ["2030-06-30T23:59:61Z", "2030-06-30T23:60:00Z", "2030-06-30T24:00:00Z", "2030-06-30T23:59:60"],
+    [
+        "2030-06-30T23:59:61Z",
+        "2030-06-30T23:60:00Z",
+        "2030-06-30T24:00:00Z",
+        "2030-06-30T23:59:60",
+        "2030-03-15T12:34:60Z",  # RFC 3339 §5.7: only in a UTC day's last minute
+        "2030-06-30T23:59:60+01:00",  # 22:59:60 UTC
+    ],
 )
 def test_no_other_second_or_minute_past_59_is_read(text: str) -> None:
     with pytest.raises(ValueError):

@@ -12,10 +12,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import psycopg
 import pytest
 
 from conveyor import topology
 from conveyor.events import EventKind, TaskEvent, encode_event
+from gateway.database_url import libpq
 from tests.support.amqp import publish, queues_of, remove_service, wait_for_queues, wait_until
 from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
 from tests.support.processes import Processes
@@ -161,7 +163,7 @@ def test_results_a_replica_cannot_write_are_applied_by_another_before_its_watchd
     healthy = GatewayProcess(
         procs,
         gateway_env(
-            database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="14", CONVEYOR_REAPER_INTERVAL="0.3"
+            database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="25", CONVEYOR_REAPER_INTERVAL="0.3"
         ),
         "gateway-healthy",
     )
@@ -171,7 +173,7 @@ def test_results_a_replica_cannot_write_are_applied_by_another_before_its_watchd
         proxy.pause()  # the stalled replica's database stops answering, its sockets open
         for task_id in task_ids:  # each replica takes its share of them
             _send(amqp_url, service, EventKind.SUCCEEDED, task_id, attempt="a1", response={"n": 1})
-        # The healthy replica's watchdog would fail each task 15 s after its start.
+        # The healthy replica's watchdog would fail each task 26 s after its start.
         for task_id in task_ids:
             assert _until(healthy, service, task_id, "SUCCESS")["response"] == {"n": 1}
         assert _released(stalled) >= 1  # some were the stalled replica's to apply
@@ -221,3 +223,26 @@ def test_a_gateway_frozen_past_the_limit_does_not_fail_tasks_whose_results_wait(
         os.kill(pid, signal.SIGCONT)
     for task_id in task_ids:
         assert _until(gateway, service, task_id, "SUCCESS")["response"] == {"n": 1}
+
+
+def test_a_locked_task_row_holds_back_its_own_result_only(
+    watchdog: GatewayProcess, make_service: Any, amqp_url: str, database_url: str
+) -> None:
+    """Found by a black-box test: one task row held by a transaction (an operator's
+    `SELECT … FOR UPDATE`) stalled every result, of every task, for as long as it was held:
+    the batch that met the lock waited, then was retried whole. A batch that meets a locked
+    row is applied one result at a time; the locked task's goes back to the queue until its
+    row is free, the others are applied."""
+    service = make_service(taskTimeout=60, maxAttempts=1)
+    locked, *others = [_running(watchdog, service, amqp_url, host=f"pod-{n}") for n in range(5)]
+    with psycopg.connect(libpq(database_url)) as holder:
+        holder.execute("SELECT 1 FROM tasks WHERE task_id = %s FOR UPDATE", [locked])
+        for task_id in (locked, *others):
+            _send(amqp_url, service, EventKind.SUCCEEDED, task_id, attempt="a1", response={"n": 1})
+        began = time.monotonic()
+        for task_id in others:
+            _until(watchdog, service, task_id, "SUCCESS")
+        assert time.monotonic() - began < 8  # the statement timeout would have come first
+        assert _poll(watchdog, service, locked)["status"] == "IN_PROGRESS"
+        holder.rollback()
+    assert _until(watchdog, service, locked, "SUCCESS")["response"] == {"n": 1}

@@ -157,12 +157,9 @@ class Notifier:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._keep_leases())
             while True:
-                try:
+                # the database away or stuck: tried again, not restarted (/readyz flapped)
+                with supervisor.one_pass(log, "could not claim callbacks", CONNECTION_ERRORS):
                     await self.claim()
-                    supervisor.pass_succeeded()
-                except CONNECTION_ERRORS as exc:  # the database away or stuck: tried again
-                    supervisor.pass_failed(exc)  # named in /readyz, not restarted (it flapped)
-                    log.warning("could not claim callbacks", extra={"error": logs.describe(exc)})
                 await asyncio.sleep(WAKE_GAP)
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), idle)

@@ -109,12 +109,9 @@ class ServiceStats:
     async def refresh_loop(self, interval: float) -> None:
         """Keeps the gauges fresh when nobody looks at the dashboard."""
         while True:
-            try:
+            # the database away or stuck: tried again, not restarted (/readyz flapped)
+            with supervisor.one_pass(log, "service figures not read", CONNECTION_ERRORS):
                 await self.snapshot()
-                supervisor.pass_succeeded()
-            except CONNECTION_ERRORS as exc:  # the database away or stuck: tried again
-                supervisor.pass_failed(exc)  # named in /readyz, not restarted (it flapped)
-                log.warning("service figures not read", extra={"error": logs.describe(exc)})
             await asyncio.sleep(interval)
 
     async def _take(self) -> list[dict[str, Any]]:

@@ -16,9 +16,10 @@ signature stays its own and a loop run outside a supervisor (a test) reports to 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
@@ -131,6 +132,21 @@ def pass_failed(error: BaseException) -> None:
     if current is not None:
         supervisor, name = current
         supervisor.note_failed(name, error)
+
+
+@contextlib.contextmanager
+def one_pass(
+    logger: logging.Logger, failed: str, errors: tuple[type[BaseException], ...]
+) -> Iterator[None]:
+    """One pass of a loop that tries again by itself: `errors` fail the pass (counted, named
+    in /readyz, logged as `failed`) instead of crashing the loop; else the pass succeeded."""
+    try:
+        yield
+    except errors as exc:
+        pass_failed(exc)
+        logger.warning(failed, extra={"error": logs.describe(exc)})
+    else:
+        pass_succeeded()
 
 
 def pass_succeeded() -> None:

@@ -383,10 +383,10 @@ def decode_submission(message: WireMessage, service: str = "") -> Submission:
             task_id=task_id,
             service=event.get_source().rpartition("/")[2] or service,
             body=data,
-            max_attempts=_optional_int(ext(EXT_MAX_ATTEMPTS)),
+            max_attempts=_optional_attempts(ext(EXT_MAX_ATTEMPTS)),
             timeout=_optional_timeout(ext(EXT_TIMEOUT)),
             traceparent=_optional_str(ext(TRACEPARENT)),
-            expires_at=_optional_time(ext(EXT_EXPIRES)),
+            expires_at=_submitted_expiry(ext(EXT_EXPIRES)),
             delivery_limit=_delivery_limit(message.headers),
         )
     payload = _load_json(message.body)
@@ -408,13 +408,25 @@ def decode_submission(message: WireMessage, service: str = "") -> Submission:
     )
 
 
-def _optional_int(value: Any) -> int | None:
+def _optional_attempts(value: Any) -> int | None:
+    """A task allowed no attempt would be called once all the same: say so instead."""
     if value is None:
         return None
     try:
-        return int(value)
+        number = int(value)
     except (TypeError, ValueError):
         raise WireError("expected an integer extension attribute") from None
+    if number < 1:
+        raise WireError(f"{EXT_MAX_ATTEMPTS} must be at least 1")
+    return number
+
+
+def _submitted_expiry(value: Any) -> datetime | None:
+    """A submission that says it expires, unreadably, might be past it: not called."""
+    moment = _optional_time(value)
+    if value is not None and moment is None:
+        raise WireError(f"{EXT_EXPIRES} is not an RFC 3339 time with an offset")
+    return moment
 
 
 def _optional_timeout(value: Any) -> float | None:

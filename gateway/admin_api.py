@@ -48,6 +48,7 @@ _PAGE_PARAMETERS = [
         "schema": {"type": "string"},
     },
 ]
+_PAGE_PARAMETER_NAMES = tuple(str(parameter["name"]) for parameter in _PAGE_PARAMETERS)
 
 _PAGE = """
     SELECT id, task_id, client_id, status, submission_date, start_date, end_date, progress,
@@ -96,6 +97,9 @@ async def service_tasks(service: str, request: Request) -> Json:
     rt = runtime(request)
     await authenticated(request, rt.operators)
     query = request.query_params
+    for name in _PAGE_PARAMETER_NAMES:
+        if len(query.getlist(name)) > 1:  # which one was meant is anyone's guess
+            raise errors.invalid(name, "given more than once")
     status = query.get("status") or None
     if status is not None and status not in TaskStatus.__members__:
         raise errors.invalid("status", "one of PENDING, IN_PROGRESS, SUCCESS, FAILURE")

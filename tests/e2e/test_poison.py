@@ -50,6 +50,13 @@ def test_poison_on_in_and_out_is_accounted_for(stack: Stack, platform: Platform)
     other_subject = encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0}))
     other_subject.headers["ce-subject"] = str(uuid.uuid4())
     in_poison.append(other_subject)
+    # A submission that allows no attempt, or whose expiry cannot be read, is not called.
+    no_attempt = encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0}))
+    no_attempt.headers["ce-conveyormaxattempts"] = "0"
+    in_poison.append(no_attempt)
+    unreadable_expiry = encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0}))
+    unreadable_expiry.headers["ce-conveyorexpires"] = "tomorrow"
+    in_poison.append(unreadable_expiry)
     out_poison.append(encode_event(TaskEvent(EventKind.SUCCEEDED, unknown_out, response={}), queue))
     # The gateway declares a new service's queues shortly after it is created.
     wait_for_queues(url, [f"{queue}-in", f"{queue}-out"])
@@ -64,7 +71,7 @@ def test_poison_on_in_and_out_is_accounted_for(stack: Stack, platform: Platform)
         )
         return dict(rows)
 
-    expected = {f"{queue}-dlq": 7, f"{queue}-out": 5}
+    expected = {f"{queue}-dlq": 9, f"{queue}-out": 5}
     wait_until(lambda: accounted() == expected, 60, what="every poison message set aside")
     for suffix in ("in", "out", "dlq"):  # nothing blocks a queue
         wait_until(

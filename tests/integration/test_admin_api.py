@@ -136,10 +136,23 @@ def test_pages_go_newest_first_with_a_cursor_and_a_status_filter(
 
 @pytest.mark.parametrize(
     "params",
-    [{"limit": "0"}, {"limit": "201"}, {"limit": "x"}, {"status": "DONE"}, {"cursor": "bm9wZQ"}],
+    [
+        {"limit": "0"},
+        {"limit": "201"},
+        {"limit": "x"},
+        {"status": "DONE"},
+        {"cursor": "bm9wZQ"},
+        # Given twice, a filter is ambiguous: neither value is served.
+        {"status": ["SUCCESS", "FAILURE"]},
+        {"limit": ["1", "2"]},
+        {"cursor": ["bm9wZQ", "bm9wZQ"]},
+    ],
 )
 def test_bad_page_parameters_are_400002(
-    gateway: GatewayProcess, platform: Platform, operator: Client, params: dict[str, str]
+    gateway: GatewayProcess,
+    platform: Platform,
+    operator: Client,
+    params: dict[str, str | list[str]],
 ) -> None:
     svc = platform.service()
     with gateway.http(operator) as http:

@@ -520,11 +520,16 @@ async def _publish(rt: Runtime, done: list[tuple[NewTask, Accepted]]) -> None:
 async def poll(service: str, task_id: str, request: Request) -> Json:
     rt = runtime(request)
     client_id, _ = await _granted(request, rt, service)
+    parsed = _task_uuid(task_id)
+    return _ok(await get_task(rt.pool, client_id, service, parsed), 200)
+
+
+def _task_uuid(task_id: str) -> uuid.UUID:
+    """A task id that is no UUID names no task: the same 404002 as an unknown one."""
     try:
-        parsed = uuid.UUID(task_id)
+        return uuid.UUID(task_id)
     except ValueError:
         raise errors.ApiError(errors.TASK_NOT_FOUND) from None
-    return _ok(await get_task(rt.pool, client_id, service, parsed), 200)
 
 
 @router.post(
@@ -539,10 +544,7 @@ async def cancel(service: str, task_id: str, request: Request) -> Json:
     answer; finished otherwise: 409001 (gateway.cancel)."""
     rt = runtime(request)
     client_id, access = await _granted(request, rt, service)
-    try:
-        parsed = uuid.UUID(task_id)
-    except ValueError:
-        raise errors.ApiError(errors.TASK_NOT_FOUND) from None
+    parsed = _task_uuid(task_id)
     data, finished_now = await cancel_task(rt.pool, rt.broker, client_id, access.service, parsed)
     if finished_now:
         rt.notifier.wake()  # its callback, if it has one
@@ -567,10 +569,7 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
     """Errors before the stream starts are the poll's; then the stream (gateway.task_events)."""
     rt = runtime(request)
     client_id, _ = await _granted(request, rt, service)
-    try:
-        parsed = uuid.UUID(task_id)
-    except ValueError:
-        raise errors.ApiError(errors.TASK_NOT_FOUND) from None
+    parsed = _task_uuid(task_id)
     await get_task(rt.pool, client_id, service, parsed)  # 404002 before any stream
 
     async def read() -> dict[str, Any]:

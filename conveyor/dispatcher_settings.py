@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import operator
 import os
 import re
@@ -55,6 +56,11 @@ def _http_url(default: str | None) -> Any:
     return dataclasses.field(default=default, metadata={"http_url": True})
 
 
+def _ip_address(default: str | None) -> Any:
+    """An address the dispatcher advertises: anything else makes a URL nobody can reach."""
+    return dataclasses.field(default=default, metadata={"ip_address": True})
+
+
 def _queue_name(default: str) -> Any:
     """A queue the gateway declares: refused at start unless the gateway's rule for a queue
     name takes it (an empty one waited forever for `-in` and `-out`)."""
@@ -82,7 +88,7 @@ class DispatcherSettings:
     progress_port: int | None = _bounded(None, ge=0, le=MAX_PORT)
     # On every port the dispatcher serves: a request must arrive whole within it (slow loris).
     request_read_timeout: float = _bounded(60.0, gt=0, le=MAX_TIMEOUT)
-    pod_ip: str | None = None
+    pod_ip: str | None = _ip_address(None)
     one_shot: bool = False
     # ONE_SHOT: counted from the start; a Job that has no message by then exits 0.
     idle_exit_seconds: float = _bounded(60.0, gt=0, le=MAX_TIMEOUT)
@@ -109,6 +115,12 @@ class DispatcherSettings:
 
     def __post_init__(self) -> None:
         problems = [p for f in dataclasses.fields(self) if (p := _problem(self, f))]
+        if self.progress_port and self.pod_ip is None and not _is_loopback(self.function_url):
+            # The function's pods would be told 127.0.0.1: their reports would never arrive.
+            problems.append(
+                "PROGRESS_PORT needs POD_IP (the address the function's pods reach this"
+                " dispatcher at) unless FUNCTION_URL is on this host"
+            )
         if problems:
             raise SettingsError("; ".join(problems))
 
@@ -205,9 +217,23 @@ def is_http_url(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
+def _is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _problem(settings: DispatcherSettings, f: dataclasses.Field[Any]) -> str | None:
     value = getattr(settings, f.name)
     if value is None:
+        return None
+    if f.metadata.get("ip_address"):
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            return f"{dispatcher_variable(f.name)} must be an IP address (IPv4 or IPv6)"
         return None
     if f.metadata.get("queue_name"):
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import os
 import typing
 from typing import Any
@@ -68,21 +69,30 @@ def _queue_name(cls: type, name: str) -> str:
     return check_name(name)
 
 
+def _ip_address(cls: type, address: str | None) -> str | None:
+    if address is not None:
+        ipaddress.ip_address(address)  # ValueError
+    return address
+
+
 def reference() -> type[BaseSettings]:
-    """DispatcherSettings as the pydantic-settings class it used to be, with the URLs it calls
-    and its queue's name checked as it checks them since."""
+    """DispatcherSettings as the pydantic-settings class it used to be, with the URLs it calls,
+    its queue's name and its pod's address checked as it checks them since."""
     fields: dict[str, Any] = {}
     validators: dict[str, Any] = {}
     for f in dataclasses.fields(DispatcherSettings):
         alias = AliasChoices(
             dispatcher_variable(f.name, prefixed=True), dispatcher_variable(f.name)
         )
-        bounds = {k: v for k, v in f.metadata.items() if k not in ("http_url", "queue_name")}
+        checks = ("http_url", "queue_name", "ip_address")
+        bounds = {k: v for k, v in f.metadata.items() if k not in checks}
         fields[f.name] = (HINTS[f.name], Field(f.default, validation_alias=alias, **bounds))
         if f.metadata.get("http_url"):
             validators[f"{f.name}_callable"] = field_validator(f.name)(_callable)
         if f.metadata.get("queue_name"):
             validators[f"{f.name}_queue_name"] = field_validator(f.name)(_queue_name)
+        if f.metadata.get("ip_address"):
+            validators[f"{f.name}_ip_address"] = field_validator(f.name)(_ip_address)
     return create_model("Reference", __base__=_Base, __validators__=validators, **fields)
 
 
@@ -220,3 +230,23 @@ def test_function_urls_must_be_http_with_a_host_and_a_port(variable: str, url: s
     task with the URL for its errorMessage. Now it is a SettingsError naming the variable."""
     with pytest.raises(SettingsError, match=f"^{variable} must be an http"):
         DispatcherSettings.from_env({variable: url})
+
+
+def test_a_progress_port_for_a_function_elsewhere_needs_the_pod_ip() -> None:
+    """Found by a sweep: without POD_IP the progress URL said 127.0.0.1, which a function in
+    another pod (knative) cannot reach: its reports were lost. A loopback function may do
+    without it; anything else is refused at start, naming both variables."""
+    remote = {"PROGRESS_PORT": "8082", "FUNCTION_URL": "http://fn.default.svc.cluster.local/"}
+    with pytest.raises(SettingsError, match=r"^PROGRESS_PORT needs POD_IP"):
+        DispatcherSettings.from_env(remote)
+    assert DispatcherSettings.from_env({**remote, "POD_IP": "10.1.2.3"}).pod_ip == "10.1.2.3"
+    for loopback in ("http://127.0.0.1:8080/", "http://localhost:8080/", "http://[::1]:8080/"):
+        local = DispatcherSettings.from_env({"PROGRESS_PORT": "8082", "FUNCTION_URL": loopback})
+        assert local.pod_ip is None
+    assert DispatcherSettings.from_env({**remote, "PROGRESS_PORT": "0"}).progress_port == 0
+
+
+@pytest.mark.parametrize("pod_ip", ["", "pod-1", "10.1.2", "10.1.2.3:80", "[::1]"])
+def test_a_pod_ip_must_be_an_ip_address(pod_ip: str) -> None:
+    with pytest.raises(SettingsError, match=r"^POD_IP must be an IP address"):
+        DispatcherSettings.from_env({"POD_IP": pod_ip})

@@ -151,16 +151,21 @@ def _parse(raw: bytes, content_type: str | None, items_below: int = 0) -> dict[s
 
 
 def _check_item(item: Any, where: str = "") -> dict[str, Any]:
-    """One task's part of a request: `body` (an object), an optional `callback` and an
-    optional time to wait for (`notBefore` or `delaySeconds`)."""
+    """One task's part of a request: `body` (an object) before anything else, since the
+    schema reads it; its other fields are checked after the schema (`_check_fields`)."""
     if not isinstance(item, dict):
         raise errors.invalid(where.rstrip("/"), "must be a JSON object")
-    unknown = sorted(set(item) - {"body", "callback", "notBefore", "delaySeconds"})
-    if unknown:
-        raise errors.invalid(where + unknown[0][:100], "unknown field")
     if not isinstance(item.get("body"), dict):
         raise errors.invalid(where + "body", "required, and must be a JSON object")
     return item
+
+
+def _check_fields(item: dict[str, Any], where: str) -> None:
+    """Besides `body`: an optional `callback` and an optional time to wait for
+    (`notBefore` or `delaySeconds`), nothing else."""
+    unknown = sorted(set(item) - {"body", "callback", "notBefore", "delaySeconds"})
+    if unknown:
+        raise errors.invalid(where + unknown[0][:100], "unknown field")
 
 
 def _text_problem(text: str) -> str | None:
@@ -425,13 +430,15 @@ async def _new_task(
     fingerprint: bytes | None = None,
 ) -> NewTask:
     """One task checked in SPEC §3.1's order: its shape (a `body` object), the service's JSON
-    Schema (400001), then its callback (the SSRF guard) and its time (400002)."""
+    Schema (400001), then its other fields, its callback (the SSRF guard) and its time
+    (400002)."""
     item = _check_item(item, where)
     schema_errors = rt.schemas.errors(access.service, item["body"])
     if schema_errors:
         for error in schema_errors:
             error["path"] = where + error["path"]
         raise errors.ApiError(errors.SCHEMA_INVALID, schema_errors)
+    _check_fields(item, where)
     callback = None
     if item.get("callback") is not None:
         try:

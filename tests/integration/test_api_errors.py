@@ -165,11 +165,13 @@ def test_schema_failure_is_400001_with_errors(gateway: GatewayProcess, svc) -> N
 def test_the_schema_is_checked_before_the_callback_and_the_time(
     gateway: GatewayProcess, svc
 ) -> None:
-    """SPEC §3.1's order: 400001 before 400002 (a bad callback), for a body both refuse."""
+    """SPEC §3.1's order: 400001 before 400002 (a bad callback, an unknown field), for a body
+    both refuse."""
     bad_body = {"sleep": "long"}
     with gateway.http(svc.clients[0]) as http:
         for extra in (
             {"callback": {"type": "ftp", "url": "ftp://x"}},
+            {"foo": 1},
             {"delaySeconds": -1},
             {"notBefore": "tomorrow"},
         ):

@@ -53,7 +53,11 @@ SecretOpt = Annotated[
 ]
 ServiceOpt = Annotated[
     str | None,
-    typer.Option("--service", "-s", help="Service of the task [env: CONVEYOR_SERVICE]."),
+    typer.Option(
+        "--service",
+        "-s",
+        help="Service of the task, else CONVEYOR_SERVICE (when the task id comes alone).",
+    ),
 ]
 TargetArgs = Annotated[
     list[str], typer.Argument(metavar="[SERVICE] TASK_ID", help="The task, optionally its service.")

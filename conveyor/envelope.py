@@ -16,3 +16,17 @@ def error(
     if errors:
         body["errors"] = errors
     return {"status": "error", "error": body}
+
+
+# SPEC §3's 503001, also what a probe answers when its process is not ready.
+UNAVAILABLE_NUMBER = 503001
+UNAVAILABLE_DESCRIPTION = "Service temporarily unavailable."
+
+
+def probe(data: dict[str, Any], ready: bool = True) -> dict[str, Any]:
+    """`/healthz` and `/readyz` in the envelope (SPEC §3: every answer), gateway and dispatcher
+    alike: what was checked is `data` either way, so a 503's reader finds which check failed
+    where a 200's reader finds them all true."""
+    if ready:
+        return success(data)
+    return {**error(UNAVAILABLE_NUMBER, UNAVAILABLE_DESCRIPTION), "data": data}

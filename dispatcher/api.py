@@ -154,14 +154,13 @@ class Endpoints:
         return web.Response(status=204)
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok"})
+        return _json(envelope.probe({"alive": True}))
 
     async def readyz(self, request: web.Request) -> web.Response:
         checks = await self.readiness()
         ready = all(checks.values())
         return _json(
-            {"status": "ready" if ready else "not ready", "checks": checks},
-            200 if ready else 503,
+            envelope.probe({"ready": ready, "checks": checks}, ready), 200 if ready else 503
         )
 
     async def metrics_text(self, request: web.Request) -> web.Response:

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conveyor import heap, tracing
+from conveyor import envelope, heap, tracing
 from conveyor.settings import GatewaySettings
 from gateway import admin_api, api, api_docs, dashboard, errors, metrics, pgpool, schema
 from gateway.responses import Json
@@ -203,8 +203,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _add_operations(app: FastAPI) -> None:
     @app.get("/healthz", include_in_schema=False)
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> Json:
+        return Json(envelope.probe({"alive": True, "process": os.getpid()}))
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz(request: Request) -> Json:
@@ -212,16 +212,14 @@ def _add_operations(app: FastAPI) -> None:
         checks = await runtime.ready()
         ok = all(checks.values())
         details = {k: v for k, v in runtime.problems().items() if v}
-        return Json(
-            {
-                "status": "ok" if ok else "unavailable",
-                "checks": checks,
-                "background": runtime.background,  # this process runs the loops
-                "process": os.getpid(),  # which of `--workers` answered
-                **details,
-            },
-            status_code=200 if ok else 503,
-        )
+        data = {
+            "ready": ok,
+            "checks": checks,
+            "background": runtime.background,  # this process runs the loops
+            "process": os.getpid(),  # which of `--workers` answered
+            **details,
+        }
+        return Json(envelope.probe(data, ok), status_code=200 if ok else 503)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:

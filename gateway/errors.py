@@ -31,7 +31,7 @@ CLIENT_CAPACITY = ErrorKind(429, 429002, "Too many service requests for the clie
 ALREADY_FINISHED = ErrorKind(409, 409001, "Task already finished.")
 NOT_FOUND = ErrorKind(404, 404000, "Not found.")
 METHOD_NOT_ALLOWED = ErrorKind(405, 405000, "Method not allowed.")
-UNAVAILABLE = ErrorKind(503, 503001, "Service temporarily unavailable.")
+UNAVAILABLE = ErrorKind(503, envelope.UNAVAILABLE_NUMBER, envelope.UNAVAILABLE_DESCRIPTION)
 INTERNAL = ErrorKind(500, 500001, "Internal error.")
 
 

@@ -170,7 +170,7 @@ async def test_local_api_listens_on_loopback_only(
     async with httpx.AsyncClient() as client:
         assert (await client.get(f"{dispatcher.base}/healthz")).status_code == 200
         ready = await client.get(f"{dispatcher.base}/readyz")
-        assert ready.status_code == 200 and all(ready.json()["checks"].values())
+        assert ready.status_code == 200 and all(ready.json()["data"]["checks"].values())
         dispatcher.signal()
         assert await dispatcher.exit_code(10) == 0
 
@@ -206,7 +206,7 @@ async def test_not_ready_until_the_function_answers(
         await eventually(
             lambda: _status(client, f"{dispatcher.base}/readyz", 503), 10, "a 503 from /readyz"
         )
-        checks = (await client.get(f"{dispatcher.base}/readyz")).json()["checks"]
+        checks = (await client.get(f"{dispatcher.base}/readyz")).json()["data"]["checks"]
         assert checks["function"] is False
         assert (await client.get(f"{dispatcher.base}/healthz")).status_code == 200
         start_function(procs, tmp_path, port=port)
@@ -346,7 +346,7 @@ async def test_not_ready_while_the_broker_has_cancelled_its_consumer(
         await eventually(
             lambda: _status(client, f"{dispatcher.base}/readyz", 503), 10, "a 503 from /readyz"
         )
-        checks = (await client.get(f"{dispatcher.base}/readyz")).json()["checks"]
+        checks = (await client.get(f"{dispatcher.base}/readyz")).json()["data"]["checks"]
         assert checks == {"broker": False, "function": True, "accepting": True}
         await declare_service(rabbit.channel, rabbit.queue, rabbit.fmt, 5)
         await eventually(

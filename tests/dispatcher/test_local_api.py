@@ -46,7 +46,10 @@ async def test_hostile_requests_get_the_specs_answers_and_break_nothing(
         metrics = await http.get(f"{dispatcher.base}/metrics")
         assert metrics.headers["content-type"].startswith("text/plain")
         assert "conveyor_dispatcher_tasks_in_flight" in metrics.text
-        assert (await http.get(f"{dispatcher.base}/healthz")).json() == {"status": "ok"}
+        assert (await http.get(f"{dispatcher.base}/healthz")).json() == {
+            "status": "success",
+            "data": {"alive": True},
+        }
 
     # Bytes that are not HTTP at all, then a connection left half-sent.
     with socket.create_connection(("127.0.0.1", dispatcher.port), timeout=5) as raw:

@@ -24,7 +24,7 @@ def _answering(url: str, want: int, timeout: float = 30) -> dict[int, bool]:
     deadline = time.monotonic() + timeout
     while len(seen) < want and time.monotonic() < deadline:
         try:
-            ready = httpx.get(f"{url}/readyz", timeout=5).json()
+            ready = httpx.get(f"{url}/readyz", timeout=5).json()["data"]
         except httpx.HTTPError:
             time.sleep(0.1)
             continue

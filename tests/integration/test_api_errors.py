@@ -344,9 +344,12 @@ def test_idempotency_key_returns_the_same_task(gateway: GatewayProcess, svc) -> 
 
 def test_operations_endpoints(gateway: GatewayProcess) -> None:
     with gateway.http() as http:
-        assert http.get("/healthz").status_code == 200
+        alive = http.get("/healthz")
+        assert alive.status_code == 200 and alive.json()["status"] == "success"  # SPEC §3
+        assert alive.json()["data"]["alive"] is True
         ready = http.get("/readyz")
-        assert ready.status_code == 200 and ready.json()["checks"] == {
+        assert ready.json()["status"] == "success"
+        assert ready.status_code == 200 and ready.json()["data"]["checks"] == {
             "database": True,
             "schema": True,
             "broker": True,

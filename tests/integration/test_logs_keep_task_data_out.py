@@ -85,7 +85,7 @@ def test_a_reaper_failing_every_pass_is_named_in_readyz_and_logs_no_task_data(
         with gateway.http() as http:
             ready = http.get("/readyz")
             assert ready.status_code == 200, ready.text
-            assert "violates check constraint" in ready.json()["failing"]["reaper"]
+            assert "violates check constraint" in ready.json()["data"]["failing"]["reaper"]
             assert MARK not in ready.text
             assert (
                 'conveyor_gateway_loop_failures_total{loop="reaper"}' in http.get("/metrics").text
@@ -93,9 +93,9 @@ def test_a_reaper_failing_every_pass_is_named_in_readyz_and_logs_no_task_data(
             with psycopg.connect(libpq(url), autocommit=True) as conn:
                 conn.execute("ALTER TABLE tasks DROP CONSTRAINT refuses")
             deadline = time.monotonic() + 20
-            while "failing" in http.get("/readyz").json() and time.monotonic() < deadline:
+            while "failing" in http.get("/readyz").json()["data"] and time.monotonic() < deadline:
                 time.sleep(0.3)
-            assert "failing" not in http.get("/readyz").json()
+            assert "failing" not in http.get("/readyz").json()["data"]
         with psycopg.connect(libpq(url), autocommit=True) as conn:
             (status,) = conn.execute("SELECT status FROM tasks").fetchone()  # type: ignore[misc]
         assert status == "FAILURE"  # expired, once the pass could write it

@@ -556,7 +556,7 @@ def test_a_changed_message_format_is_declared_again(
     )
 
     def reported() -> str | None:
-        return httpx.get(f"{gateway.url}/readyz").json().get("services", {}).get(svc.name)
+        return httpx.get(f"{gateway.url}/readyz").json()["data"].get("services", {}).get(svc.name)
 
     assert "PRECONDITION_FAILED" in wait_until(reported, what="the service reported")
     task_id = _submit(gateway, svc, {"n": 1})
@@ -1215,7 +1215,7 @@ def test_one_services_broken_topology_stops_no_other(
             )
         for service in (broken, *others):
             _poll_until(gateway, service, tasks[service.name], timeout=20, status="SUCCESS")
-        ready = httpx.get(f"{gateway.url}/readyz").json()
+        ready = httpx.get(f"{gateway.url}/readyz").json()["data"]
         assert broken_name in ready["services"], ready
         assert "PRECONDITION_FAILED" in ready["services"][broken_name]
         metrics = httpx.get(f"{gateway.url}/metrics").text

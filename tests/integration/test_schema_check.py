@@ -44,10 +44,11 @@ def test_a_gateway_on_an_unmigrated_database_says_to_upgrade_then_serves(
         with gateway.http(svc.clients[0] if svc else None) as http:
             ready = http.get("/readyz")
             assert ready.status_code == 503, ready.text
-            assert ready.json()["checks"]["schema"] is False
-            assert UPGRADE in ready.json()["schema"]
+            assert ready.json()["error"]["number"] == 503001  # in SPEC §3's envelope
+            assert ready.json()["data"]["checks"]["schema"] is False
+            assert UPGRADE in ready.json()["data"]["schema"]
             if revision is not None:
-                assert "0012" in ready.json()["schema"]
+                assert "0012" in ready.json()["data"]["schema"]
             if svc is None:  # no clients table: not a 403
                 answer = http.post(gateway.tasks_url("x"), json={"body": {}}, auth=("a", "b"))
             else:  # a column an idempotent submission needs is not there yet
@@ -70,4 +71,4 @@ def test_a_gateway_on_an_unmigrated_database_says_to_upgrade_then_serves(
 
             downgrade(url, "0012")  # from under the running gateway
             ready = http.get("/readyz")
-            assert ready.status_code == 503 and "0012" in ready.json()["schema"], ready.text
+            assert ready.status_code == 503 and "0012" in ready.json()["data"]["schema"], ready.text

@@ -31,7 +31,7 @@ def test_removing_services_while_the_gateway_declares_them_keeps_it_connected(
             time.sleep(rng.uniform(0.0, 0.35))
             for service in services:
                 remove_service(platform, amqp_url, service)
-            if not http.get("/readyz").json()["checks"]["broker"]:
+            if not http.get("/readyz").json()["data"]["checks"]["broker"]:
                 disconnected.append(cycle)
     time.sleep(REMOVAL_GRACE)
     remove_due_topologies()  # eighty services' queues: gone now, not at some later removal

@@ -68,7 +68,7 @@ from conveyor.events import (
 from gateway import catalog, lifecycle, metrics, supervisor
 from gateway.broker import Broker
 from gateway.hearing import Hearing
-from gateway.pgpool import CONNECTION_ERRORS, Pool
+from gateway.pgpool import CONNECTION_ERRORS, Pool, server_timeout
 
 log = logging.getLogger("conveyor.gateway.results")
 
@@ -96,6 +96,16 @@ MAX_RETURNS = 3
 _LOCK_WAIT = "SELECT set_config('lock_timeout', %(ms)s || 'ms', true)"
 TOGETHER_LOCK_WAIT_MS = 2000
 ALONE_LOCK_WAIT_MS = 200
+
+
+def lock_waits(use_timeout: float) -> tuple[int, int]:
+    """The waits (ms, together and alone) for a pool lending connections `use_timeout` s: at
+    most half the server's statement timeout, so the lock's error comes first (a
+    CONVEYOR_DB_TIMEOUT of 3 s ends statements at 1.5 s, before a 2 s lock wait: the batch
+    was retried whole, every result waiting for the lock, found by a black-box test)."""
+    together = min(TOGETHER_LOCK_WAIT_MS, int(server_timeout(use_timeout) * 500))
+    return max(together, 1), max(min(ALONE_LOCK_WAIT_MS, together // 10), 1)
+
 
 # How long a batch may wait for the database before this replica lets go of the results it
 # holds (`ResultConsumer._release`); a blip (a failover: ~1 s) is retried in place.
@@ -623,7 +633,7 @@ class ResultConsumer:
         shared = {id(change) for change in finishes.changes}
         sent: list[tuple[lifecycle.Transition, psycopg.AsyncCursor[Any], str]] = []
         async with self.pool.batch() as conn:
-            await conn.execute(_LOCK_WAIT, {"ms": TOGETHER_LOCK_WAIT_MS})
+            await conn.execute(_LOCK_WAIT, {"ms": lock_waits(self.pool.use_timeout)[0]})
             for delivery, plan in zip(batch, planned, strict=True):
                 if plan.aside is not None:
                     await _set_aside(conn, delivery, plan.aside)
@@ -661,7 +671,7 @@ class ResultConsumer:
 
     async def _apply_one(self, delivery: Delivery, plan: Plan) -> bool:
         async with self.pool.connection() as conn, conn.transaction():
-            await conn.execute(_LOCK_WAIT, {"ms": ALONE_LOCK_WAIT_MS})
+            await conn.execute(_LOCK_WAIT, {"ms": lock_waits(self.pool.use_timeout)[1]})
             if plan.aside is not None:
                 await _set_aside(conn, delivery, plan.aside)
             if plan.change is None:

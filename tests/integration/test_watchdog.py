@@ -225,14 +225,31 @@ def test_a_gateway_frozen_past_the_limit_does_not_fail_tasks_whose_results_wait(
         assert _until(gateway, service, task_id, "SUCCESS")["response"] == {"n": 1}
 
 
+@pytest.mark.parametrize("db_timeout", [None, "3"], ids=["default", "db-timeout-3s"])
 def test_a_locked_task_row_holds_back_its_own_result_only(
-    watchdog: GatewayProcess, make_service: Any, amqp_url: str, database_url: str
+    procs: Processes,
+    watchdog: GatewayProcess,
+    make_service: Any,
+    amqp_url: str,
+    database_url: str,
+    db_timeout: str | None,
 ) -> None:
     """Found by a black-box test: one task row held by a transaction (an operator's
     `SELECT … FOR UPDATE`) stalled every result, of every task, for as long as it was held:
     the batch that met the lock waited, then was retried whole. A batch that meets a locked
     row is applied one result at a time; the locked task's goes back to the queue until its
-    row is free, the others are applied."""
+    row is free, the others are applied. Also with a short CONVEYOR_DB_TIMEOUT, whose
+    statement timeout (1 s at 3 s) came before the 2 s lock wait: the batch was retried whole."""
+    if db_timeout is not None:
+        watchdog.proc.stop()
+        env = gateway_env(
+            database_url,
+            amqp_url,
+            CONVEYOR_SILENCE_MARGIN="1",
+            CONVEYOR_REAPER_INTERVAL="0.3",
+            CONVEYOR_DB_TIMEOUT=db_timeout,
+        )
+        watchdog = GatewayProcess(procs, env, "gateway-short-db-timeout")
     service = make_service(taskTimeout=60, maxAttempts=1)
     locked, *others = [_running(watchdog, service, amqp_url, host=f"pod-{n}") for n in range(5)]
     with psycopg.connect(libpq(database_url)) as holder:

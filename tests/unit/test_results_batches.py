@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from conveyor.events import EventKind, TaskEvent, encode_event
-from gateway import results
+from gateway import pgpool, results
 
 
 class Channel:
@@ -61,6 +61,8 @@ class Cursor:
 class Database:
     """Refuses any batch of several statements (as for a value it cannot store), then is
     unreachable for the first `outage` single statements."""
+
+    use_timeout = 10.0  # CONVEYOR_DB_TIMEOUT's default
 
     def __init__(self, outage: int) -> None:
         self.outage = outage
@@ -178,3 +180,16 @@ async def test_the_watchdog_is_told_while_results_cannot_be_written() -> None:
     assert seen_while_retrying == [None]
     after = hearing.since()
     assert before is not None and after is not None and after > before
+
+
+@pytest.mark.parametrize("db_timeout", [0.5, 1, 3, 4, 10, 60])
+def test_a_lock_wait_ends_before_the_statement_timeout(db_timeout: float) -> None:
+    """The lock's error must come first: a statement timeout is taken for a slow database
+    and retries the batch whole, every result waiting for the lock (CONVEYOR_DB_TIMEOUT 3)."""
+    together, alone = results.lock_waits(db_timeout)
+    statement_ms = pgpool.server_timeout(db_timeout) * 1000
+    assert 1 <= alone <= together <= statement_ms / 2
+    if db_timeout >= 10:  # the default and longer: the waits as they were
+        assert (together, alone) == (2000, 200)
+    else:
+        assert together < 2000

@@ -75,6 +75,11 @@ log = logging.getLogger("conveyor.gateway.results")
 POISON_BODY_LIMIT = 64 * 1024
 BATCH_SIZE = 200
 BATCH_WINDOW = 0.005
+# What a batch's messages may weigh together; a heavier message is applied alone. A dozen
+# answers of a few MiB (within the dispatcher's MAX_RESPONSE_BYTES) took the database longer
+# than CONVEYOR_DB_TIMEOUT as one batch: cut off, handed back and taken again, for ever, the
+# results of every service waiting behind them (found by a black-box test).
+BATCH_BYTES = 1024 * 1024
 REPLACED_KEPT = 8  # channels a reconnection may reopen: those it found, a few at most
 DEAD_LETTERED = "dead_lettered"  # the kind of a -dlq message, beside the events' kinds
 POISON = "poison"  # the kind of a message that asks for nothing
@@ -214,6 +219,7 @@ class ResultConsumer:
         self.refresh_interval = refresh_interval
         self.on_finished = on_finished
         self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._next: Delivery | None = None  # taken from the inbox, too heavy for the last batch
         self._channel: AbstractRobustChannel | None = None
         # Channels replaced by a fresh one, closed, yet closed again should a reconnection
         # reopen them: aio-pika's restore resets a close that lands while it reopens.
@@ -431,17 +437,25 @@ class ResultConsumer:
             await self.process(batch)
 
     async def _next_batch(self) -> list[Delivery]:
-        """What has arrived, after one short pause for stragglers when it is not much."""
-        batch = [await self._inbox.get()]
+        """What has arrived, after one short pause for stragglers when it is not much: up
+        to BATCH_SIZE messages and BATCH_BYTES of them (the first one whatever its size)."""
+        first, self._next = self._next, None
+        batch = [first or await self._inbox.get()]
         self._take_arrived(batch)
-        if len(batch) < BATCH_SIZE:
+        if len(batch) < BATCH_SIZE and self._next is None:
             await asyncio.sleep(BATCH_WINDOW)
             self._take_arrived(batch)
         return batch
 
     def _take_arrived(self, batch: list[Delivery]) -> None:
-        while len(batch) < BATCH_SIZE and not self._inbox.empty():
-            batch.append(self._inbox.get_nowait())
+        weight = sum(len(d.message.body) for d in batch)
+        while self._next is None and len(batch) < BATCH_SIZE and not self._inbox.empty():
+            delivery = self._inbox.get_nowait()
+            weight += len(delivery.message.body)
+            if weight > BATCH_BYTES:
+                self._next = delivery  # the next batch's first: arrived after this one's
+                return
+            batch.append(delivery)
 
     async def process(self, batch: list[Delivery]) -> None:
         """Applies a batch, waiting out database outages, then acks it. Never raises: a

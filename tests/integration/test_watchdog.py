@@ -263,3 +263,39 @@ def test_a_locked_task_row_holds_back_its_own_result_only(
         assert _poll(watchdog, service, locked)["status"] == "IN_PROGRESS"
         holder.rollback()
     assert _until(watchdog, service, locked, "SUCCESS")["response"] == {"n": 1}
+
+
+def test_large_results_are_applied_in_batches_the_database_can_write_in_time(
+    procs: Processes, make_service: Any, amqp_url: str, database_url: str
+) -> None:
+    """Found by a black-box test: a function answering large JSON within MAX_RESPONSE_BYTES
+    (8 MiB arrays and objects) wedged the results of every service. A batch of a dozen took
+    the database longer than CONVEYOR_DB_TIMEOUT, so its connection was cut, the batch handed
+    back and taken again, for ever (tasks PENDING for good, the gateway at 5 GB). A batch now
+    carries at most BATCH_BYTES of messages; a larger message is applied alone."""
+    env = gateway_env(database_url, amqp_url, CONVEYOR_DB_TIMEOUT="3")
+    gateway = GatewayProcess(procs, env, "gateway-large-results")
+    service = make_service(taskTimeout=120, maxAttempts=1)
+    large = [_running(gateway, service, amqp_url, host=f"pod-{n}") for n in range(12)]
+    small = _running(gateway, service, amqp_url, host="pod-small")
+    wide = [0] * 500_000  # 1 MB of JSON, a few tenths of a second of the database's time
+    events = [
+        encode_event(
+            TaskEvent(EventKind.SUCCEEDED, task_id, attempt="a1", response=wide), service.name
+        )
+        for task_id in large
+    ]
+    small_event = TaskEvent(EventKind.SUCCEEDED, small, attempt="a1", response={"n": 1})
+    publish(
+        amqp_url,
+        topology.out_queue(service.queue_name),
+        [*events, encode_event(small_event, service.name)],
+    )
+    began = time.monotonic()
+    for task_id in (small, *large):
+        wait_until(
+            lambda t=task_id: _poll(gateway, service, t)["status"] == "SUCCESS",
+            60,
+            what=f"task {task_id} SUCCESS",
+        )
+    assert time.monotonic() - began < 45, time.monotonic() - began

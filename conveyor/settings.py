@@ -116,9 +116,9 @@ class GatewaySettings(CommonSettings):
     callback_backoff: SecondsOrNone = 1.0
     # Callbacks delivered at once by one gateway: a slow target holds one slot, not the rest.
     callback_concurrency: Count = 20
-    # Of those, how many one target (host and port) is sure of; beyond them it takes only
-    # slots that leave as many free: a consumer whose endpoint hangs delays its own callbacks,
-    # not everyone's.
+    # Slots kept for targets (host and port) with nothing in flight: a target's further
+    # deliveries take only slots that leave this many free, so targets that hang delay their
+    # own callbacks, not everyone's.
     callback_per_target: Count = 5
     # A claimed callback is renewed while it is delivered; a dead replica's go out after this.
     callback_lease: Seconds = 30.0

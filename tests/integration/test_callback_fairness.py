@@ -1,0 +1,177 @@
+"""Callback slots shared across targets, however many of them hang (a black-box test).
+
+Found by a tester: one hanging target left `CALLBACK_PER_TARGET` slots free, but four or more
+(each accepting the connection, never answering) held every slot between them, `per_target`
+each, and the claim's oldest-first order put a healthy consumer's callbacks, finished later,
+behind all of theirs: they went out only after every hanging callback had spent its attempts
+(306 and 488 s late). The gateway here has 8 slots, 2 "per target", 2 s attempts; five
+hanging targets with 15 callbacks each would take about a minute to drain.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from tests.support.amqp import (
+    queues_of,
+    remove_service,
+    scratch_database,
+    wait_for_queues,
+    wait_until,
+)
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
+from tests.support.processes import Processes
+
+TIMEOUT = 2.0  # CALLBACK_TIMEOUT: one attempt
+HANGING_TARGETS = 5
+CALLBACKS_EACH = 15
+HEALTHY = 3
+
+
+class Hanging:
+    """A target that takes every connection and never answers a byte."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=256)
+        self.port: int = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            self.held.append(conn)
+            self.accepted += 1
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+class Healthy:
+    """A target that answers 200 at once, noting when each callback arrived."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[float] = []
+        arrivals = self.arrivals
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                arrivals.append(time.monotonic())
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port: int = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextmanager
+def _notifier(
+    database_url: str, amqp_url: str, procs: Processes
+) -> Iterator[tuple[GatewayProcess, Platform, Service]]:
+    """A gateway of its own on a scratch database: no other gateway claims its callbacks."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        env = gateway_env(
+            url,
+            amqp_url,
+            CONVEYOR_CALLBACK_TIMEOUT=f"{TIMEOUT:g}",
+            CONVEYOR_CALLBACK_ATTEMPTS="3",
+            CONVEYOR_CALLBACK_BACKOFF="0.1",
+            CONVEYOR_CALLBACK_CONCURRENCY="8",
+            CONVEYOR_CALLBACK_PER_TARGET="2",
+        )
+        try:
+            gateway = GatewayProcess(procs, env, "gateway-fairness")
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            yield gateway, platform, svc
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
+def _submit(gateway: GatewayProcess, svc: Service, urls: list[str]) -> list[str]:
+    with gateway.http(svc.clients[0]) as http:
+        answer = http.post(
+            f"{gateway.tasks_url(svc.name)}/batch",
+            json={"tasks": [{"body": {}, "callback": {"type": "http", "url": u}} for u in urls]},
+        )
+    assert answer.status_code == 201, answer.text
+    return [item["taskId"] for item in answer.json()["data"]["tasks"]]
+
+
+def _finish(platform: Platform, task_ids: list[str]) -> None:
+    """Ends the tasks in one go, as the result consumer does: SUCCESS, callback due."""
+    platform.sql(
+        """
+        UPDATE tasks SET status = 'SUCCESS', start_date = now(), end_date = now(), progress = 100,
+               response = '{"done": true}', notification_status = 'PENDING'
+         WHERE task_id = ANY(CAST(%(ids)s AS uuid[]))
+        """,
+        {"ids": task_ids},
+    )
+
+
+@pytest.mark.timeout(90)
+def test_many_hanging_targets_delay_no_other_consumer(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    hanging = [Hanging() for _ in range(HANGING_TARGETS)]
+    healthy = Healthy()
+    try:
+        with _notifier(database_url, amqp_url, procs) as (gateway, platform, svc):
+            dead_ids = _submit(
+                gateway,
+                svc,
+                [f"http://localhost:{t.port}/hook" for t in hanging for _ in range(CALLBACKS_EACH)],
+            )
+            good_ids = _submit(gateway, svc, [f"http://localhost:{healthy.port}/hook"] * HEALTHY)
+            _finish(platform, dead_ids)
+            # The hanging callbacks are under way: the pool has taken all it will of them.
+            wait_until(
+                lambda: sum(t.accepted for t in hanging) >= 5,
+                timeout=10,
+                what="calls to the hanging targets",
+            )
+            time.sleep(0.5)
+
+            ended = time.monotonic()
+            _finish(platform, good_ids)
+            bound = 2 * TIMEOUT + 2
+            wait_until(
+                lambda: len(healthy.arrivals) >= HEALTHY,
+                timeout=bound,
+                what=f"the healthy consumer's {HEALTHY} callbacks within {bound:g} s",
+            )
+            delays = [round(at - ended, 2) for at in healthy.arrivals]
+            assert max(delays) < bound, delays
+            # Round-robin: every hanging target has had a go, none was left out for later.
+            assert all(t.accepted for t in hanging), [t.accepted for t in hanging]
+    finally:
+        for target in hanging:
+            target.close()
+        healthy.close()

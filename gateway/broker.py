@@ -1,6 +1,7 @@
 """The gateway's RabbitMQ connection: robust (aio-pika reconnects by itself) and
 publishing with confirms, `mandatory` so that a missing queue is an error
-rather than a silently dropped task."""
+(`QueueMissing`, which the outbox answers by declaring the queue again) rather than a
+silently dropped task."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
 from conveyor.amqp import to_amqp
@@ -24,6 +26,12 @@ class PublishError(RuntimeError):
 class PublishTimeout(PublishError):
     """Nor did it refuse, within `publish_timeout`: a broker that blocks publishers (a memory
     or disk alarm), or a queue that cannot take messages now."""
+
+
+class QueueMissing(PublishError):
+    """The broker returned the message (`basic.return`, NO_ROUTE): no queue of that name.
+    A `mandatory` publish to the default exchange is returned only so, and RabbitMQ reports a
+    missing queue no other way (no channel error, the publish is even confirmed after it)."""
 
 
 class Broker:
@@ -83,6 +91,14 @@ class Broker:
         `publish_timeout`, or PublishError (asked again next time)."""
         if key in self._declared:
             return
+        await self.declare(key, declare)
+        self._declared.add(key)
+
+    async def declare(
+        self, key: str, declare: Callable[[AbstractChannel], Awaitable[None]]
+    ) -> None:
+        """`declare(channel)` now, on a channel of its own (a refused declaration closes the
+        channel it was made on), within `publish_timeout`, or PublishError naming `key`."""
         try:
             async with asyncio.timeout(self.publish_timeout):
                 channel = await self.channel()
@@ -93,7 +109,6 @@ class Broker:
                         await channel.close()
         except Exception as exc:
             raise PublishError(f"{key} not declared: {exc!r}") from None
-        self._declared.add(key)
 
     async def publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:
         """Confirmed within `publish_timeout` in all, connecting included, or PublishError.
@@ -114,6 +129,8 @@ class Broker:
         assert self._publishing is not None
         try:
             await self._publishing.publish(to_amqp(message), routing_key, exchange)
+        except aiormq.exceptions.PublishError:  # returned: only a mandatory one, to a queue
+            raise QueueMissing(f"publish to {routing_key} returned: no such queue") from None
         except Exception as exc:
             target = exchange or routing_key
             raise PublishError(f"publish to {target} not confirmed: {exc!r}") from None

@@ -26,8 +26,17 @@ slow. A relay pass that publishes nothing (the broker is unreachable) makes the
 relay back off, up to `max_backoff`, instead of cycling through the whole backlog
 at every row's lease expiry.
 
-At worst a task is published twice (confirm received, mark lost): delivery is
-at-least-once end to end, and the state machine absorbs duplicates.
+A service's `-in` deleted under a running platform (by an operator, or lost with a node)
+returns every publish to it (`QueueMissing`). The gateway declares a service's queues when it
+subscribes the service, not again, so the publish that finds the queue missing declares the
+service's queues again (`_restore`, at most once per service per `REDECLARE_EVERY`) and is
+tried once more; the messages that went down with the queue are found from their rows: every
+PENDING task of that service already published (and due) is marked unpublished, so the relay
+publishes it again.
+
+At worst a task is published twice (confirm received, mark lost; or published again after a
+lost `-in` while its message had already been delivered): delivery is at-least-once end to
+end, and the state machine absorbs duplicates.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
@@ -45,7 +55,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from conveyor import logs, topology, tracing
 from conveyor.events import MessageFormat, Submission, encode_submission
 from gateway import lifecycle, metrics, supervisor
-from gateway.broker import Broker, PublishError, PublishTimeout
+from gateway.broker import Broker, PublishError, PublishTimeout, QueueMissing
 from gateway.catalog import Service
 from gateway.pgpool import Pool
 
@@ -84,6 +94,25 @@ _NOTE_ERRORS = """
       FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(errors)s AS text[])) AS f(id, error)
      WHERE t.id = f.id AND t.publish_at IS NOT NULL
     """
+# The rows this relay failed that still wait for a publish (neither published nor ended since).
+_STILL_UNPUBLISHED = "SELECT id FROM tasks WHERE id = ANY(%(ids)s) AND publish_at IS NOT NULL"
+# A service's `-in` was found missing: the messages it held are lost with it. Its tasks still
+# PENDING and published (IN_PROGRESS ones are the watchdog's; ended ones need nothing; run-later
+# ones not yet due were never published), and those this gateway keeps confirmed but not yet
+# marked (`kept`), go back to the relay (ix_tasks_pending: the service's PENDING rows only).
+_REPUBLISH = """
+    UPDATE tasks SET publish_at = now()
+     WHERE service IN (SELECT name FROM services WHERE queue_name = %(queue)s)
+       AND status = 'PENDING'
+       AND (publish_at IS NULL OR id = ANY(%(kept)s))
+       AND (not_before IS NULL OR not_before <= now())
+    """
+
+# A service whose `-in` is missing has its queues declared again at most this often: a storm
+# of submissions finding it missing makes one declaration, not one each.
+REDECLARE_EVERY = 2.0
+# The failed rows the relay watches at most (`_failed`): a few suffice to tell it still fails.
+FAILED_KEPT = 1000
 
 
 class RelayStalled(Exception):
@@ -153,10 +182,21 @@ class Outbox:
         # connection drops, the rows still kept are left to the relay, which publishes them
         # again. A duplicate is harmless; a lost submission would leave its task PENDING.
         self.keep_confirmed = keep_confirmed
-        # (when confirmed, task row id), oldest first: the ripe ones are a prefix
-        self._confirmed: deque[tuple[float, int]] = deque()
+        # (when confirmed, task row id, queue name), oldest first: the ripe ones are a prefix
+        self._confirmed: deque[tuple[float, int, str]] = deque()
+        # Marking rows published, and unpublished after a lost `-in`, one at a time: a mark of
+        # rows confirmed into the lost queue must not land after they were given back.
+        self._marking = asyncio.Lock()
         # Per queue, until when the fast path leaves its submissions to the relay (`publish_now`).
         self._fast_path_resumes: dict[str, float] = {}
+        # Per queue name: the declaration under way after its `-in` was found missing, and when
+        # the last one started and whether it succeeded (`_restore`).
+        self._restoring: dict[str, asyncio.Task[bool]] = {}
+        self._restored: dict[str, tuple[float, bool]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        # Rows this relay failed to publish, as far as it knows still waiting in their backoff:
+        # a pass that finds nothing due meanwhile is no success (`_nothing_failed_waits`).
+        self._failed: set[int] = set()
         broker.on_reconnect(self._distrust_recent)
 
     def _distrust_recent(self) -> None:
@@ -167,9 +207,9 @@ class Outbox:
             )
         self._confirmed.clear()
 
-    def _note_confirmed(self, ids: list[int]) -> None:
+    def _note_confirmed(self, rows: list[tuple[int, str]]) -> None:
         at = time.monotonic()
-        self._confirmed.extend((at, row_id) for row_id in ids)
+        self._confirmed.extend((at, row_id, queue_name) for row_id, queue_name in rows)
 
     # -- fast path ---------------------------------------------------------
 
@@ -186,7 +226,8 @@ class Outbox:
         if time.monotonic() < self._fast_path_resumes.get(queue_name, 0.0):
             return False
         try:
-            await self._send(submission, queue_name, "fast")
+            # a missing queue declared again and the publish retried, all within one timeout
+            await self._send_or_restore(submission, queue_name, "fast", self.broker.publish_timeout)
         except PublishError as exc:
             if isinstance(exc, PublishTimeout):
                 self._fast_path_resumes[queue_name] = time.monotonic() + self.broker.publish_timeout
@@ -194,8 +235,101 @@ class Outbox:
             return False
         self._fast_path_resumes.pop(queue_name, None)
         metrics.child(metrics.PUBLISHED, "fast").inc()
-        self._note_confirmed([row_id])
+        self._note_confirmed([(row_id, queue_name)])
         return True
+
+    async def _send_or_restore(
+        self, submission: Submission, queue_name: str, path: str, within: float | None = None
+    ) -> None:
+        """`_send`; when the queue is missing, the service's queues are declared again
+        (`_restore`) and the publish is tried once more, all within `within` seconds if given
+        (else PublishError): the fast path must end within the outbox's grace."""
+        started = time.monotonic()
+        try:
+            await self._send(submission, queue_name, path)
+        except QueueMissing:
+            left = None if within is None else max(0.0, started + within - time.monotonic())
+            try:
+                async with asyncio.timeout(left):
+                    if not await self._restore(queue_name, submission.message_format):
+                        raise
+                    await self._send(submission, queue_name, path)
+            except TimeoutError:
+                raise PublishError(f"{queue_name} declared again, not in time") from None
+
+    async def _restore(self, queue_name: str, message_format: MessageFormat) -> bool:
+        """Whether the service's queues were declared again just now (or by a declaration
+        started less than REDECLARE_EVERY ago): worth publishing once more. One declaration
+        at a time per queue, shared by every publish that found it missing, and shielded: a
+        caller that gives up (its timeout) does not cut the declaration short."""
+        restoring = self._restoring.get(queue_name)
+        if restoring is None:
+            last = self._restored.get(queue_name)
+            if last is not None and time.monotonic() - last[0] < REDECLARE_EVERY:
+                return last[1]
+            restoring = asyncio.create_task(self._redeclare(queue_name, message_format))
+            self._restoring[queue_name] = restoring
+            restoring.add_done_callback(lambda _: self._restoring.pop(queue_name, None))
+        return await asyncio.shield(restoring)
+
+    async def _redeclare(self, queue_name: str, message_format: MessageFormat) -> bool:
+        """The service's queues, declared as the gateway declares them when it subscribes the
+        service; then, in the background, its tasks published before are given back to the
+        relay (their messages were in the queue that is gone)."""
+        started = time.monotonic()
+        limit = self.delivery_limit
+        if limit is None and message_format is MessageFormat.CLOUDEVENTS:
+            self._restored[queue_name] = (started, False)  # not as the gateway declares them
+            return False
+        declare = partial(
+            topology.declare_service,
+            queue_name=queue_name,
+            message_format=message_format,
+            delivery_limit=limit or 0,
+        )
+        try:
+            await self.broker.declare(topology.in_queue(queue_name), declare)
+        except PublishError as exc:
+            self._restored[queue_name] = (started, False)
+            log.warning(
+                "a service's queue is missing and could not be declared again",
+                extra={"queue": queue_name, "error": str(exc)},
+            )
+            return False
+        self._restored[queue_name] = (started, True)
+        log.warning(
+            "a service's queue was missing: declared again; its pending tasks are published again",
+            extra={"queue": topology.in_queue(queue_name)},
+        )
+        task = asyncio.create_task(self._republish_lost(queue_name, started))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return True
+
+    async def _republish_lost(self, queue_name: str, before: float) -> None:
+        """Gives the relay back the service's PENDING tasks published before the queue was
+        found missing, the database retried until it answers: once `-in` exists again
+        nothing would find these messages missing any more."""
+        retrying = AsyncRetrying(
+            wait=wait_exponential(multiplier=self.interval, max=self.max_backoff),
+            retry=retry_if_exception_type(Exception),
+        )
+        async for attempt in retrying:
+            with attempt:
+                async with self._marking:
+                    lost = [
+                        row_id
+                        for at, row_id, queue in self._confirmed
+                        if queue == queue_name and at < before
+                    ]
+                    async with self.pool.connection() as conn:
+                        done = await conn.execute(_REPUBLISH, {"queue": queue_name, "kept": lost})
+                    kept = set(lost)  # the relay publishes them again: not to be marked
+                    self._confirmed = deque(e for e in self._confirmed if e[1] not in kept)
+        log.info(
+            "tasks published before their queue was lost are published again",
+            extra={"queue": topology.in_queue(queue_name), "count": done.rowcount},
+        )
 
     async def _send(self, submission: Submission, queue_name: str, path: str) -> None:
         """One confirmed publish; with tracing on, in a `publish` span of the task's trace,
@@ -225,6 +359,10 @@ class Outbox:
         """Marks the rows confirmed long enough ago (all of them with `everything`)."""
         if not everything and not self.broker.connected:
             return  # the broker may have crashed: what it confirmed last is not trusted yet
+        async with self._marking:
+            await self._mark_ripe(everything)
+
+    async def _mark_ripe(self, everything: bool) -> None:
         trusted = time.monotonic() - self.keep_confirmed
         confirmed = self._confirmed
         ids = []
@@ -253,20 +391,34 @@ class Outbox:
                 retry=retry_if_exception_type(Exception),
                 before_sleep=_log_backoff,
             )
+            settled = False
             async for attempt in retrying:
                 with attempt:
-                    await self._drain()
-            supervisor.pass_succeeded()
+                    settled = await self._drain()
+            if settled:
+                supervisor.pass_succeeded()
             await asyncio.sleep(self.interval)
 
-    async def _drain(self) -> None:
-        """Passes back to back while whole batches get published (a backlog that flows)."""
+    async def _drain(self) -> bool:
+        """Passes back to back while whole batches get published (a backlog that flows);
+        whether no row this relay failed to publish still waits (see `_nothing_failed_waits`)."""
         while True:
             done = await self.relay_once()
             if done.claimed and not done.published:
                 raise RelayStalled(f"{done.claimed} claimed, none published")
             if done.published < self.batch:
-                return
+                return await self._nothing_failed_waits()
+
+    async def _nothing_failed_waits(self) -> bool:
+        """A pass that found nothing due while the rows it failed wait out their backoff
+        succeeded at nothing: counted a success, it cleared `failing` in /readyz between every
+        two failed passes of a relay stalled for good. A row another replica published, or
+        whose task ended meanwhile, no longer counts."""
+        if self._failed:
+            async with self.pool.connection() as conn:
+                cursor = await conn.execute(_STILL_UNPUBLISHED, {"ids": list(self._failed)})
+                self._failed = {row.id for row in await cursor.fetchall()}
+        return not self._failed
 
     async def relay_once(self) -> RelayPass:
         """Claims up to a batch of due rows and settles each one."""
@@ -280,14 +432,21 @@ class Outbox:
             await self._end_orphans(orphans)
         live = [row for row in rows if not row.orphan]
         errors = await asyncio.gather(*(self._relay_row(row) for row in live))
-        done = [row.id for row, error in zip(live, errors, strict=True) if error is None]
+        done = [row for row, error in zip(live, errors, strict=True) if error is None]
         failed = [(row.id, error) for row, error in zip(live, errors, strict=True) if error]
-        self._note_confirmed(done)  # marked once the broker has had time to keep them
+        # marked once the broker has had time to keep them
+        self._note_confirmed([(row.id, row.queue_name) for row in done])
+        self._note_failed({row.id for row in rows}, [row_id for row_id, _ in failed])
         if failed:
             ids, messages = zip(*failed, strict=True)
             async with self.pool.connection() as conn:
                 await conn.execute(_NOTE_ERRORS, {"ids": list(ids), "errors": list(messages)})
         return RelayPass(len(rows), len(done) + len(orphans))
+
+    def _note_failed(self, claimed: set[int], failed: list[int]) -> None:
+        """The rows of a pass: those published or ended need nothing more; those failed wait."""
+        self._failed -= claimed
+        self._failed.update(failed[: max(0, FAILED_KEPT - len(self._failed))])
 
     async def _end_orphans(self, rows: list[Any]) -> None:
         """Tasks whose service was deleted: nothing can run them, so they fail (which ends
@@ -316,7 +475,7 @@ class Outbox:
             traceparent=row.traceparent,
         )
         try:
-            await self._send(submission, row.queue_name, "relay")
+            await self._send_or_restore(submission, row.queue_name, "relay")
         except PublishError as exc:
             return str(exc)[:500] or exc.__class__.__name__
         metrics.child(metrics.PUBLISHED, "relay").inc()

@@ -1,0 +1,134 @@
+"""A service's `-in` deleted under a running platform (by an operator, or lost with a node).
+
+Found by a black-box tester: the gateway declared a service's queues only when it subscribed
+the service, so once `-in` was gone every publish to it was returned unroutable, the relay
+stalled for ever (`RelayStalled`) and each new task stayed PENDING until its time to live; the
+tasks whose messages went down with the queue were never published again either. And while the
+relay was stalled, `/readyz` cleared `outbox-relay` from `failing` at every pass that found
+nothing due (the failed rows waiting out their backoff), so the failure flickered.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import aio_pika
+import pytest
+
+from conveyor import topology
+from tests.e2e.conftest import Stack
+from tests.support.amqp import (
+    delete_queues,
+    message_count,
+    queues_of,
+    remove_service,
+    scratch_database,
+    wait_for_queues,
+    wait_until,
+)
+from tests.support.gateway import GatewayProcess, Platform, gateway_env, run_sync
+from tests.support.processes import Processes
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _unpublished(platform: Platform, service: str) -> int:
+    rows = platform.sql(
+        "SELECT count(*) FROM tasks WHERE service = %(s)s AND publish_at IS NOT NULL",
+        {"s": service},
+    )
+    return int(rows[0][0])
+
+
+def test_a_new_task_runs_after_in_was_deleted_under_a_running_dispatcher(stack: Stack) -> None:
+    in_queue = topology.in_queue(stack.service.queue_name)
+    wait_for_queues(stack.amqp_url, queues_of(stack.service.queue_name))
+    stack.dispatcher("pod-a")
+    assert stack.finish(stack.submit({"sleep": 0}), timeout=30)["status"] == "SUCCESS"
+
+    delete_queues(stack.amqp_url, [in_queue])
+    assert message_count(stack.amqp_url, in_queue) is None
+
+    task_id = stack.submit({"sleep": 0})
+    final = stack.finish(task_id, timeout=20)
+    assert final["status"] == "SUCCESS", final
+
+
+def test_tasks_lost_with_a_deleted_in_are_published_again(stack: Stack, platform: Platform) -> None:
+    """Published and confirmed (its row marked so), its message then deleted with `-in`: once
+    the gateway finds the queue missing and declares it again, the task is published again."""
+    in_queue = topology.in_queue(stack.service.queue_name)
+    wait_for_queues(stack.amqp_url, queues_of(stack.service.queue_name))
+    queued = stack.submit({"sleep": 0})  # no dispatcher yet: it waits in -in
+    wait_until(lambda: message_count(stack.amqp_url, in_queue) == 1, what="queued task published")
+    wait_until(lambda: _unpublished(platform, stack.service.name) == 0, what="marked published")
+
+    delete_queues(stack.amqp_url, [in_queue])  # the queued task's message goes with it
+    later = stack.submit({"sleep": 0})  # the gateway finds -in missing
+    stack.dispatcher("pod-a")
+
+    for task_id in (later, queued):
+        final = stack.finish(task_id, timeout=30)
+        assert final["status"] == "SUCCESS", (task_id, final)
+
+
+async def _refusing_in_queue(url: str, name: str) -> None:
+    """`-in` replaced by a queue that refuses (nacks) every publish: it exists, so nothing
+    declares it again, and the relay fails every pass."""
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(name)
+        await channel.declare_queue(
+            name, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+        )
+
+
+def _failing(gw: GatewayProcess) -> set[str]:
+    """The loops /readyz names under `failing` (absent when none is)."""
+    with gw.http() as http:
+        data: dict[str, Any] = http.get("/readyz").json()["data"]
+    return set(data.get("failing", {}))
+
+
+def _ready(gw: GatewayProcess) -> bool:
+    with gw.http() as http:
+        return http.get("/readyz").status_code == 200
+
+
+@pytest.mark.timeout(150)
+def test_a_stalled_relay_stays_failing_in_readyz_until_it_publishes(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    # A database of its own: no other gateway's relay takes (or fails) this test's rows.
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        try:
+            gw = GatewayProcess(procs, gateway_env(url, amqp_url))
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            wait_until(lambda: _ready(gw), what="gateway ready")
+            in_queue = topology.in_queue(svc.queue_name)
+            run_sync(_refusing_in_queue(amqp_url, in_queue))
+            with gw.http(svc.clients[0]) as http:
+                answer = http.post(gw.tasks_url(svc.name), json={"body": {"n": 1}})
+                assert answer.status_code == 201, answer.text
+
+            wait_until(lambda: "outbox-relay" in _failing(gw), 20, what="relay named failing")
+            samples = []
+            deadline = time.monotonic() + 8
+            while time.monotonic() < deadline:
+                samples.append(_failing(gw))
+                time.sleep(0.3)
+            cleared = [n for n, failing in enumerate(samples) if "outbox-relay" not in failing]
+            assert not cleared, f"outbox-relay cleared in samples {cleared} of {len(samples)}"
+
+            # The queue deleted: the gateway declares it as it should be and publishes the
+            # task; the relay's pass succeeds, and it is no longer named.
+            delete_queues(amqp_url, [in_queue])
+            wait_until(lambda: message_count(amqp_url, in_queue) == 1, 20, what="task published")
+            wait_until(lambda: "outbox-relay" not in _failing(gw), 20, what="relay recovered")
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)

@@ -44,7 +44,7 @@ class CallbackRefused(ValueError):
 
     @property
     def path(self) -> str:
-        return f"callback.{self.field}" if self.field else "callback"
+        return f"callback/{self.field}" if self.field else "callback"
 
 
 class HostUnresolved(CallbackRefused):

@@ -194,7 +194,7 @@ def test_the_schema_is_checked_before_the_callback_and_the_time(
         (b'{"body": "text"}', "body"),
         (b'{"body": {"sleep": 1}, "extra": 1}', "extra"),
         (b'{"body": {"sleep": NaN}}', ""),
-        (b'{"body": {"sleep": 1}, "callback": {"type": "https"}}', "callback.url"),
+        (b'{"body": {"sleep": 1}, "callback": {"type": "https"}}', "callback/url"),
         (b"\xff\xfe{}", ""),
     ],
 )
@@ -214,13 +214,13 @@ def test_malformed_requests_are_400002(
 
 
 CALLBACK_FIELDS = [
-    ({"type": "ftp", "url": "https://h.example"}, "callback.type"),
-    ({"url": "https://h.example"}, "callback.type"),
+    ({"type": "ftp", "url": "https://h.example"}, "callback/type"),
+    ({"url": "https://h.example"}, "callback/type"),
     ("https://h.example", "callback"),
     (["https://h.example"], "callback"),
-    ({"type": "https", "url": "https://h.example", "secret": 1}, "callback.secret"),
-    ({"type": "https"}, "callback.url"),
-    ({"type": "https", "url": "nope"}, "callback.url"),
+    ({"type": "https", "url": "https://h.example", "secret": 1}, "callback/secret"),
+    ({"type": "https"}, "callback/url"),
+    ({"type": "https", "url": "nope"}, "callback/url"),
 ]
 
 
@@ -249,7 +249,7 @@ def test_callback_to_private_address_is_refused(gateway: GatewayProcess, svc) ->
                 json={"body": {"sleep": 1}, "callback": {"type": "http", "url": url}},
             )
             assert error_of(answer) == (400, 400002), url
-            assert answer.json()["error"]["errors"][0]["path"] == "callback.url"
+            assert answer.json()["error"]["errors"][0]["path"] == "callback/url"
 
 
 def test_too_large_is_413001(gateway: GatewayProcess, svc) -> None:

@@ -83,7 +83,7 @@ def test_one_invalid_item_refuses_the_whole_batch(
     assert (schema.status_code, schema.json()["error"]["number"]) == (400, 400001)
     assert schema.json()["error"]["errors"][0]["path"] == "tasks/1/body/n"
     assert callback.json()["error"]["number"] == 400002
-    assert callback.json()["error"]["errors"][0]["path"] == "tasks/0/callback.url"
+    assert callback.json()["error"]["errors"][0]["path"] == "tasks/0/callback/url"
     assert unknown.json()["error"]["errors"][0]["path"] == "tasks/0/extra"
     assert _count(platform, svc.name) == 0
 

@@ -385,7 +385,7 @@ def test_a_callback_url_with_a_control_character_is_refused_at_submission(
         )
     assert answer.status_code == 400
     assert answer.json()["error"]["number"] == 400002
-    assert answer.json()["error"]["errors"][0]["path"] == "callback.url"
+    assert answer.json()["error"]["errors"][0]["path"] == "callback/url"
 
 
 @pytest.mark.timeout(60)

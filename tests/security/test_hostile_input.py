@@ -332,7 +332,7 @@ def test_callback_hosts_that_cannot_resolve_are_400002(
         gateway.tasks_url(svc.name), json={"body": {}, "callback": {"type": "https", "url": url}}
     )
     assert error_number(answer) == (400, 400002), answer.text
-    assert answer.json()["error"]["errors"][0]["path"] == "callback.url"
+    assert answer.json()["error"]["errors"][0]["path"] == "callback/url"
 
 
 # --- headers -------------------------------------------------------------------------------

@@ -76,7 +76,28 @@ def _service_params(spec: ServiceSpec) -> dict[str, Any]:
     }
 
 
+# Held to the end of the transaction by every command that writes a service: two concurrent
+# commands cannot both find a queue name free and give it to two services.
+_QUEUE_NAMES_LOCK = "SELECT pg_advisory_xact_lock(hashtext('conveyor.queue_names'))"
+_QUEUE_OWNER = """
+    SELECT name FROM services WHERE queue_name = %(queue)s AND name <> %(name)s
+    UNION ALL
+    SELECT service FROM moved_queues WHERE queue_name = %(queue)s AND service <> %(name)s
+    LIMIT 1
+    """
+
+
 async def upsert_service(conn: AsyncConnection[Any], spec: ServiceSpec) -> Change:
+    """The service as `spec` says; refused (PlatformError) if its queue name is, or was until
+    its old queues are deleted, another service's: one's tasks ran on the other's function."""
+    await conn.execute(_QUEUE_NAMES_LOCK)
+    params = {"queue": spec.queue, "name": spec.name}
+    owner = await (await conn.execute(_QUEUE_OWNER, params)).fetchone()
+    if owner is not None:
+        raise PlatformError(
+            f"service {spec.name}: queueName {spec.queue} is service {owner[0]}'s"
+            " (each service has queues of its own): choose another"
+        )
     row = await (await conn.execute(_SERVICE_UPSERT, _service_params(spec))).fetchone()
     action = "unchanged" if row is None else ("created" if row.created else "updated")
     return Change("service", spec.name, action)

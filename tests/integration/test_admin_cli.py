@@ -956,3 +956,33 @@ def test_a_secrets_minimum_is_counted_in_bytes_as_documented(
         ), done.stderr
         assert _row(platform, "operators", "operator_id", operator) == []
     platform.sql("DELETE FROM operators WHERE operator_id = %(o)s", {"o": operator})
+
+
+@pytest.mark.timeout(90)
+def test_a_queue_name_another_service_has_is_refused(
+    cli: Any, tmp_path: Path, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a black-box test: two services could share one queueName (by `apply`, or
+    `service create --queue` naming another service's live queue): one's tasks then ran on the
+    other's function. A queue name belongs to one service; the file or command that would give
+    it to a second one is refused whole, and the first keeps it."""
+    first, second, queue = _unique("adm-q1"), _unique("adm-q2"), _unique("adm-shared")
+    try:
+        cli(
+            "apply",
+            "-f",
+            str(_write(tmp_path, {"services": [{"name": first, "queueName": queue}]})),
+        )
+        taken = cli("service", "create", second, "--queue", queue, check=False)
+        assert taken.returncode == 1 and "Traceback" not in taken.stderr, taken.stderr
+        assert f"queueName {queue} is service {first}'s" in taken.stderr
+        both = {"services": [{"name": second, "queueName": queue}]}
+        refused = cli("apply", "-f", str(_write(tmp_path, both)), check=False)
+        assert refused.returncode == 1 and f"is service {first}'s" in refused.stderr
+        assert platform.sql("SELECT name FROM services WHERE name = %(n)s", {"n": second}) == []
+        # A service may take a name back that it had, and the first may move and free it.
+        cli("service", "create", first, "--queue", queue + "-moved")
+        cli("service", "create", first, "--queue", queue)
+    finally:
+        remove_service(platform, amqp_url, Service(first, queue))
+        remove_service(platform, amqp_url, Service(first, queue + "-moved"))

@@ -47,6 +47,8 @@ BROKER_ERRORS = (*aio_pika.exceptions.CONNECTION_EXCEPTIONS, TimeoutError)
 # The `type` of the message a dispatcher appends to the cancel log to know it has read it all.
 RECALL_MARKER = "io.conveyor.dispatcher.recalled"
 RECALL_PREFETCH = 1000
+# Deliveries of the cancel log acked at once: well under the prefetch, so that credit flows.
+RECALL_ACK_EVERY = RECALL_PREFETCH // 4
 
 
 def _int_header(headers: dict[str, Any], name: str) -> int:
@@ -166,6 +168,64 @@ class ControlQueue(aio_pika.RobustQueue):
     async def restore(self, channel: Any = None) -> None:
         self.name = self.named(self.name.rpartition(".")[0])
         await super().restore(channel)
+
+
+class CancelLogReading:
+    """One read of the cancel log, consumed on its aiormq channel (a consumer aio-pika would
+    restore after a reconnection, on a new channel, with the old offset; the reconnection
+    reads the log again itself).
+
+    A delivery is counted and handed to `heard`, nothing more. The reading coroutine alone
+    acks (a stream's acks are credit, and only credit), every `RECALL_ACK_EVERY` deliveries
+    at once: once it stops, nothing acks on the channel any more, and the channel may be
+    closed. Each delivery used to ack itself in a task of its own, one awaited ack each, and
+    those still running when a read gave up acked after `channel.close`: the broker, whose
+    channel was closed, closed the whole connection (CHANNEL_ERROR, expected 'channel.open')
+    and the dispatcher died at every start.
+    """
+
+    def __init__(
+        self, channel: aiormq.abc.AbstractChannel, heard: Callable[[AbstractIncomingMessage], None]
+    ) -> None:
+        self.channel = channel
+        self.heard = heard
+        self.marker = uuid.uuid4().hex
+        self.read = 0
+        self._delivered = 0
+        self._last_tag: int | None = None
+        self._acked_tag: int | None = None
+        self._came_back = False
+        self._stopped = False
+        self._batch = asyncio.Event()
+
+    async def on_delivery(self, delivered: aiormq.abc.DeliveredMessage) -> None:
+        if self._stopped:
+            return  # after the end or the patience: dropped, never acked
+        message = aio_pika.IncomingMessage(delivered, no_ack=False)
+        if message.message_id == self.marker:
+            self._came_back = True
+        elif message.type != RECALL_MARKER:  # another dispatcher's marker
+            self.heard(message)
+            self.read += 1
+        self._last_tag = delivered.delivery_tag
+        self._delivered += 1
+        if self._came_back or self._delivered % RECALL_ACK_EVERY == 0:
+            self._batch.set()
+
+    async def next_batch(self) -> bool:
+        """Waits for the next batch of deliveries and acks it; True once the marker came back."""
+        await self._batch.wait()
+        self._batch.clear()
+        if self._came_back:
+            return True
+        tag = self._last_tag
+        if tag is not None and tag != self._acked_tag and not self.channel.is_closed:
+            self._acked_tag = tag
+            await self.channel.basic_ack(tag, multiple=True)
+        return False
+
+    def stop(self) -> None:
+        self._stopped = True
 
 
 class Broker:
@@ -305,49 +365,49 @@ class Broker:
         patience: float,
     ) -> int | None:
         """The cancels the service's `<q>-cancels` stream kept since `since`, each handed to
-        `heard`; how many, or None when it could not be read all within `patience`.
+        `heard`; how many, or None when the log went quiet for `patience` before it was all
+        read (what was read is kept; the caller carries on without the rest).
 
         A stream has no end to wait for: a marker of this dispatcher's own is appended, and
         everything before it has been read when it comes back. No stream yet: no cancel yet.
+        `patience` bounds a silence, not the read: a day of cancels may be tens of thousands.
         """
         assert self.connection is not None and self.publishing is not None
         name = cancel_log(queue_name)
-        marker = uuid.uuid4().hex
-        read = 0
-        came_back = asyncio.Event()
-
-        async def on_message(message: AbstractIncomingMessage) -> None:
-            nonlocal read
-            if message.message_id == marker:
-                came_back.set()
-            elif message.type != RECALL_MARKER:
-                heard(message)
-                read += 1
-            await message.ack()  # a stream's acks are credit, and only credit
-
         channel = await self.connection.channel(publisher_confirms=False)
+        reading: CancelLogReading | None = None
         try:
-            async with asyncio.timeout(patience):
+            async with asyncio.timeout(patience) as silence:
                 try:
                     stream = await channel.declare_queue(name, passive=True)
                 except aio_pika.exceptions.ChannelNotFoundEntity:
                     return 0
                 await channel.set_qos(prefetch_count=RECALL_PREFETCH)
-                await stream.consume(on_message, arguments={"x-stream-offset": since})
-                await self.publishing.publish(
-                    aio_pika.Message(b"", message_id=marker, type=RECALL_MARKER), name
+                underlay = cast(aiormq.Channel, await channel.get_underlay_channel())
+                reading = CancelLogReading(underlay, heard)
+                await underlay.basic_consume(
+                    stream.name, reading.on_delivery, arguments={"x-stream-offset": since}
                 )
-                await came_back.wait()
+                await self.publishing.publish(
+                    aio_pika.Message(b"", message_id=reading.marker, type=RECALL_MARKER), name
+                )
+                while not await reading.next_batch():
+                    silence.reschedule(asyncio.get_running_loop().time() + patience)
         except BROKER_ERRORS as exc:
             log.warning(
                 "cancel log not read in time; cancels from before this start may be missed",
-                extra={"error": repr(exc), "read": read},
+                extra={"error": repr(exc), "read": reading.read if reading else 0},
             )
             return None
         finally:
+            if reading is not None:
+                reading.stop()
             if not channel.is_closed:
-                await channel.close()
-        return read
+                try:
+                    await channel.close()
+                except BROKER_ERRORS as exc:  # the connection went meanwhile: so did the channel
+                    log.info("cancel log channel not closed", extra={"error": repr(exc)})
+        return reading.read if reading else 0
 
     async def stop_consuming(self) -> None:
         """basic.cancel: the broker sends nothing more; deliveries in flight stay ours."""

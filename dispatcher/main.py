@@ -47,8 +47,9 @@ from dispatcher.worker import Worker
 
 log = logging.getLogger("dispatcher")
 
-# How long a start may spend reading the cancels kept from before it (a day of them is a few
-# thousand messages at most); past it, the dispatcher starts without them, as it used to.
+# How long the cancel log may stay silent while a start or a reconnection reads it back; past
+# it, the dispatcher carries on without the rest, as it used to. A silence, not the whole read:
+# a day of cancels may be tens of thousands of messages, read a few thousand a second.
 RECALL_PATIENCE = 5.0
 
 

@@ -102,6 +102,7 @@ class Pool:
         self.ping_after = ping_after
         self.connect_timeout = connect_timeout
         self.use_timeout = use_timeout
+        self.size = size  # connections at most: what shares of the pool are counted in
         self._limits = _limits(use_timeout)
         # When each connection was last given back (or opened): the idle-time criterion.
         self._since: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], float] = (

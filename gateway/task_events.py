@@ -2,18 +2,30 @@
 
 Migration 0004's trigger sends `conveyor_task` with the task's id whenever its status or
 progress changes, on whichever replica made the change; this replica's one listening
-connection (`gateway.listener`) wakes the streams following that id, and each re-reads its
-task and sends an event if the status or the progress moved. A stream registers before its
-first read, so nothing between the read and the first notification is missed; while the
-listening connection is down (a database restart), streams re-read their task every second
-instead, and all of them re-read once it is back. A quiet stream also re-reads its task at
-every heartbeat: a purged row sends no notification. A task that can no longer be read (purged,
-its service deleted, the client's grant revoked) ends the stream with an `event: error` whose
-data is the poll's error envelope, rather than an end a client cannot tell from a cut. A client
-that goes away ends its generator,
-which unregisters it: nothing is kept per closed stream. A gateway that stops (a deploy, a
-scale-in) ends each stream properly after a `retry` line, rather than cutting it mid-answer:
-an EventSource then reconnects, to another replica, and the SDK polls.
+connection (`gateway.listener`) wakes the streams following that id, and they send an event if
+the status or the progress moved. A stream registers before its first read, so nothing between
+the read and the first notification is missed; while the listening connection is down (a
+database restart), streams re-read their task every second instead, and all of them re-read
+once it is back. A quiet stream also re-reads its task at every heartbeat: a purged row sends no
+notification. A task that can no longer be read (purged, its service deleted, the client's grant
+revoked) ends the stream with an `event: error` whose data is the poll's error envelope, rather
+than an end a client cannot tell from a cut. A client that goes away ends its generator, which
+unregisters it: nothing is kept per closed stream. A gateway that stops (a deploy, a scale-in)
+ends each stream properly after a `retry` line, rather than cutting it mid-answer: an
+EventSource then reconnects, to another replica, and the SDK polls.
+
+The streams of one task share its reads (`_Task`): a change read once serves all of them, not
+once per stream (50 streams on a task made each change 50 reads, and a burst of streams took the
+whole pool from the API and the loops). One read of a task is under way at a time, numbered; a
+stream woken by a change takes the first read that started after the change was heard, one
+woken by its heartbeat the first after the read it last used. The streams of this process read
+through a share of the pool (`_share`), whatever their number: the API and the loops always
+find connections, and streams wait their turn. A database that is away or too busy (a pool
+timeout) never ends a stream, the first read included: it reads again a second later, pinged
+meanwhile. Only one client can read a task, so a read made with any of its streams' credentials
+serves them all; the stream whose credentials were checked least recently leads the next read,
+and a refusal (403001, 404001, 404002) is the verdict of the stream that led it: each other
+stream then leads a read of its own before it takes one.
 
 Event ids come from the task row, not from the connection, so that they go on increasing when a
 client reconnects (SPEC §11.3): twice the row's `updated_at` in microseconds since the epoch
@@ -34,8 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -52,8 +66,9 @@ log = logging.getLogger("conveyor.gateway.task_events")
 
 CHANNEL = "conveyor_task"
 TERMINAL = ("SUCCESS", "FAILURE")
-UNHEARD_POLL = 1.0  # seconds between re-reads while notifications cannot be heard
+UNHEARD_POLL = 1.0  # seconds between re-reads while notifications cannot be heard (or reads fail)
 RECONNECT_MS = 1000  # the `retry` a stopping gateway leaves its streams with
+POOL_SHARE = 4  # the streams of a process read through at most a quarter of its pool (at least 1)
 # The row's version, for the events' ids: every change of status or progress sets `updated_at`.
 _VERSION = "SELECT updated_at FROM tasks WHERE task_id = CAST(%(task_id)s AS uuid)"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -66,10 +81,49 @@ _AHEAD = 2 * 3600 * 1_000_000
 Read = Callable[[], Awaitable[dict[str, Any]]]
 
 
+@dataclass(eq=False)
+class _Follower:
+    """One open stream: its own read (its client's credentials, checked again at each read it
+    leads), and what wakes it."""
+
+    read: Read
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    led: float = 0.0  # when it last led a read of its task: the least recent leads the next
+    own: bool = False  # a read led by another was refused: it needs a verdict of its own
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """One read of a task: its state (the event's id and the poll's data), or what failed."""
+
+    number: int
+    leader: _Follower
+    state: tuple[int, dict[str, Any]] | None = None
+    error: Exception | None = None
+
+
+@dataclass(eq=False)
+class _Task:
+    """What the streams of one task share: its reads, one under way at a time, numbered."""
+
+    task_id: str
+    followers: set[_Follower] = field(default_factory=set)
+    started: int = 0  # reads started
+    wanted: int = 0  # the first read that started after the last change was heard
+    flight: asyncio.Task[None] | None = None  # the read under way, number `started`
+    last: _Reading | None = None  # the read finished last
+
+    def wake(self) -> None:
+        self.wanted = self.started + 1
+        for follower in self.followers:
+            follower.changed.set()
+
+
 class TaskEvents:
     def __init__(self, listener: Listener) -> None:
         self.listener = listener
-        self._following: dict[str, set[asyncio.Event]] = {}
+        self._tasks: dict[str, _Task] = {}
+        self._reads: asyncio.Semaphore | None = None  # sized from the pool at the first read
         listener.subscribe(CHANNEL, self._changed, on_connected=self._reconnected)
         # A grant revoked or a client deleted: every stream reads again, which checks its
         # client's access first, and ends the ones that lost it.
@@ -77,35 +131,36 @@ class TaskEvents:
 
     @property
     def open(self) -> int:
-        return sum(len(events) for events in self._following.values())
+        return sum(len(task.followers) for task in self._tasks.values())
 
     def _changed(self, task_id: str) -> None:
-        for event in self._following.get(task_id, ()):
-            event.set()
+        task = self._tasks.get(task_id)
+        if task is not None:
+            task.wake()
 
     async def _reconnected(self, _conn: psycopg.AsyncConnection[Any]) -> None:
         """Changes made while nobody listened were not heard: every stream reads again."""
         self._wake_all()
 
     def _wake_all(self) -> None:
-        for events in self._following.values():
-            for event in events:
-                event.set()
+        for task in self._tasks.values():
+            task.wake()
 
     @contextmanager
-    def following(self, task_id: str) -> Iterator[asyncio.Event]:
-        event = asyncio.Event()
-        self._following.setdefault(task_id, set()).add(event)
+    def following(self, task_id: str, read: Read) -> Iterator[tuple[_Task, _Follower]]:
+        task = self._tasks.get(task_id)
+        if task is None:
+            task = self._tasks[task_id] = _Task(task_id)
+        me = _Follower(read)
+        task.followers.add(me)
         metrics.EVENT_STREAMS.inc()
         try:
-            yield event
+            yield task, me
         finally:
             metrics.EVENT_STREAMS.dec()
-            events = self._following.get(task_id)
-            if events is not None:
-                events.discard(event)
-                if not events:
-                    del self._following[task_id]
+            task.followers.discard(me)
+            if not task.followers and self._tasks.get(task_id) is task:
+                del self._tasks[task_id]
 
     async def stream(
         self,
@@ -120,62 +175,125 @@ class TaskEvents:
         `last_event_id` says it has it), then each change of status or progress, with ids
         that increase across connections; or until `stopping` (the server shuts down), with
         a last line that tells the client when to reconnect."""
-
-        async def current() -> tuple[int, dict[str, Any]]:
-            # Read whole even when the client goes meanwhile (the stream's task group then
-            # cancels at every await): cancelled again while psycopg cancelled the query on
-            # the server, the pooled connection was closed and a new backend opened. The
-            # pool's DB_TIMEOUT bounds the read; the stream ends at its next await.
-            with anyio.CancelScope(shield=True):
-                before = await _version(pool, task_id)  # the data is this state or a later one
-                data = await read()
-                terminal = data["status"] in TERMINAL
-                if terminal:  # final: its version is exact once read after it
-                    before = await _version(pool, task_id) or before
-            return _id(before, terminal), data
-
-        with self.following(task_id) as changed:
-            waking = asyncio.create_task(_set_when(stopping, changed))
+        with self.following(task_id, read) as (task, me):
+            waking = asyncio.create_task(_set_when(stopping, me.changed))
             try:
-                try:
-                    number, data = await current()
-                except errors.ApiError as exc:  # gone since the endpoint's own check
-                    yield _error(exc)
-                    return
                 seen = _last_event_id(last_event_id)
-                if seen is not None and seen > number + _AHEAD:
-                    seen = None  # from this task's future: not an id it was ever given
-                if seen is None:
-                    yield _event(number, data)
-                elif not _already_seen(number, seen):
-                    number = _above(seen, number)  # increasing as the client sees them too
-                    yield _event(number, data)
-                elif data["status"] in TERMINAL:
-                    return  # the client has the end already
-                else:
-                    number = max(number, seen)
-                while data["status"] not in TERMINAL:
-                    wait = recheck if self.listener.listening else UNHEARD_POLL
-                    await _wait(changed, wait)
-                    changed.clear()
-                    if stopping.is_set():
+                data: dict[str, Any] | None = None  # the state the client has
+                number = 0  # the id it has
+                last = task.started  # reads started before this stream registered are too old
+                need = last + 1
+                while True:
+                    reading = await self._read(task, me, need, pool, waking)
+                    if reading is None:
                         yield ServerSentEvent(retry=RECONNECT_MS, comment="the gateway stops")
                         return
-                    try:
-                        fresh_id, fresh = await current()
-                    except errors.ApiError as exc:  # purged, or access lost meanwhile
-                        yield _error(exc)
+                    last, error = reading.number, reading.error
+                    pause: float | None = UNHEARD_POLL
+                    if isinstance(error, errors.ApiError):  # purged, or access lost meanwhile
+                        yield _error(error)
                         return
-                    except CONNECTION_ERRORS as exc:  # the database is away: retry, slowly
-                        log.info("task stream could not read", extra={"error": logs.describe(exc)})
-                        await _wait(changed, UNHEARD_POLL)
-                        continue
-                    if (fresh["status"], fresh["progress"]) != (data["status"], data["progress"]):
-                        data = fresh
-                        number = _above(number, fresh_id)
-                        yield _event(number, data)
+                    if error is not None and not isinstance(error, CONNECTION_ERRORS):
+                        raise error
+                    if reading.state is not None:
+                        fresh_id, fresh = reading.state
+                        if data is None:  # the first state
+                            if seen is not None and seen > fresh_id + _AHEAD:
+                                seen = None  # from this task's future: not an id it was ever given
+                            if seen is None:
+                                number = fresh_id
+                                yield _event(number, fresh)
+                            elif not _already_seen(fresh_id, seen):
+                                number = _above(seen, fresh_id)  # increasing as the client sees
+                                yield _event(number, fresh)
+                            elif fresh["status"] in TERMINAL:
+                                return  # the client has the end already
+                            else:
+                                number = max(fresh_id, seen)
+                            data = fresh
+                        elif (fresh["status"], fresh["progress"]) != (
+                            data["status"],
+                            data["progress"],
+                        ):
+                            data = fresh
+                            number = _above(number, fresh_id)
+                            yield _event(number, data)
+                        if data["status"] in TERMINAL:
+                            return
+                        pause = recheck if self.listener.listening else UNHEARD_POLL
+                    # A heartbeat, or a retry after an error: the first read after this one.
+                    need = last + 1
+                    while True:
+                        woken = await _wait(me.changed, pause)
+                        me.changed.clear()
+                        if stopping.is_set():
+                            yield ServerSentEvent(retry=RECONNECT_MS, comment="the gateway stops")
+                            return
+                        if not woken or error is not None:
+                            need = max(need, task.wanted)
+                            break
+                        need = task.wanted  # a change: the first read that started after it
+                        if need > last:
+                            break  # else the read this stream used had started after it
             finally:
                 waking.cancel()
+
+    async def _read(
+        self, task: _Task, me: _Follower, need: int, pool: Pool, stopped: asyncio.Future[None]
+    ) -> _Reading | None:
+        """The first read of `task` numbered `need` or above that `me` may take: any, unless a
+        read led by another stream was refused since; then one `me` led itself. A read is
+        started only when none is under way: the streams waiting meanwhile share the next.
+        None once `stopped` is done (the gateway stops): reads may queue for their share of
+        the pool, and a stopping gateway ends its streams without waiting for them."""
+        while True:
+            last = task.last
+            if last is not None and last.number >= need:
+                if last.leader is me:
+                    me.own = me.own and last.error is not None
+                    return last
+                if not me.own and not isinstance(last.error, errors.ApiError):
+                    return last
+                me.own = True  # another's refusal is not this stream's verdict
+                need = last.number + 1
+            if task.flight is None:
+                task.started += 1
+                leader = min(task.followers, key=lambda f: (not f.own, f.led))
+                leader.led = time.monotonic()
+                task.flight = asyncio.create_task(
+                    self._lead(task, task.started, leader, pool), name="task stream read"
+                )
+            # Waited for, never cancelled: a stream whose client goes meanwhile leaves the read
+            # to the others (cancelled mid-query, psycopg would cancel it on the server and the
+            # pooled connection be closed).
+            await asyncio.wait((task.flight, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if stopped.done():
+                return None
+
+    async def _lead(self, task: _Task, number: int, leader: _Follower, pool: Pool) -> None:
+        """Reads the task once for all its streams, with `leader`'s read, through the share of
+        the pool that streams may hold; what failed is kept for the streams to judge."""
+        try:
+            async with self._share(pool):
+                before = await _version(pool, task.task_id)  # the data is this state or later
+                data = await leader.read()
+                terminal = data["status"] in TERMINAL
+                if terminal:  # final: its version is exact once read after it
+                    before = await _version(pool, task.task_id) or before
+            task.last = _Reading(number, leader, state=(_id(before, terminal), data))
+        except Exception as exc:
+            if isinstance(exc, CONNECTION_ERRORS):  # the database is away or busy: read again
+                log.info("task stream could not read", extra={"error": logs.describe(exc)})
+            task.last = _Reading(number, leader, error=exc)
+        finally:
+            task.flight = None
+
+    def _share(self, pool: Pool) -> asyncio.Semaphore:
+        """How many reads all streams of this process make at once: a quarter of the pool, so
+        that however many streams are open, the API and the loops find connections."""
+        if self._reads is None:
+            self._reads = asyncio.Semaphore(max(1, pool.size // POOL_SHARE))
+        return self._reads
 
 
 async def _version(pool: Pool, task_id: str) -> datetime | None:
@@ -216,11 +334,13 @@ def _last_event_id(raw: str | None) -> int | None:
     return int(text)
 
 
-async def _wait(changed: asyncio.Event, seconds: float | None) -> None:
+async def _wait(changed: asyncio.Event, seconds: float | None) -> bool:
+    """Whether `changed` was set within `seconds` (None: no limit)."""
     try:
         await asyncio.wait_for(changed.wait(), seconds)
     except TimeoutError:
-        pass
+        return False
+    return True
 
 
 async def _set_when(stopping: anyio.Event, changed: asyncio.Event) -> None:

@@ -65,6 +65,15 @@ log = logging.getLogger("conveyor.gateway.outbox")
 _MARK_PUBLISHED = (
     "UPDATE tasks SET publish_at = NULL WHERE id = ANY(%(ids)s) AND publish_at IS NOT NULL"
 )
+# A confirmed publish marks its row only if no publish of the row began since (its
+# `publish_attempts` unchanged): a row given back to the relay after its queue was lost
+# (`_REPUBLISH` counts an attempt) stays unpublished whatever a publish into the lost queue,
+# by any replica, marks later.
+_MARK_CONFIRMED = """
+    UPDATE tasks t SET publish_at = NULL
+      FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(attempts)s AS int[])) AS m(id, attempts)
+     WHERE t.id = m.id AND t.publish_attempts = m.attempts AND t.publish_at IS NOT NULL
+    """
 # Due rows (ix_tasks_unpublished), leased: `publish_at` moves past the lease.
 _CLAIM = """
     WITH claimed AS (
@@ -79,9 +88,10 @@ _CLAIM = """
                          ORDER BY publish_at, id LIMIT %(limit)s
                          FOR UPDATE SKIP LOCKED)
         RETURNING t.id, t.task_id, t.status, t.request, t.service, t.submission_date,
-                  t.not_before, t.traceparent, t.expires_at
+                  t.not_before, t.traceparent, t.expires_at, t.publish_attempts
     )
     SELECT c.id, c.task_id, c.status, c.request, c.service, s.name IS NULL AS orphan,
+           c.publish_attempts,
            s.queue_name, s.message_format, s.max_attempts, s.task_timeout,
            c.submission_date, c.not_before, s.retention_seconds, c.traceparent, c.expires_at
       FROM claimed c LEFT JOIN services s ON s.name = c.service
@@ -97,16 +107,25 @@ _NOTE_ERRORS = """
 # The rows this relay failed that still wait for a publish (neither published nor ended since).
 _STILL_UNPUBLISHED = "SELECT id FROM tasks WHERE id = ANY(%(ids)s) AND publish_at IS NOT NULL"
 # A service's `-in` was found missing: the messages it held are lost with it. Its tasks still
-# PENDING and published (IN_PROGRESS ones are the watchdog's; ended ones need nothing; run-later
-# ones not yet due were never published), and those this gateway keeps confirmed but not yet
-# marked (`kept`), go back to the relay (ix_tasks_pending: the service's PENDING rows only).
+# PENDING (IN_PROGRESS ones are the watchdog's; ended ones need nothing) that are published, or
+# being published or kept confirmed by any replica (`publish_at` ahead), go back to the relay,
+# an attempt counted so that no mark of an earlier publish undoes it (`_MARK_CONFIRMED`); a
+# run-later task not yet due was never published. By id, a page at a time (ix_tasks_pending:
+# the service's PENDING rows), each statement well within the statement timeout.
 _REPUBLISH = """
-    UPDATE tasks SET publish_at = now()
-     WHERE service IN (SELECT name FROM services WHERE queue_name = %(queue)s)
-       AND status = 'PENDING'
-       AND (publish_at IS NULL OR id = ANY(%(kept)s))
-       AND (not_before IS NULL OR not_before <= now())
+    WITH lost AS (
+        SELECT id FROM tasks
+         WHERE service IN (SELECT name FROM services WHERE queue_name = %(queue)s)
+           AND status = 'PENDING' AND id > %(after)s
+           AND (publish_at IS NULL OR publish_at > now())
+           AND (not_before IS NULL OR not_before <= now())
+         ORDER BY id LIMIT %(page)s
+    )
+    UPDATE tasks t SET publish_at = now(), publish_attempts = t.publish_attempts + 1
+      FROM lost WHERE t.id = lost.id
+    RETURNING t.id
     """
+REPUBLISH_PAGE = 5000
 
 # A service whose `-in` is missing has its queues declared again at most this often: a storm
 # of submissions finding it missing makes one declaration, not one each.
@@ -182,11 +201,9 @@ class Outbox:
         # connection drops, the rows still kept are left to the relay, which publishes them
         # again. A duplicate is harmless; a lost submission would leave its task PENDING.
         self.keep_confirmed = keep_confirmed
-        # (when confirmed, task row id, queue name), oldest first: the ripe ones are a prefix
-        self._confirmed: deque[tuple[float, int, str]] = deque()
-        # Marking rows published, and unpublished after a lost `-in`, one at a time: a mark of
-        # rows confirmed into the lost queue must not land after they were given back.
-        self._marking = asyncio.Lock()
+        # (when confirmed, task row id, its publish_attempts then), oldest first: the ripe
+        # ones are a prefix
+        self._confirmed: deque[tuple[float, int, int]] = deque()
         # Per queue, until when the fast path leaves its submissions to the relay (`publish_now`).
         self._fast_path_resumes: dict[str, float] = {}
         # Per queue name: the declaration under way after its `-in` was found missing, and when
@@ -207,9 +224,10 @@ class Outbox:
             )
         self._confirmed.clear()
 
-    def _note_confirmed(self, rows: list[tuple[int, str]]) -> None:
+    def _note_confirmed(self, rows: list[tuple[int, int]]) -> None:
+        """(row id, its publish_attempts when published) of confirmed publishes."""
         at = time.monotonic()
-        self._confirmed.extend((at, row_id, queue_name) for row_id, queue_name in rows)
+        self._confirmed.extend((at, row_id, attempts) for row_id, attempts in rows)
 
     # -- fast path ---------------------------------------------------------
 
@@ -235,7 +253,7 @@ class Outbox:
             return False
         self._fast_path_resumes.pop(queue_name, None)
         metrics.child(metrics.PUBLISHED, "fast").inc()
-        self._note_confirmed([(row_id, queue_name)])
+        self._note_confirmed([(row_id, 0)])  # not claimed by a relay: no attempt counted yet
         return True
 
     async def _send_or_restore(
@@ -301,34 +319,34 @@ class Outbox:
             "a service's queue was missing: declared again; its pending tasks are published again",
             extra={"queue": topology.in_queue(queue_name)},
         )
-        task = asyncio.create_task(self._republish_lost(queue_name, started))
+        task = asyncio.create_task(self._republish_lost(queue_name))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return True
 
-    async def _republish_lost(self, queue_name: str, before: float) -> None:
-        """Gives the relay back the service's PENDING tasks published before the queue was
-        found missing, the database retried until it answers: once `-in` exists again
-        nothing would find these messages missing any more."""
-        retrying = AsyncRetrying(
-            wait=wait_exponential(multiplier=self.interval, max=self.max_backoff),
-            retry=retry_if_exception_type(Exception),
-        )
-        async for attempt in retrying:
-            with attempt:
-                async with self._marking:
-                    lost = [
-                        row_id
-                        for at, row_id, queue in self._confirmed
-                        if queue == queue_name and at < before
-                    ]
+    async def _republish_lost(self, queue_name: str) -> None:
+        """Gives the relay back the service's PENDING tasks whose messages may have been in
+        the lost queue, a page at a time, the database retried until it answers: once `-in`
+        exists again nothing would find these messages missing any more."""
+        after, count = 0, 0
+        while True:
+            retrying = AsyncRetrying(
+                wait=wait_exponential(multiplier=self.interval, max=self.max_backoff),
+                retry=retry_if_exception_type(Exception),
+            )
+            async for attempt in retrying:
+                with attempt:
                     async with self.pool.connection() as conn:
-                        done = await conn.execute(_REPUBLISH, {"queue": queue_name, "kept": lost})
-                    kept = set(lost)  # the relay publishes them again: not to be marked
-                    self._confirmed = deque(e for e in self._confirmed if e[1] not in kept)
+                        params = {"queue": queue_name, "after": after, "page": REPUBLISH_PAGE}
+                        cursor = await conn.execute(_REPUBLISH, params)
+                        ids = [row.id for row in await cursor.fetchall()]
+            count += len(ids)
+            if len(ids) < REPUBLISH_PAGE:
+                break
+            after = max(ids)
         log.info(
             "tasks published before their queue was lost are published again",
-            extra={"queue": topology.in_queue(queue_name), "count": done.rowcount},
+            extra={"queue": topology.in_queue(queue_name), "count": count},
         )
 
     async def _send(self, submission: Submission, queue_name: str, path: str) -> None:
@@ -359,21 +377,19 @@ class Outbox:
         """Marks the rows confirmed long enough ago (all of them with `everything`)."""
         if not everything and not self.broker.connected:
             return  # the broker may have crashed: what it confirmed last is not trusted yet
-        async with self._marking:
-            await self._mark_ripe(everything)
-
-    async def _mark_ripe(self, everything: bool) -> None:
         trusted = time.monotonic() - self.keep_confirmed
         confirmed = self._confirmed
-        ids = []
+        ids, attempts = [], []
         while confirmed and (everything or confirmed[0][0] <= trusted):
-            ids.append(confirmed.popleft()[1])
+            _, row_id, attempt = confirmed.popleft()
+            ids.append(row_id)
+            attempts.append(attempt)
         if not ids:
             supervisor.pass_succeeded()  # nothing left to mark: a failed pass is behind us
             return
         try:
             async with self.pool.connection() as conn:
-                await conn.execute(_MARK_PUBLISHED, {"ids": ids})
+                await conn.execute(_MARK_CONFIRMED, {"ids": ids, "attempts": attempts})
             supervisor.pass_succeeded()
         except Exception as exc:
             supervisor.pass_failed(exc)
@@ -435,7 +451,7 @@ class Outbox:
         done = [row for row, error in zip(live, errors, strict=True) if error is None]
         failed = [(row.id, error) for row, error in zip(live, errors, strict=True) if error]
         # marked once the broker has had time to keep them
-        self._note_confirmed([(row.id, row.queue_name) for row in done])
+        self._note_confirmed([(row.id, row.publish_attempts) for row in done])
         self._note_failed({row.id for row in rows}, [row_id for row_id, _ in failed])
         if failed:
             ids, messages = zip(*failed, strict=True)

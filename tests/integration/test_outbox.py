@@ -24,10 +24,13 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from conveyor import topology
 from conveyor.events import EventKind, TaskEvent, WireMessage, decode_submission, encode_event
+from gateway import outbox
+from gateway.database_url import libpq
 from tests.support.amqp import (
     collect,
     message_count,
@@ -354,3 +357,41 @@ def test_a_submission_nobody_takes_expires_with_its_task(
         assert "expired" in data["data"]["errorMessage"]
     finally:
         remove_service(platform, amqp_url, svc)
+
+
+def test_a_lost_queues_tasks_stay_given_back_whatever_earlier_publishes_mark(
+    platform: Platform, svc: Service
+) -> None:
+    """From a review: after a service's `-in` was lost, the rows a relay pass (or another
+    replica) had published into it but not marked yet were not given back, and their mark
+    then made them published: their tasks PENDING for good. Every PENDING row of the service
+    that is published, or being published, goes back with an attempt counted, and a mark of
+    an earlier publish (its attempt count) leaves it unpublished. In one transaction never
+    committed: the running gateway's relay sees none of it."""
+    seed = """
+        INSERT INTO tasks (task_id, client_id, service, request, submission_date,
+                           publish_at, publish_attempts, not_before)
+        SELECT gen_random_uuid(), %(c)s, %(s)s, '{}', now(),
+               now() + CAST(%(at)s AS interval), 1, now() + CAST(%(later)s AS interval)
+          FROM generate_series(1, %(n)s)
+        RETURNING id
+        """
+    who = {"c": svc.clients[0].client_id, "s": svc.name}
+    with psycopg.connect(libpq(platform.database_url)) as conn:
+        published = conn.execute(seed, {**who, "at": None, "later": None, "n": 2}).fetchall()
+        leased = conn.execute(  # a relay pass's lease, or rows kept confirmed, unmarked
+            seed, {**who, "at": "30 seconds", "later": None, "n": 2}
+        ).fetchall()
+        conn.execute(  # a task to run later, not yet due: never published
+            seed, {**who, "at": "1 day", "later": "1 day", "n": 1}
+        )
+        params = {"queue": svc.queue_name, "after": 0, "page": 1000}
+        given_back = conn.execute(outbox._REPUBLISH, params).fetchall()
+        ids = [row[0] for row in published + leased]
+        assert sorted(row[0] for row in given_back) == sorted(ids)
+        conn.execute(outbox._MARK_CONFIRMED, {"ids": ids, "attempts": [1] * len(ids)})
+        waiting = conn.execute(
+            "SELECT id FROM tasks WHERE service = %(s)s AND publish_at <= now()", who
+        ).fetchall()
+        assert sorted(row[0] for row in waiting) == sorted(ids)
+        conn.rollback()

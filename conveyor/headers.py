@@ -25,6 +25,7 @@ MAX_IDEMPOTENCY_KEY = 200  # characters: the gateway refuses longer keys, the SD
 
 # -- AMQP headers on `<queue>-in` -------------------------------------------------------
 CE_EXPIRES = "ce-conveyorexpires"  # the `conveyorexpires` extension, as the binding spells it
+CE_MAX_ATTEMPTS = "ce-conveyormaxattempts"  # `conveyormaxattempts`, likewise
 # The gateway's DELIVERY_LIMIT, the `x-delivery-limit` it declares `-in` with: a copy that a
 # graceful requeue republished starts the broker's count again, and the dispatcher goes on
 # counting the crashes from CRASHES (SPEC §7.1: a worker that merely crashed its limit is left).

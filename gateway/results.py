@@ -712,11 +712,17 @@ class ResultConsumer:
 
     def _dead_lettered(self, delivery: Delivery, queue: str) -> lifecycle.Transition:
         wire = delivery.wire()
+        # What a dispatcher refused a submission for (no attempt allowed, an unreadable
+        # expiry) says nothing against finding its task, which fails for it.
+        found = {k: v for k, v in wire.headers.items() if k not in _NOT_NEEDED_TO_FIND_A_TASK}
         try:
-            task_id = decode_submission(wire).task_id
+            task_id = decode_submission(replace(wire, headers=found)).task_id
         except WireError as exc:
             raise Poison(f"dead-lettered message is not a submission: {exc}") from None
         return lifecycle.failure(uuid.UUID(task_id), _dead_letter_message(wire.headers), queue)
+
+
+_NOT_NEEDED_TO_FIND_A_TASK = (h.CE_MAX_ATTEMPTS, h.CE_EXPIRES)
 
 
 def _unusable(reason: str, terminal: tuple[str, uuid.UUID] | None, queue: str | None) -> Plan:

@@ -50,13 +50,6 @@ def test_poison_on_in_and_out_is_accounted_for(stack: Stack, platform: Platform)
     other_subject = encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0}))
     other_subject.headers["ce-subject"] = str(uuid.uuid4())
     in_poison.append(other_subject)
-    # A submission that allows no attempt, or whose expiry cannot be read, is not called.
-    no_attempt = encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0}))
-    no_attempt.headers["ce-conveyormaxattempts"] = "0"
-    in_poison.append(no_attempt)
-    unreadable_expiry = encode_submission(Submission(unknown_in, stack.service.name, {"sleep": 0}))
-    unreadable_expiry.headers["ce-conveyorexpires"] = "tomorrow"
-    in_poison.append(unreadable_expiry)
     out_poison.append(encode_event(TaskEvent(EventKind.SUCCEEDED, unknown_out, response={}), queue))
     # The gateway declares a new service's queues shortly after it is created.
     wait_for_queues(url, [f"{queue}-in", f"{queue}-out"])
@@ -71,7 +64,7 @@ def test_poison_on_in_and_out_is_accounted_for(stack: Stack, platform: Platform)
         )
         return dict(rows)
 
-    expected = {f"{queue}-dlq": 9, f"{queue}-out": 5}
+    expected = {f"{queue}-dlq": 7, f"{queue}-out": 5}
     wait_until(lambda: accounted() == expected, 60, what="every poison message set aside")
     for suffix in ("in", "out", "dlq"):  # nothing blocks a queue
         wait_until(
@@ -91,3 +84,31 @@ def test_poison_on_in_and_out_is_accounted_for(stack: Stack, platform: Platform)
     assert dispatcher.alive() and stack.gateway.proc.alive()
     final = stack.finish(stack.submit({"sleep": 0}))
     assert final["status"] == "SUCCESS"
+
+
+@pytest.mark.timeout(120)
+def test_a_task_whose_submission_a_dispatcher_refuses_fails_with_the_reason(
+    stack: Stack, platform: Platform
+) -> None:
+    """A submission allowing no attempt, or with an unreadable expiry, is dead-lettered by the
+    dispatcher uncalled (a call would have ended it SUCCESS first). From a review: the gateway
+    read the dead letter as strictly, found it poison too, and set it aside: its task stayed
+    PENDING until its time to live."""
+    stack.dispatcher("pod-refuses")
+    queue = stack.service.queue_name
+    tasks = [str(uuid.uuid4()) for _ in range(2)]
+    for task_id in tasks:  # as a gateway leaves a task it published: PENDING, marked
+        platform.sql(
+            "INSERT INTO tasks (task_id, client_id, service, request, submission_date)"
+            " VALUES (%(t)s, %(c)s, %(s)s, '{}', now())",
+            {"t": task_id, "c": stack.client.client_id, "s": stack.service.name},
+        )
+    refused = [encode_submission(Submission(t, stack.service.name, {"sleep": 0})) for t in tasks]
+    refused[0].headers["ce-conveyormaxattempts"] = "0"
+    refused[1].headers["ce-conveyorexpires"] = "tomorrow"
+    wait_for_queues(stack.amqp_url, [f"{queue}-in", f"{queue}-out"])
+    publish(stack.amqp_url, f"{queue}-in", refused)
+    for task_id in tasks:
+        final = stack.finish(task_id, timeout=60)
+        assert final["status"] == "FAILURE", final
+        assert "dead-lettered" in final["errorMessage"]

@@ -580,16 +580,24 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
     await get_task(rt.pool, client_id, service, parsed)  # 404002 before any stream
 
     async def read() -> dict[str, Any]:
-        # Asked again at every read: a grant revoked or a secret changed ends an open stream
-        # as it refuses the next request (an ApiError ends the stream).
+        # Asked again at every read this stream leads, for all the task's streams (one client,
+        # one service, one grant: the access cache's, in memory while it is trusted): a grant
+        # revoked or the task gone ends them as the poll refuses it (an ApiError).
         await _granted(request, rt, service)
         return await get_task(rt.pool, client_id, service, parsed)
+
+    async def check() -> None:
+        # This stream's own credentials, before each read another stream led: the credential
+        # cache's (gateway.auth: in memory, no bcrypt nor database until its TTL), so that a
+        # secret changed since ends this stream alone within that TTL.
+        await authenticated(request, rt.auth)
 
     stopping = anyio.Event()  # set by sse_starlette once the server shuts down
     return EventSourceResponse(
         rt.task_events.stream(
             str(parsed),
             read,
+            check,
             stopping,
             rt.pool,
             request.headers.get("last-event-id"),

@@ -22,10 +22,15 @@ woken by its heartbeat the first after the read it last used. The streams of thi
 through a share of the pool (`_share`), whatever their number: the API and the loops always
 find connections, and streams wait their turn. A database that is away or too busy (a pool
 timeout) never ends a stream, the first read included: it reads again a second later, pinged
-meanwhile. Only one client can read a task, so a read made with any of its streams' credentials
-serves them all; the stream whose credentials were checked least recently leads the next read,
-and a refusal (403001, 404001, 404002) is the verdict of the stream that led it: each other
-stream then leads a read of its own before it takes one.
+meanwhile. Only one client can read a task, through one service and one grant, so a read led by
+any of its streams (its `read`: that stream's credentials, the grant, then the task) serves
+them all, as to what the database says; but each stream checks its own credentials (its
+`check`, in memory while the credential cache holds them) before it takes a read another led,
+so that a secret changed since it opened ends it alone within the cache's TTL (SPEC §3),
+whichever stream leads; it was checked only when it led, once in as many reads as its task had
+streams. Leading rotates (the least recent leads the next read). A refusal (403001, 404001,
+404002) is the verdict of the stream that led it: each other stream then leads a read of its
+own before it takes one.
 
 Event ids come from the task row, not from the connection, so that they go on increasing when a
 client reconnects (SPEC §11.3): twice the row's `updated_at` in microseconds since the epoch
@@ -49,7 +54,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -79,14 +84,17 @@ _MAX_ID_DIGITS = 19  # a Last-Event-ID longer than any id this module gives is n
 _AHEAD = 2 * 3600 * 1_000_000
 
 Read = Callable[[], Awaitable[dict[str, Any]]]
+Check = Callable[[], Awaitable[None]]
 
 
 @dataclass(eq=False)
 class _Follower:
-    """One open stream: its own read (its client's credentials, checked again at each read it
-    leads), and what wakes it."""
+    """One open stream: its own read (its client's credentials and access checked, then the
+    task read: for all its task's streams when it leads), its own check of its credentials
+    alone (before each read another led), and what wakes it."""
 
     read: Read
+    check: Check
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     led: float = 0.0  # when it last led a read of its task: the least recent leads the next
     own: bool = False  # a read led by another was refused: it needs a verdict of its own
@@ -147,11 +155,13 @@ class TaskEvents:
             task.wake()
 
     @contextmanager
-    def following(self, task_id: str, read: Read) -> Iterator[tuple[_Task, _Follower]]:
+    def following(
+        self, task_id: str, read: Read, check: Check
+    ) -> Iterator[tuple[_Task, _Follower]]:
         task = self._tasks.get(task_id)
         if task is None:
             task = self._tasks[task_id] = _Task(task_id)
-        me = _Follower(read)
+        me = _Follower(read, check)
         task.followers.add(me)
         metrics.EVENT_STREAMS.inc()
         try:
@@ -166,6 +176,7 @@ class TaskEvents:
         self,
         task_id: str,
         read: Read,
+        check: Check,
         stopping: anyio.Event,
         pool: Pool,
         last_event_id: str | None = None,
@@ -174,8 +185,10 @@ class TaskEvents:
         """The events of one task until it ends: the current state first (unless the client's
         `last_event_id` says it has it), then each change of status or progress, with ids
         that increase across connections; or until `stopping` (the server shuts down), with
-        a last line that tells the client when to reconnect."""
-        with self.following(task_id, read) as (task, me):
+        a last line that tells the client when to reconnect. `read` checks the client's
+        access and reads the task (for all its streams, when this one leads); `check` checks
+        this stream's credentials alone, before it takes a read another stream led."""
+        with self.following(task_id, read, check) as (task, me):
             waking = asyncio.create_task(_set_when(stopping, me.changed))
             try:
                 seen = _last_event_id(last_event_id)
@@ -185,6 +198,8 @@ class TaskEvents:
                 need = last + 1
                 while True:
                     reading = await self._read(task, me, need, pool, waking)
+                    if reading is not None:
+                        reading = await self._checked(reading, me, waking)
                     if reading is None:
                         yield ServerSentEvent(retry=RECONNECT_MS, comment="the gateway stops")
                         return
@@ -270,6 +285,30 @@ class TaskEvents:
             if stopped.done():
                 return None
 
+    async def _checked(
+        self, reading: _Reading, me: _Follower, stopped: asyncio.Future[None]
+    ) -> _Reading | None:
+        """`reading` as `me` may take it: a state another stream led is taken only once `me`'s
+        own credentials pass its check (a refusal, or a database that is away, replaces the
+        state, for `me` alone); the reads `me` led checked them already. The check is waited
+        for, never cancelled (a client that goes away leaves it to finish, as a read). None
+        once `stopped` is done."""
+        if reading.leader is me or reading.state is None:
+            return reading
+        checking = asyncio.ensure_future(me.check())
+        checking.add_done_callback(_retrieved)
+        await asyncio.wait((checking, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if stopped.done():
+            return None
+        failed = checking.exception()
+        if failed is None:
+            return reading
+        if not isinstance(failed, Exception):
+            raise failed
+        if isinstance(failed, CONNECTION_ERRORS):  # its credentials' look-up: check again
+            log.info("task stream could not check", extra={"error": logs.describe(failed)})
+        return replace(reading, state=None, error=failed)
+
     async def _lead(self, task: _Task, number: int, leader: _Follower, pool: Pool) -> None:
         """Reads the task once for all its streams, with `leader`'s read, through the share of
         the pool that streams may hold; what failed is kept for the streams to judge."""
@@ -341,6 +380,12 @@ async def _wait(changed: asyncio.Event, seconds: float | None) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def _retrieved(done: asyncio.Future[None]) -> None:
+    """A check left to finish after its stream ended: what it raised is nobody's concern."""
+    if not done.cancelled():
+        done.exception()
 
 
 async def _set_when(stopping: anyio.Event, changed: asyncio.Event) -> None:

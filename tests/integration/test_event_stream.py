@@ -22,7 +22,14 @@ import pytest
 
 from conveyor.client import AsyncConveyorClient, ConveyorClient, Task, TaskWaitTimeout
 from tests.support.amqp import wait_until
-from tests.support.gateway import Client, GatewayProcess, Platform, Service, gateway_env
+from tests.support.gateway import (
+    Client,
+    GatewayProcess,
+    Platform,
+    Service,
+    fast_hash,
+    gateway_env,
+)
 from tests.support.processes import Processes
 from tests.support.tcpproxy import TcpProxy
 
@@ -173,6 +180,44 @@ def test_a_revoked_grant_ends_the_open_stream(gateway: GatewayProcess, platform:
     assert [e[1]["status"] for e in reader.events] == ["PENDING"]
     assert [e["error"]["number"] for e in reader.errors] == [403001]  # as the poll answers now
     reader.close()
+
+
+def test_a_changed_secret_ends_its_stream_among_others_of_the_task(
+    reader_gateway: GatewayProcess, platform: Platform
+) -> None:
+    """A stream opened with a secret since changed stops within the credential cache's TTL
+    (SPEC §3), however many streams its task has: each checks its own credentials before it
+    takes a read another led. Only the leader of a read checked them, so among 20 streams of
+    a quiet task the old secret's went on for about 20 heartbeats past the TTL."""
+    ttl, heartbeat = 2.0, 0.5  # gateway_env's CONVEYOR_AUTH_CACHE_TTL; reader_gateway's beat
+    svc = platform.service()
+    old = svc.clients[0]
+    task_id = _submit(reader_gateway, svc)
+    url = _events_url(reader_gateway, svc.name, task_id)
+    stale = Reader(reader_gateway, old, url)
+    stale.wait_for(1)
+    new = Client(old.client_id, uuid.uuid4().hex)
+    platform.sql(
+        "UPDATE clients SET secret_hash = %(h)s WHERE client_id = %(c)s",
+        {"h": fast_hash(new.secret), "c": old.client_id},
+    )
+    changed = time.monotonic()
+    current = [Reader(reader_gateway, new, url) for _ in range(20)]
+    for reader in current:
+        reader.wait_for(1)
+    assert stale.ended.wait(max(0.0, changed + ttl + 2 * heartbeat + 1.0 - time.monotonic())), (
+        f"the old secret's stream goes on {time.monotonic() - changed:.1f} s after the change"
+    )
+    assert [e["error"]["number"] for e in stale.errors] == [403001]
+    assert [e[1]["status"] for e in stale.events] == ["PENDING"]
+    time.sleep(2 * heartbeat)  # the others go on: another read each, and the next change
+    assert not any(r.ended.is_set() or r.errors for r in current)
+    _set(platform, task_id, status="IN_PROGRESS")
+    for reader in current:
+        assert [e[1]["status"] for e in reader.wait_for(2)] == ["PENDING", "IN_PROGRESS"]
+        assert not reader.errors
+    for reader in [stale, *current]:
+        reader.close()
 
 
 @pytest.mark.parametrize("gone", ["task purged", "service deleted"])

@@ -117,6 +117,7 @@ async def update_service(
     """`changes` over the service's stored settings (over the defaults for a new service):
     `service create` on an existing service changes only what it is told, unlike `apply`,
     where the file is the whole truth. The row is locked until the transaction ends."""
+    await conn.execute(_QUEUE_NAMES_LOCK)  # before the row, as `apply` takes them: no deadlock
     row = await (await conn.execute(_STORED_SERVICE, (name,))).fetchone()
     stored = {} if row is None else row._asdict()
     spec = validate(ServiceSpec, {**stored, **changes, "name": name})

@@ -107,18 +107,19 @@ _NOTE_ERRORS = """
 # The rows this relay failed that still wait for a publish (neither published nor ended since).
 _STILL_UNPUBLISHED = "SELECT id FROM tasks WHERE id = ANY(%(ids)s) AND publish_at IS NOT NULL"
 # A service's `-in` was found missing: the messages it held are lost with it. Its tasks still
-# PENDING (IN_PROGRESS ones are the watchdog's; ended ones need nothing) that are published, or
-# being published or kept confirmed by any replica (`publish_at` ahead), go back to the relay,
-# an attempt counted so that no mark of an earlier publish undoes it (`_MARK_CONFIRMED`); a
-# run-later task not yet due was never published. By id, a page at a time (ix_tasks_pending:
-# the service's PENDING rows), each statement well within the statement timeout.
+# PENDING (IN_PROGRESS ones are the watchdog's; ended ones need nothing) that are marked
+# published, and those this gateway confirmed before it found the queue missing but has not
+# marked yet (`kept`), go back to the relay, an attempt counted so that no mark of an earlier
+# publish undoes it (`_MARK_CONFIRMED`). Not every row being published: those confirmed into
+# the queue declared again (a new service's first submissions find its queue not declared
+# yet) would be published twice. By id, a page at a time (ix_tasks_pending: the service's
+# PENDING rows), each statement well within the statement timeout.
 _REPUBLISH = """
     WITH lost AS (
         SELECT id FROM tasks
          WHERE service IN (SELECT name FROM services WHERE queue_name = %(queue)s)
            AND status = 'PENDING' AND id > %(after)s
-           AND (publish_at IS NULL OR publish_at > now())
-           AND (not_before IS NULL OR not_before <= now())
+           AND (publish_at IS NULL OR id = ANY(%(kept)s))
          ORDER BY id LIMIT %(page)s
     )
     UPDATE tasks t SET publish_at = now(), publish_attempts = t.publish_attempts + 1
@@ -319,12 +320,13 @@ class Outbox:
             "a service's queue was missing: declared again; its pending tasks are published again",
             extra={"queue": topology.in_queue(queue_name)},
         )
-        task = asyncio.create_task(self._republish_lost(queue_name))
+        kept = [row_id for at, row_id, _ in self._confirmed if at < started]
+        task = asyncio.create_task(self._republish_lost(queue_name, kept))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return True
 
-    async def _republish_lost(self, queue_name: str) -> None:
+    async def _republish_lost(self, queue_name: str, kept: list[int]) -> None:
         """Gives the relay back the service's PENDING tasks whose messages may have been in
         the lost queue, a page at a time, the database retried until it answers: once `-in`
         exists again nothing would find these messages missing any more."""
@@ -337,7 +339,12 @@ class Outbox:
             async for attempt in retrying:
                 with attempt:
                     async with self.pool.connection() as conn:
-                        params = {"queue": queue_name, "after": after, "page": REPUBLISH_PAGE}
+                        params = {
+                            "queue": queue_name,
+                            "kept": kept,
+                            "after": after,
+                            "page": REPUBLISH_PAGE,
+                        }
                         cursor = await conn.execute(_REPUBLISH, params)
                         ids = [row.id for row in await cursor.fetchall()]
             count += len(ids)
@@ -450,8 +457,6 @@ class Outbox:
         errors = await asyncio.gather(*(self._relay_row(row) for row in live))
         done = [row for row, error in zip(live, errors, strict=True) if error is None]
         failed = [(row.id, error) for row, error in zip(live, errors, strict=True) if error]
-        # marked once the broker has had time to keep them
-        self._note_confirmed([(row.id, row.publish_attempts) for row in done])
         self._note_failed({row.id for row in rows}, [row_id for row_id, _ in failed])
         if failed:
             ids, messages = zip(*failed, strict=True)
@@ -477,6 +482,7 @@ class Outbox:
     async def _relay_row(self, row: Any) -> str | None:
         """None once the row needs nothing more; otherwise why its publish failed."""
         if row.status != "PENDING":
+            self._note_confirmed([(row.id, row.publish_attempts)])  # leaves the outbox
             return None  # finished or failed meanwhile (e.g. by the reaper): nothing to send
         submission = Submission(
             task_id=str(row.task_id),
@@ -495,6 +501,9 @@ class Outbox:
         except PublishError as exc:
             return str(exc)[:500] or exc.__class__.__name__
         metrics.child(metrics.PUBLISHED, "relay").inc()
+        # Noted as confirmed now, not when the pass ends: a queue found lost by a later row
+        # of this pass gives this one back (`_republish_lost` takes those confirmed before).
+        self._note_confirmed([(row.id, row.publish_attempts)])
         return None
 
 

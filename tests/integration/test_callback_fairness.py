@@ -13,21 +13,16 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
+from tests.integration.test_callbacks import _notifier
 from tests.support.amqp import (
-    queues_of,
-    remove_service,
-    scratch_database,
-    wait_for_queues,
     wait_until,
 )
-from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
+from tests.support.gateway import GatewayProcess, Platform, Service
 from tests.support.processes import Processes
 
 TIMEOUT = 2.0  # CALLBACK_TIMEOUT: one attempt
@@ -88,32 +83,6 @@ class Healthy:
         self.server.server_close()
 
 
-@contextmanager
-def _notifier(
-    database_url: str, amqp_url: str, procs: Processes
-) -> Iterator[tuple[GatewayProcess, Platform, Service]]:
-    """A gateway of its own on a scratch database: no other gateway claims its callbacks."""
-    with scratch_database(database_url) as url:
-        platform = Platform(url)
-        svc = platform.service()
-        env = gateway_env(
-            url,
-            amqp_url,
-            CONVEYOR_CALLBACK_TIMEOUT=f"{TIMEOUT:g}",
-            CONVEYOR_CALLBACK_ATTEMPTS="3",
-            CONVEYOR_CALLBACK_BACKOFF="0.1",
-            CONVEYOR_CALLBACK_CONCURRENCY="8",
-            CONVEYOR_CALLBACK_PER_TARGET="2",
-        )
-        try:
-            gateway = GatewayProcess(procs, env, "gateway-fairness")
-            wait_for_queues(amqp_url, queues_of(svc.queue_name))
-            yield gateway, platform, svc
-        finally:
-            procs.stop_all()
-            remove_service(platform, amqp_url, svc)
-
-
 def _submit(gateway: GatewayProcess, svc: Service, urls: list[str]) -> list[str]:
     with gateway.http(svc.clients[0]) as http:
         answer = http.post(
@@ -143,7 +112,16 @@ def test_many_hanging_targets_delay_no_other_consumer(
     hanging = [Hanging() for _ in range(HANGING_TARGETS)]
     healthy = Healthy()
     try:
-        with _notifier(database_url, amqp_url, procs) as (gateway, platform, svc):
+        tuned = _notifier(
+            database_url,
+            amqp_url,
+            procs,
+            CONVEYOR_CALLBACK_TIMEOUT=f"{TIMEOUT:g}",
+            CONVEYOR_CALLBACK_ATTEMPTS="3",
+            CONVEYOR_CALLBACK_CONCURRENCY="8",
+            CONVEYOR_CALLBACK_PER_TARGET="2",
+        )
+        with tuned as (gateway, platform, svc):
             dead_ids = _submit(
                 gateway,
                 svc,

@@ -362,12 +362,13 @@ def test_a_submission_nobody_takes_expires_with_its_task(
 def test_a_lost_queues_tasks_stay_given_back_whatever_earlier_publishes_mark(
     platform: Platform, svc: Service
 ) -> None:
-    """From a review: after a service's `-in` was lost, the rows a relay pass (or another
-    replica) had published into it but not marked yet were not given back, and their mark
-    then made them published: their tasks PENDING for good. Every PENDING row of the service
-    that is published, or being published, goes back with an attempt counted, and a mark of
-    an earlier publish (its attempt count) leaves it unpublished. In one transaction never
-    committed: the running gateway's relay sees none of it."""
+    """From a review: after a service's `-in` was lost, the rows a relay pass had confirmed
+    into it but not marked yet were not given back, and their mark then made them published:
+    their tasks PENDING for good. The rows marked published and those this gateway confirmed
+    before (`kept`) go back with an attempt counted, and a mark of an earlier publish (its
+    attempt count) leaves them unpublished; a row being published into the queue declared
+    again (not kept) is left to its publish. In one transaction never committed: the running
+    gateway's relay sees none of it."""
     seed = """
         INSERT INTO tasks (task_id, client_id, service, request, submission_date,
                            publish_at, publish_attempts, not_before)
@@ -380,16 +381,18 @@ def test_a_lost_queues_tasks_stay_given_back_whatever_earlier_publishes_mark(
     with psycopg.connect(libpq(platform.database_url)) as conn:
         published = conn.execute(seed, {**who, "at": None, "later": None, "n": 2}).fetchall()
         leased = conn.execute(  # a relay pass's lease, or rows kept confirmed, unmarked
-            seed, {**who, "at": "30 seconds", "later": None, "n": 2}
+            seed, {**who, "at": "30 seconds", "later": None, "n": 3}
         ).fetchall()
         conn.execute(  # a task to run later, not yet due: never published
             seed, {**who, "at": "1 day", "later": "1 day", "n": 1}
         )
-        params = {"queue": svc.queue_name, "after": 0, "page": 1000}
+        kept = [row[0] for row in leased[:2]]  # confirmed before the queue was found lost
+        params = {"queue": svc.queue_name, "kept": kept, "after": 0, "page": 1000}
         given_back = conn.execute(outbox._REPUBLISH, params).fetchall()
-        ids = [row[0] for row in published + leased]
+        ids = [row[0] for row in published] + kept
         assert sorted(row[0] for row in given_back) == sorted(ids)
-        conn.execute(outbox._MARK_CONFIRMED, {"ids": ids, "attempts": [1] * len(ids)})
+        everyone = [*ids, leased[2][0]]
+        conn.execute(outbox._MARK_CONFIRMED, {"ids": everyone, "attempts": [1] * len(everyone)})
         waiting = conn.execute(
             "SELECT id FROM tasks WHERE service = %(s)s AND publish_at <= now()", who
         ).fetchall()

@@ -13,6 +13,8 @@ from conveyor import logs
 from conveyor.dispatcher_settings import MAX_PORT, DispatcherSettings
 from conveyor.settings import GatewaySettings
 
+WORKER_HEALTHCHECK_SECONDS = 30
+
 
 def _install_uvloop() -> None:
     try:
@@ -71,7 +73,16 @@ def gateway(
             os.environ[LOCK_ENV] = os.path.join(folder, "loops.lock")
             os.environ[METRICS_ENV] = os.path.join(folder, "metrics")
             os.mkdir(os.environ[METRICS_ENV])
-            uvicorn.run("gateway.workers:worker_app", factory=True, workers=workers, **serving)
+            uvicorn.run(
+                "gateway.workers:worker_app",
+                factory=True,
+                workers=workers,
+                # How long a new worker may take to serve before a SIGHUP restart keeps the
+                # old one (uvicorn's default is 5 s; a loaded machine took 5 s to import one),
+                # and how long a worker may leave a ping unanswered before it counts as hung.
+                timeout_worker_healthcheck=WORKER_HEALTHCHECK_SECONDS,
+                **serving,
+            )
         return
 
     from gateway.app import create_app

@@ -3,6 +3,7 @@ background loops, and when that one is killed its replacement takes them over.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -95,3 +96,51 @@ def test_after_workers_are_restarted_one_of_them_runs_the_loops(
                 break
             time.sleep(0.5)
         assert not set(after) & before and sorted(after.values()) == [False, True], after
+
+
+def _children(pid: int) -> set[int]:
+    """The processes `pid` started that are still running (Linux's /proc)."""
+    found: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as listed:
+            found.update(int(child) for child in listed.read().split())
+    return found
+
+
+def test_a_worker_slow_to_start_still_replaces_the_old_one_on_sighup(
+    procs: Processes, database_url: str, amqp_url: str
+) -> None:
+    """Found by CI: uvicorn's SIGHUP keeps the old worker when its replacement is not serving
+    within `timeout_worker_healthcheck` (5 s by default), and a gateway worker took 5 s to
+    import on a loaded machine: the restart was abandoned, old code kept running. A worker
+    held stopped for 8 s stands for that slow start."""
+    if not os.path.exists(f"/proc/{os.getpid()}/task"):
+        pytest.skip("reads a process's children from Linux's /proc")
+    gateway = GatewayProcess(
+        procs, gateway_env(database_url, amqp_url), "gateway-slow-hup", "--workers", "2"
+    )
+    before = set(_answering(gateway.url, want=2))
+    assert len(before) == 2, before
+    known = _children(gateway.proc.pid)
+    gateway.proc.signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    new: set[int] = set()
+    while not new and time.monotonic() < deadline:
+        new = _children(gateway.proc.pid) - known
+        time.sleep(0.005)
+    assert new, "no new worker started after SIGHUP"
+    for pid in new:  # started by our gateway: stopped and continued by its pid
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(8)
+    for pid in new:
+        with contextlib.suppress(ProcessLookupError):  # uvicorn gave up on it and killed it
+            os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 100
+    after: dict[int, bool] = {}
+    while time.monotonic() < deadline:
+        after = _answering(gateway.url, want=2, timeout=5)
+        if len(after) == 2 and not set(after) & before:
+            break
+        time.sleep(0.5)
+    assert not set(after) & before, (before, after)
+    assert sorted(after.values()) == [False, True], after

@@ -136,6 +136,14 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "conveyor-thumbnail/1"
 
+    def handle(self) -> None:
+        """A caller that went away (a call cut at its deadline) ends its connection quietly:
+        http.server would print a traceback for each such call."""
+        try:
+            super().handle()
+        except ConnectionError:
+            self.close_connection = True
+
     def do_GET(self) -> None:
         if self.path in ("/healthz", "/readyz"):
             self.answer(200, {"status": "ok"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -185,6 +186,31 @@ def test_stops_working_when_the_caller_hangs_up(sleeper: RunningFunction, call_l
         time.sleep(0.3)
 
     assert log_lines(call_log, 1, timeout=5.0) == [["t-gone", "1", "aborted"]]
+
+
+def test_a_caller_that_hangs_up_before_the_answer_leaves_no_traceback(
+    sleeper: RunningFunction, call_log: Path
+) -> None:
+    """Found by a sweep: an answer written to a caller that had gone (a dispatcher's call
+    cut at its deadline) printed a BrokenPipeError traceback for every such call."""
+    host, port = sleeper.url.removeprefix("http://").split(":")
+    body = b'{"sleep": 0}'
+    request = (
+        f"POST / HTTP/1.1\r\nHost: {host}\r\nX-Conveyor-Attempt: 1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    calls = 20
+    for n in range(calls):
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(request.replace(b"Host:", f"ce-id: t-{n}\r\nHost:".encode()))
+            conn.shutdown(socket.SHUT_RD)
+            # Closed with a reset: the answer's first write fails, not only a later one.
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert len(log_lines(call_log, calls, timeout=10.0)) == calls
+    time.sleep(0.5)
+    assert sleeper.proc.alive()
+    assert "Traceback" not in sleeper.proc.logs(), sleeper.proc.logs()[-2000:]
+    assert call(sleeper, {"sleep": 0}).status_code == 200
 
 
 def test_exits_zero_on_sigterm_and_sigint(start_function: StartFunction) -> None:

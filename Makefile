@@ -27,9 +27,8 @@ up: install services
 	$(BIN)/python -m scripts.up
 
 ## The test suite: unit, integration (real PostgreSQL + RabbitMQ) and end-to-end (real processes),
-## three test files at a time on any machine: most of a test's time is spent waiting on processes,
-## brokers and deadlines, so three keep two cores busy (1,089 s with two, 844 s with three;
-## pytest-xdist; PYTEST_ARGS='-n 0' runs one test at a time).
+## three test files at a time: most of a test's time waits on processes, brokers and deadlines,
+## so three keep two cores busy (pytest-xdist; PYTEST_ARGS='-n 0' runs one test at a time).
 test: install services
 	@command -v node >/dev/null || bash scripts/ensure-services.sh apt nodejs || true
 	@command -v chromium >/dev/null || bash scripts/ensure-services.sh apt chromium

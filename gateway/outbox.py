@@ -131,6 +131,12 @@ REPUBLISH_PAGE = 5000
 # A service whose `-in` is missing has its queues declared again at most this often: a storm
 # of submissions finding it missing makes one declaration, not one each.
 REDECLARE_EVERY = 2.0
+# How long a missing `-in` is left missing before it is declared again. RabbitMQ 3.10 tells a
+# deleted quorum queue's consumers only if no queue of the same name is declared before their
+# channels have handled the deletion: one declared again within ~20 ms (a busy service's next
+# submission) kept the dispatchers' consumers attached to it without delivering to them, for
+# ever, every check green; 200 ms was enough here.
+QUEUE_SETTLE = 1.0
 # The failed rows the relay watches at most (`_failed`): a few suffice to tell it still fails.
 FAILED_KEPT = 1000
 
@@ -207,10 +213,9 @@ class Outbox:
         self._confirmed: deque[tuple[float, int, int]] = deque()
         # Per queue, until when the fast path leaves its submissions to the relay (`publish_now`).
         self._fast_path_resumes: dict[str, float] = {}
-        # Per queue name: the declaration under way after its `-in` was found missing, and when
-        # the last one started and whether it succeeded (`_restore`).
-        self._restoring: dict[str, asyncio.Task[bool]] = {}
-        self._restored: dict[str, tuple[float, bool]] = {}
+        # Per queue name, the last declaration after its `-in` was found missing: when it
+        # started, and the declaration (under way, or its outcome) (`_restore`).
+        self._restores: dict[str, tuple[float, asyncio.Task[bool]]] = {}
         self._background: set[asyncio.Task[None]] = set()
         # Rows this relay failed to publish, as far as it knows still waiting in their backoff:
         # a pass that finds nothing due meanwhile is no success (`_nothing_failed_waits`).
@@ -281,25 +286,22 @@ class Outbox:
         started less than REDECLARE_EVERY ago): worth publishing once more. One declaration
         at a time per queue, shared by every publish that found it missing, and shielded: a
         caller that gives up (its timeout) does not cut the declaration short."""
-        restoring = self._restoring.get(queue_name)
-        if restoring is None:
-            last = self._restored.get(queue_name)
-            if last is not None and time.monotonic() - last[0] < REDECLARE_EVERY:
-                return last[1]
-            restoring = asyncio.create_task(self._redeclare(queue_name, message_format))
-            self._restoring[queue_name] = restoring
-            restoring.add_done_callback(lambda _: self._restoring.pop(queue_name, None))
-        return await asyncio.shield(restoring)
+        now = time.monotonic()
+        last = self._restores.get(queue_name)
+        if last is None or (last[1].done() and now - last[0] >= REDECLARE_EVERY):
+            last = (now, asyncio.create_task(self._redeclare(queue_name, message_format, now)))
+            self._restores[queue_name] = last
+        return await asyncio.shield(last[1])
 
-    async def _redeclare(self, queue_name: str, message_format: MessageFormat) -> bool:
+    async def _redeclare(
+        self, queue_name: str, message_format: MessageFormat, started: float
+    ) -> bool:
         """The service's queues, declared as the gateway declares them when it subscribes the
-        service; then, in the background, its tasks published before are given back to the
-        relay (their messages were in the queue that is gone)."""
-        started = time.monotonic()
+        service; then, in the background, its tasks published before `started` are given back
+        to the relay (their messages were in the queue that is gone)."""
         limit = self.delivery_limit
         if limit is None and message_format is MessageFormat.CLOUDEVENTS:
-            self._restored[queue_name] = (started, False)  # not as the gateway declares them
-            return False
+            return False  # not as the gateway declares them
         declare = partial(
             topology.declare_service,
             queue_name=queue_name,
@@ -307,15 +309,14 @@ class Outbox:
             delivery_limit=limit or 0,
         )
         try:
+            await asyncio.sleep(QUEUE_SETTLE)
             await self.broker.declare(topology.in_queue(queue_name), declare)
         except PublishError as exc:
-            self._restored[queue_name] = (started, False)
             log.warning(
                 "a service's queue is missing and could not be declared again",
                 extra={"queue": queue_name, "error": str(exc)},
             )
             return False
-        self._restored[queue_name] = (started, True)
         log.warning(
             "a service's queue was missing: declared again; its pending tasks are published again",
             extra={"queue": topology.in_queue(queue_name)},

@@ -174,14 +174,19 @@ def test_handles_calls_concurrently(sleeper: RunningFunction) -> None:
     assert time.monotonic() - started < 3.0, "six 1 s calls must overlap"
 
 
-def test_stops_working_when_the_caller_hangs_up(sleeper: RunningFunction, call_log: Path) -> None:
-    host, port = sleeper.url.removeprefix("http://").split(":")
-    body = b'{"sleep": 30}'
+def raw_call(fn: RunningFunction, task_id: str, body: bytes) -> tuple[tuple[str, int], bytes]:
+    """The address and bytes of a call, for a caller that hangs up at a moment of its choice."""
+    host, port = fn.url.removeprefix("http://").split(":")
     request = (
-        f"POST / HTTP/1.1\r\nHost: {host}\r\nce-id: t-gone\r\nX-Conveyor-Attempt: 1\r\n"
+        f"POST / HTTP/1.1\r\nHost: {host}\r\nce-id: {task_id}\r\nX-Conveyor-Attempt: 1\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
-    with socket.create_connection((host, int(port))) as conn:
+    return (host, int(port)), request
+
+
+def test_stops_working_when_the_caller_hangs_up(sleeper: RunningFunction, call_log: Path) -> None:
+    address, request = raw_call(sleeper, "t-gone", b'{"sleep": 30}')
+    with socket.create_connection(address) as conn:
         conn.sendall(request)
         time.sleep(0.3)
 
@@ -193,16 +198,11 @@ def test_a_caller_that_hangs_up_before_the_answer_leaves_no_traceback(
 ) -> None:
     """Found by a sweep: an answer written to a caller that had gone (a dispatcher's call
     cut at its deadline) printed a BrokenPipeError traceback for every such call."""
-    host, port = sleeper.url.removeprefix("http://").split(":")
-    body = b'{"sleep": 0}'
-    request = (
-        f"POST / HTTP/1.1\r\nHost: {host}\r\nX-Conveyor-Attempt: 1\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
     calls = 20
     for n in range(calls):
-        with socket.create_connection((host, int(port))) as conn:
-            conn.sendall(request.replace(b"Host:", f"ce-id: t-{n}\r\nHost:".encode()))
+        address, request = raw_call(sleeper, f"t-{n}", b'{"sleep": 0}')
+        with socket.create_connection(address) as conn:
+            conn.sendall(request)
             conn.shutdown(socket.SHUT_RD)
             # Closed with a reset: the answer's first write fails, not only a later one.
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

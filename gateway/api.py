@@ -42,6 +42,7 @@ from gateway.store import (
     create_task,
     create_tasks,
     get_task,
+    task_status,
     time_to_live,
 )
 
@@ -577,7 +578,7 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
     rt = runtime(request)
     client_id, _ = await _granted(request, rt, service)
     parsed = _task_uuid(task_id)
-    await get_task(rt.pool, client_id, service, parsed)  # 404002 before any stream
+    await task_status(rt.pool, client_id, service, parsed)  # 404002 before any stream
 
     async def read() -> dict[str, Any]:
         # Asked again at every read this stream leads, for all the task's streams (one client,

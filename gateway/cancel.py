@@ -28,7 +28,7 @@ from gateway import errors, lifecycle, metrics
 from gateway.broker import Broker, PublishError
 from gateway.catalog import Service
 from gateway.pgpool import Pool
-from gateway.store import get_task
+from gateway.store import get_task, task_status
 
 log = logging.getLogger("conveyor.gateway.cancel")
 
@@ -52,9 +52,9 @@ async def cancel_task(
 ) -> tuple[dict[str, Any], bool]:
     """The task's poll data once cancelled, and whether this call finished it (the notifier
     then has a callback to send if it has one). 409001 if it had finished otherwise."""
-    data = await get_task(pool, client_id, service.name, task_id)  # 404002 for strangers
+    status = await task_status(pool, client_id, service.name, task_id)  # 404002 for strangers
     finished_now = False
-    if data["status"] in UNFINISHED:
+    if status in UNFINISHED:
         change = lifecycle.failure(task_id, CANCELLED)
         async with pool.connection() as conn, conn.transaction():
             outcome = await lifecycle.apply(conn, change)
@@ -63,9 +63,9 @@ async def cancel_task(
                 await conn.execute(_MARK_CANCELLED, {"task_id": task_id})
         if (done := outcome.finished) is not None:
             metrics.task_finished(done.service, done.status, done.waited, done.ran)
-        data = await get_task(pool, client_id, service.name, task_id)
     if not finished_now and not await _cancelled(pool, task_id):
         raise errors.ApiError(errors.ALREADY_FINISHED)
+    data = await get_task(pool, client_id, service.name, task_id)
     if finished_now:
         await tell_dispatchers(broker, await _queue_names(pool, service.name), [task_id])
     return data, finished_now

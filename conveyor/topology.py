@@ -134,6 +134,23 @@ async def declare_service(
         await declare_control(channel, queue_name)
 
 
+async def queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) -> bool:
+    """Whether the broker holds a queue of that name, asked on a channel of its own (a missing
+    queue closes the channel it is asked about on). Only the broker's NOT_FOUND says no; any
+    other error raises, so that a queue that may well exist is never taken for a lost one."""
+    import aio_pika
+
+    channel = await connection.channel()
+    try:
+        await channel.declare_queue(name, passive=True)
+        return True
+    except aio_pika.exceptions.ChannelNotFoundEntity:
+        return False
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
 async def declare_control(channel: aio_pika.abc.AbstractChannel, queue_name: str) -> Any:
     """The service's cancel exchange (idempotent); returns it."""
     import aio_pika

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 
+from conveyor import topology
 from conveyor.amqp import to_amqp
 from conveyor.connection import ConfirmingChannel, connect_robust
 from conveyor.events import WireMessage
@@ -109,6 +110,12 @@ class Broker:
                         await channel.close()
         except Exception as exc:
             raise PublishError(f"{key} not declared: {exc!r}") from None
+
+    async def queue_exists(self, name: str) -> bool:
+        """Whether the broker holds that queue (`topology.queue_exists`), within
+        `publish_timeout` (else TimeoutError)."""
+        async with asyncio.timeout(self.publish_timeout):
+            return await topology.queue_exists(await self.connect(), name)
 
     async def publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:
         """Confirmed within `publish_timeout` in all, connecting included, or PublishError.

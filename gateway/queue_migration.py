@@ -111,7 +111,7 @@ async def migrate_queue(
     channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
     try:
         await channel.declare_queue(name, durable=True, arguments=arguments)
-        staged = await _exists(connection, staging)
+        staged = await topology.queue_exists(connection, staging)
         restored = 0
         if staged:
             await channel.declare_queue(staging, durable=True, arguments=topology.QUORUM)
@@ -237,17 +237,6 @@ async def _consumers(connection: AbstractConnection, name: str) -> int:
     try:
         declared = await channel.declare_queue(name, passive=True)
         return int(declared.declaration_result.consumer_count or 0)
-    finally:
-        await _close(channel)
-
-
-async def _exists(connection: AbstractConnection, name: str) -> bool:
-    channel = await connection.channel()
-    try:
-        await channel.declare_queue(name, passive=True)
-        return True
-    except aio_pika.exceptions.ChannelNotFoundEntity:
-        return False
     finally:
         await _close(channel)
 

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-import aio_pika
 import aiormq.exceptions
 import psycopg
 from aio_pika.abc import (
@@ -369,7 +368,7 @@ class ResultConsumer:
             consumed = {queue.name for queue, _ in consumers}
             left = [(topology.in_queue(queue_name), False, True)]
             for name, dead, left_behind in [(*q, False) for q in _result_queues(queue_name)] + left:
-                if name not in consumed and await self._exists(name):
+                if name not in consumed and await self.broker.queue_exists(name):
                     queue = await channel.declare_queue(name, passive=True, robust=False)
                     receiver = self._receiver(name, dead, left_behind)
                     tag = await queue.consume(receiver, robust=False)
@@ -407,17 +406,7 @@ class ResultConsumer:
         finally:
             await _close_quietly(channel)
         names = [name for name, _ in _result_queues(service.queue_name)]
-        return {name for name in names if not await self._exists(name)}
-
-    async def _exists(self, name: str) -> bool:
-        channel = await self.broker.channel()
-        try:
-            await channel.declare_queue(name, passive=True)
-            return True
-        except aio_pika.exceptions.AMQPError:
-            return False
-        finally:
-            await _close_quietly(channel)
+        return {name for name in names if not await self.broker.queue_exists(name)}
 
     def _receiver(
         self, queue: str, dead: bool, left_behind: bool = False

@@ -40,6 +40,9 @@ class Broker:
     async def channel(self, prefetch: int | None = None) -> Channel:
         return Channel(self.error)
 
+    async def queue_exists(self, name: str) -> bool:
+        return True  # only declarations that are not passive fail here
+
 
 def _service() -> Service:
     return Service(

@@ -83,8 +83,12 @@ class GatewaySettings(CommonSettings):
     db_timeout: Seconds = 10.0
     max_body_bytes: Count = 1024 * 1024
     # A request must arrive whole (head and body) within this many seconds of its connection,
-    # or of the answer before it: a client that trickles it, or sends nothing, is dropped.
+    # or of its first byte: a client that trickles it, or sends nothing, is dropped.
     request_read_timeout: Seconds = 60.0
+    # An idle connection is kept this long after an answer: longer than the clients and proxies
+    # in front keep theirs idle (httpx 5 s, nginx's upstream keep-alive and cloud load
+    # balancers 60 s), else a request they send on it as the gateway closes it is lost.
+    keep_alive_timeout: Seconds = 75.0
     # A batch submission (POST …/tasks/batch): how many tasks, and its own size limit.
     max_batch_items: Count = 1000
     max_batch_bytes: Count = 16 * 1024 * 1024

@@ -9,8 +9,9 @@ What the parser refuses before the app sees it is answered with the API's own 40
 envelope, as every other refusal is, rather than uvicorn's plain text. uvicorn has no limit
 on the time a request takes to arrive: a client that connects and sends nothing, or trickles
 a request a byte at a time, held its connection (and a descriptor) forever. A request must
-now arrive whole within CONVEYOR_REQUEST_READ_TIMEOUT of its connection, or of the answer
-before it, or its connection is closed.
+now arrive whole within CONVEYOR_REQUEST_READ_TIMEOUT of its connection, or of its first
+byte, or its connection is closed. Between requests an idle connection is uvicorn's to close,
+after CONVEYOR_KEEP_ALIVE_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -106,18 +107,14 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(TurnTransport(transport))
         self._expect_request()
 
+    def data_received(self, data: bytes) -> None:
+        if self._reading is None:  # a request begins (or goes on after a whole one)
+            self._expect_request()
+        super().data_received(data)
+
     def on_message_complete(self) -> None:
         self._stop_expecting()
         super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # The next request, on a connection kept alive; unless one pipelined behind this one
-        # has already arrived whole, and runs now.
-        cycle = self.cycle
-        waiting = cycle is None or cycle.response_complete or cycle.more_body
-        if waiting and not self.transport.is_closing():
-            self._expect_request()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_expecting()

@@ -57,6 +57,7 @@ def gateway(
         "log_config": None,
         "access_log": False,
         "timeout_graceful_shutdown": 5,
+        "timeout_keep_alive": settings.keep_alive_timeout,
         "h11_max_incomplete_event_size": 64 * 1024,
         # X-Forwarded-For only from the proxies named: else any caller picks its own source.
         "proxy_headers": bool(settings.forwarded_allow_ips),

@@ -111,6 +111,8 @@ class GatewaySettings(CommonSettings):
     purge_batch_size: Count = 5000
     # Signs every callback (HMAC-SHA256); the gateway refuses to start without a real one.
     callback_signing_secret: str = ""
+    # The secret being rotated out: callbacks carry a second signature with it meanwhile.
+    callback_previous_signing_secret: str = ""
     callback_allow_http: bool = False
     callback_allow_private: bool = False
     # Comma-separated host names exempt from the SSRF guard.
@@ -167,6 +169,9 @@ class GatewaySettings(CommonSettings):
             )
         if len(secret) < 16:
             return "CONVEYOR_CALLBACK_SIGNING_SECRET must be at least 16 characters"
+        previous = self.callback_previous_signing_secret
+        if previous and len(previous) < 16:
+            return "CONVEYOR_CALLBACK_PREVIOUS_SIGNING_SECRET must be at least 16 characters"
         return None
 
     @field_validator("database_url")

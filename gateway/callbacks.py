@@ -9,7 +9,9 @@ address that was checked (`destination`), never to a second resolution.
 Redirects are never followed.
 
 Signatures follow Stripe's scheme so consumers can reuse known verifiers:
-`X-Conveyor-Signature: t=<unix>,v1=<hex hmac-sha256(secret, "<t>.<body>")>`.
+`X-Conveyor-Signature: t=<unix>,v1=<hex hmac-sha256(secret, "<t>.<body>")>`. While a secret
+is rotated out (CONVEYOR_CALLBACK_PREVIOUS_SIGNING_SECRET), a second `v1` is signed with it, as
+Stripe does while a secret is rolled: consumers move to the new secret at their own pace.
 """
 
 from __future__ import annotations
@@ -213,20 +215,27 @@ async def check_callback(callback: object, policy: CallbackPolicy) -> dict[str, 
     return {"type": str(callback["type"]), "url": url}  # type: ignore[index]
 
 
-def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
+def sign(secret: str, body: bytes, timestamp: int | None = None, previous: str = "") -> str:
+    """The header's value: `t`, then a `v1` per secret (the previous one's second, if any)."""
     t = int(time.time()) if timestamp is None else timestamp
-    mac = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
-    return f"t={t},v1={mac}"
+    secrets = [secret, previous] if previous else [secret]
+    return ",".join([f"t={t}", *(f"v1={_mac(each, t, body)}" for each in secrets)])
+
+
+def _mac(secret: str, t: int, body: bytes) -> str:
+    return hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
 
 
 def verify(secret: str, body: bytes, header: str, tolerance: float = 300.0) -> bool:
-    """What a consumer runs: the signature matches and is recent."""
-    try:
-        fields = dict(part.split("=", 1) for part in header.split(","))
-        t = int(fields["t"])
-    except (ValueError, KeyError):
+    """What a consumer runs: one of the `v1` signatures is `secret`'s, and it is recent."""
+    t, signatures = None, []
+    for part in header.split(","):
+        key, _, value = part.partition("=")
+        if key == "t" and value.isascii() and value.isdigit():
+            t = int(value)
+        elif key == "v1":
+            signatures.append(value.encode("utf-8", "replace"))
+    if t is None or abs(time.time() - t) > tolerance:
         return False
-    if abs(time.time() - t) > tolerance:
-        return False
-    expected = sign(secret, body, t).split(",", 1)[1].removeprefix("v1=")
-    return hmac.compare_digest(expected, fields.get("v1", ""))
+    expected = _mac(secret, t, body).encode()
+    return any(hmac.compare_digest(expected, each) for each in signatures)

@@ -144,6 +144,7 @@ class Notifier:
         pool: Pool,
         policy: callbacks.CallbackPolicy,
         signing_secret: str,
+        previous_signing_secret: str = "",
         attempts: int = 3,
         backoff: float = 1.0,
         timeout: float = 10.0,
@@ -154,6 +155,7 @@ class Notifier:
         self.pool = pool
         self.policy = policy
         self.signing_secret = signing_secret
+        self.previous_signing_secret = previous_signing_secret  # also signed with, if set
         self.attempts = attempts
         self.backoff = backoff
         self.timeout = timeout  # the whole of one attempt: connect, send, status line
@@ -324,7 +326,9 @@ class Notifier:
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "conveyor-notifier",
-            callbacks.SIGNATURE_HEADER: callbacks.sign(self.signing_secret, body),
+            callbacks.SIGNATURE_HEADER: callbacks.sign(
+                self.signing_secret, body, previous=self.previous_signing_secret
+            ),
             **target.headers,
         }
         trace = tracing.current()  # the callback span: the receiver's spans may join the trace

@@ -87,6 +87,7 @@ class Runtime:
             self.pool,
             self.policy,
             settings.callback_signing_secret,
+            settings.callback_previous_signing_secret,
             attempts=settings.callback_attempts,
             backoff=settings.callback_backoff,
             timeout=settings.callback_timeout,

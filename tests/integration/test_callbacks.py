@@ -291,6 +291,32 @@ def test_pending_notification_survives_a_restart(
             remove_service(platform, amqp_url, svc)
 
 
+@pytest.mark.timeout(90)
+def test_a_callback_is_signed_with_both_secrets_while_one_is_rotated_out(
+    database_url: str, amqp_url: str, procs: Processes, serve: Any
+) -> None:
+    """Rotating the signing secret: with CONVEYOR_CALLBACK_PREVIOUS_SIGNING_SECRET set, each
+    call carries a `v1` signature per secret (Stripe's scheme while a secret is rolled), so a
+    consumer still verifying with the old one and one already on the new one both accept it.
+    Before, changing the secret broke every consumer until it changed its own at that very
+    moment."""
+    hook, port = serve(200)
+    old = f"old-signing-{uuid.uuid4().hex}"
+    with _notifier(
+        database_url, amqp_url, procs, CONVEYOR_CALLBACK_PREVIOUS_SIGNING_SECRET=old
+    ) as (gateway, platform, svc):
+        task_id = _submit(gateway, svc, f"http://localhost:{port}/hook")
+        _succeed(amqp_url, svc, task_id, {"ok": True})
+        assert _wait_notified(platform, task_id) == "SUCCESS"
+    (request,) = hook.requests()
+    signature = request.headers[SIGNATURE_HEADER]
+    assert signature.count("v1=") == 2, signature
+    assert verify(SECRET, request.body, signature)
+    assert verify(old, request.body, signature)
+    assert not verify(f"other-{uuid.uuid4().hex}", request.body, signature)
+    assert not verify(old, request.body + b" ", signature)
+
+
 # -- hostile targets, bad URLs, dead replicas ------------------------------------
 
 

@@ -34,6 +34,14 @@ def test_the_gateway_will_not_start_without_a_signing_secret(
         assert done.returncode == 2, done.stderr
         assert "CONVEYOR_CALLBACK_SIGNING_SECRET" in done.stderr
         assert "Traceback" not in done.stderr
+    env = {
+        **gateway_env(database_url, amqp_url),
+        "CONVEYOR_CALLBACK_PREVIOUS_SIGNING_SECRET": "short",
+    }
+    done = _conveyor("gateway", "--port", "1", env=env)
+    assert done.returncode == 2, done.stderr
+    assert "CONVEYOR_CALLBACK_PREVIOUS_SIGNING_SECRET" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_secret_bcrypt_cannot_hold_is_refused_by_apply(database_url: str, tmp_path: Path) -> None:

@@ -164,9 +164,21 @@ def test_gateway_deployment(render: Render) -> None:
         if "secretKeyRef" in e.get("valueFrom", {})
     }
     assert secrets == dict.fromkeys(
-        ["CONVEYOR_DATABASE_URL", "CONVEYOR_AMQP_URL", "CONVEYOR_CALLBACK_SIGNING_SECRET"],
+        [
+            "CONVEYOR_DATABASE_URL",
+            "CONVEYOR_AMQP_URL",
+            "CONVEYOR_CALLBACK_SIGNING_SECRET",
+            "CONVEYOR_CALLBACK_PREVIOUS_SIGNING_SECRET",
+        ],
         "conveyor-gateway",
     )
+    # Only the secret being rotated out may be absent from the Secret.
+    optional = {
+        e["name"]
+        for e in container["env"]
+        if e.get("valueFrom", {}).get("secretKeyRef", {}).get("optional")
+    }
+    assert optional == {"CONVEYOR_CALLBACK_PREVIOUS_SIGNING_SECRET"}
     assert container["envFrom"] == [{"configMapRef": {"name": "conveyor-gateway"}}]
     assert "ConfigMap/conveyor-gateway" in docs
     assert pod["terminationGracePeriodSeconds"] < checks.DEPLOYMENT_GRACE_LIMIT

@@ -342,6 +342,17 @@ def test_signature_round_trip() -> None:
     assert verify(secret, body, sign(secret, body))
 
 
+def test_a_signature_for_two_secrets_verifies_with_either_and_only_them() -> None:
+    body, new, old = b'{"taskId":"x"}', uuid.uuid4().hex, uuid.uuid4().hex
+    header = sign(new, body, previous=old)
+    assert re.fullmatch(r"t=\d+,v1=[0-9a-f]{64},v1=[0-9a-f]{64}", header)
+    assert verify(new, body, header) and verify(old, body, header)
+    assert not verify(uuid.uuid4().hex, body, header)
+    # a stray non-ASCII signature neither crashes the check nor hides the good one
+    assert verify(new, body, header + ",v1=\u00e9")
+    assert not verify(new, body, header.split(",")[0] + ",v1=\u00e9")
+
+
 @pytest.mark.parametrize(
     "tamper",
     [

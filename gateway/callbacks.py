@@ -8,20 +8,15 @@ delivery, since DNS answers change; at delivery the call then goes to the
 address that was checked (`destination`), never to a second resolution.
 Redirects are never followed.
 
-Signatures follow Stripe's scheme so consumers can reuse known verifiers:
-`X-Conveyor-Signature: t=<unix>,v1=<hex hmac-sha256(secret, "<t>.<body>")>`. While a secret
-is rotated out (CONVEYOR_CALLBACK_PREVIOUS_SIGNING_SECRET), a second `v1` is signed with it, as
-Stripe does while a secret is rolled: consumers move to the new secret at their own pace.
+How a call is signed is the contract's (`conveyor/signatures.py`): consumers verify it with
+the SDK's package.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import ipaddress
 import socket
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,10 +24,6 @@ from urllib.parse import urlsplit
 
 import aiodns
 import httpx
-
-from conveyor import headers as h
-
-SIGNATURE_HEADER = h.SIGNATURE
 
 
 class CallbackRefused(ValueError):
@@ -213,29 +204,3 @@ async def check_callback(callback: object, policy: CallbackPolicy) -> dict[str, 
     url, _ = check_shape(callback, policy)
     await check_destination(url, policy)
     return {"type": str(callback["type"]), "url": url}  # type: ignore[index]
-
-
-def sign(secret: str, body: bytes, timestamp: int | None = None, previous: str = "") -> str:
-    """The header's value: `t`, then a `v1` per secret (the previous one's second, if any)."""
-    t = int(time.time()) if timestamp is None else timestamp
-    secrets = [secret, previous] if previous else [secret]
-    return ",".join([f"t={t}", *(f"v1={_mac(each, t, body)}" for each in secrets)])
-
-
-def _mac(secret: str, t: int, body: bytes) -> str:
-    return hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
-
-
-def verify(secret: str, body: bytes, header: str, tolerance: float = 300.0) -> bool:
-    """What a consumer runs: one of the `v1` signatures is `secret`'s, and it is recent."""
-    t, signatures = None, []
-    for part in header.split(","):
-        key, _, value = part.partition("=")
-        if key == "t" and value.isascii() and value.isdigit():
-            t = int(value)
-        elif key == "v1":
-            signatures.append(value.encode("utf-8", "replace"))
-    if t is None or abs(time.time() - t) > tolerance:
-        return False
-    expected = _mac(secret, t, body).encode()
-    return any(hmac.compare_digest(expected, each) for each in signatures)

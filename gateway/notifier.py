@@ -40,7 +40,7 @@ from tenacity import (
 )
 
 from conveyor import headers as h
-from conveyor import logs, tracing
+from conveyor import logs, signatures, tracing
 from gateway import callbacks, metrics, supervisor
 from gateway.pgpool import CONNECTION_ERRORS, Pool
 from gateway.store import task_view
@@ -326,7 +326,7 @@ class Notifier:
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "conveyor-notifier",
-            callbacks.SIGNATURE_HEADER: callbacks.sign(
+            h.SIGNATURE: signatures.sign(
                 self.signing_secret, body, previous=self.previous_signing_secret
             ),
             **target.headers,

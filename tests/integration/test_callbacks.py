@@ -23,7 +23,8 @@ import pytest
 
 from conveyor import topology
 from conveyor.events import EventKind, TaskEvent, encode_event
-from gateway.callbacks import SIGNATURE_HEADER, verify
+from conveyor.headers import SIGNATURE as SIGNATURE_HEADER
+from conveyor.signatures import verify
 from tests.support.amqp import (
     publish,
     queues_of,

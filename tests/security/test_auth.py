@@ -27,8 +27,9 @@ import bcrypt
 import httpx
 import pytest
 
+from conveyor.headers import SIGNATURE as SIGNATURE_HEADER
+from conveyor.signatures import verify
 from gateway.auth import hash_secret
-from gateway.callbacks import SIGNATURE_HEADER, verify
 from tests.security.helpers import Recorder, error_number, finish_through_rabbitmq, wait_until
 from tests.support.gateway import (
     SIGNING_SECRET,

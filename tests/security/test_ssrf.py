@@ -17,14 +17,13 @@ import uuid
 
 import pytest
 
+from conveyor.signatures import sign, verify
 from gateway import callbacks
 from gateway.callbacks import (
     CallbackPolicy,
     CallbackRefused,
     check_callback,
     check_destination,
-    sign,
-    verify,
 )
 from gateway.notifier import CallbackFailed, Notifier
 from tests.security.helpers import Recorder, finish_through_rabbitmq, wait_until

@@ -120,14 +120,21 @@ def test_brute_force_is_slowed_to_one_guess_at_a_time_without_bcrypt_work(
 
         return call
 
+    def right() -> httpx.Response:
+        with gateway.http() as http:
+            return attempt(http, svc, client.client_id, client.secret)
+
     with gateway.http() as http:
         assert attempt(http, svc, client.client_id, client.secret).status_code == 201
+        # What a call costs besides its check, paid side by side by the calls made at once
+        # (see test_x_forwarded_for_does_not_choose_the_source_by_default): from the cache.
+        overhead = statistics.median(timed(right)[1] for _ in range(3))
         checked = []
         for n in range(5):  # within the budget
             answer, seconds = timed(guess(n))
             assert error_number(answer) == (403, 403001)
             checked.append(seconds)
-        check = statistics.median(checked)
+        check = statistics.median(checked) - overhead
         assert check > 0.05, checked  # as long as a cost-12 check, though none ran
         cpu_before = cpu_seconds(gateway.proc.pid)
         answers, wall = together([guess(n) for n in range(8)])
@@ -301,11 +308,20 @@ def test_x_forwarded_for_does_not_choose_the_source_by_default(
 
         return call
 
+    def right() -> httpx.Response:
+        with gateway.http() as http:
+            return attempt(http, svc, client.client_id, client.secret)
+
+    # What a call costs besides its check (a client made, a connection, a submission): on a
+    # loaded machine it was a third of a sequential call's time, which the 6 calls at once
+    # pay side by side, so that "one at a time" read 4.2 checks instead of 6 (CI, once).
+    assert right().status_code == 201  # verified: the next ones are answered from the cache
+    overhead = statistics.median(timed(right)[1] for _ in range(3))
     checked = [timed(guess(n))[1] for n in range(4)]  # over the budget of 3 if one source
     answers, wall = together([guess(n) for n in range(100, 106)])
     assert {error_number(a) for a in answers} == {(403, 403001)}
-    check = statistics.median(checked)
-    print(f"check={check:.3f}s 6 guesses from 6 claimed sources: wall={wall:.3f}s")
+    check = statistics.median(checked) - overhead
+    print(f"check={check:.3f}s (+{overhead:.3f}s) 6 guesses, 6 claimed sources: wall={wall:.3f}s")
     assert wall > 4.5 * check, (wall, check)  # one at a time: they are one source
 
 

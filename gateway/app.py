@@ -28,6 +28,8 @@ log = logging.getLogger("conveyor.gateway.api")
 _AUTH_HEADERS = {"WWW-Authenticate": 'Basic realm="conveyor"'}
 # The HTTP server (httptools) bounds neither a header's size nor their number.
 MAX_HEADER_BYTES = 64 * 1024
+# How long a process's shutdown may take (its loops get STOP_PATIENCE of it).
+SHUTDOWN_PATIENCE = 20.0
 HEADERS_TOO_LARGE = errors.ErrorKind(431, 431001, "Request header fields too large.")
 
 
@@ -66,7 +68,14 @@ def create_app(
             if taking_over is not None:
                 taking_over.cancel()
                 await asyncio.gather(taking_over, return_exceptions=True)
-            await rt.stop()
+            try:
+                # A process whose shutdown hangs keeps its port's workers and the loops' lock
+                # (gateway/workers.py): past this it ends anyway; the relay and the notifier's
+                # leases cover what it left undone.
+                async with asyncio.timeout(SHUTDOWN_PATIENCE):
+                    await rt.stop()
+            except TimeoutError:
+                log.warning("shutdown not finished in time; ending the process anyway")
             if tracing.enabled:
                 await asyncio.to_thread(tracing.shutdown)  # the last spans are exported
 

@@ -44,6 +44,8 @@ class LoopCancelled(RuntimeError):
 # A run this long was healthy: a crash after it starts the backoff over (one crash a day
 # waits the first backoff, not the longest one reached during last week's outage).
 HEALTHY_RUN = 60.0
+# How long stop() waits for the cancelled loops to end.
+STOP_PATIENCE = 5.0
 _STREAK_CAP = 64  # 2**63 times any backoff is past any maximum; more would overflow a float
 
 
@@ -73,9 +75,20 @@ class Supervisor:
         return down
 
     async def stop(self) -> None:
+        """Cancels every loop and waits STOP_PATIENCE at most for them to end: a loop whose
+        cleanup waits on an answer that never comes must not hold the process's shutdown (an
+        old worker of `--workers` would keep the loops' lock, and no worker would run them)."""
         for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        tasks = list(self._tasks.values())
+        if not tasks:
+            return
+        _, left = await asyncio.wait(tasks, timeout=STOP_PATIENCE)
+        for task in left:
+            log.warning(
+                "a loop did not end in time; shutting down without it",
+                extra={"loop": task.get_name()},
+            )
 
     async def _keep(self, name: str, loop: LoopFactory) -> None:
         _current.set((self, name))  # this task's context, which the loop's own tasks inherit

@@ -182,3 +182,25 @@ async def test_a_loop_crashing_for_hours_is_still_restarted() -> None:
     assert "database away" in supervisor.down().get("outage", "database away")
     assert supervisor.down().get("outage") != "stopped"
     await supervisor.stop()
+
+
+async def test_a_loop_that_will_not_end_does_not_hold_the_shutdown(monkeypatch: Any) -> None:
+    """Seen in CI: an old worker of `conveyor gateway --workers 2`, told to stop by a SIGHUP
+    restart, never finished its shutdown (the last line of its log: a channel closed because a
+    declaration under way was cancelled), so it kept the background loops' lock and neither new
+    worker ever ran them. stop() now waits for the loops only STOP_PATIENCE, names those that
+    did not end, and lets the shutdown go on."""
+    monkeypatch.setattr(supervisor_module, "STOP_PATIENCE", 0.2)
+    stuck = asyncio.Event()
+
+    async def deaf() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await stuck.wait()  # a cleanup that waits on an answer that never comes
+
+    supervisor = Supervisor()
+    supervisor.spawn("deaf", deaf)
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(supervisor.stop(), 2)
+    stuck.set()

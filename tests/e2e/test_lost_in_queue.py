@@ -76,29 +76,6 @@ def test_tasks_lost_with_a_deleted_in_are_published_again(stack: Stack, platform
         assert final["status"] == "SUCCESS", (task_id, final)
 
 
-def test_tasks_lost_with_a_deleted_in_are_published_again_without_another_submission(
-    stack: Stack, platform: Platform, database_url: str, procs: Processes
-) -> None:
-    """Nothing else submitted to the service, so no publish finds `-in` missing: the gateway
-    looks for the `-in` of every service with PENDING tasks (`QUEUE_CHECK_INTERVAL`, on in a
-    second gateway here only: see `gateway_env`). This waited until its time to live (24 h)
-    before."""
-    in_queue = topology.in_queue(stack.service.queue_name)
-    wait_for_queues(stack.amqp_url, queues_of(stack.service.queue_name))
-    queued = [stack.submit({"sleep": 0}) for _ in range(3)]  # no dispatcher yet: they wait
-    wait_until(lambda: message_count(stack.amqp_url, in_queue) == 3, what="queued tasks published")
-    wait_until(lambda: _unpublished(platform, stack.service.name) == 0, what="marked published")
-
-    env = gateway_env(database_url, stack.amqp_url, CONVEYOR_QUEUE_CHECK_INTERVAL="1")
-    GatewayProcess(procs, env, "gateway-checking")
-    delete_queues(stack.amqp_url, [in_queue])  # their messages go with it
-    stack.dispatcher("pod-a")  # waits for the gateway to declare -in again
-
-    for task_id in queued:
-        final = stack.finish(task_id, timeout=30)
-        assert final["status"] == "SUCCESS", (task_id, final)
-
-
 async def _refusing_in_queue(url: str, name: str) -> None:
     """`-in` replaced by a queue that refuses (nacks) every publish: it exists, so nothing
     declares it again, and the relay fails every pass."""

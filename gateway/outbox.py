@@ -32,7 +32,9 @@ subscribes the service, not again, so the publish that finds the queue missing d
 service's queues again (`_restore`, at most once per service per `REDECLARE_EVERY`) and is
 tried once more; the messages that went down with the queue are found from their rows: every
 PENDING task of that service already published (and due) is marked unpublished, so the relay
-publishes it again.
+publishes it again. A service that gets no new submission would never find it so: the gateway
+also looks for the `-in` of every service with PENDING tasks every `QUEUE_CHECK_INTERVAL`
+(`queue_check_loop`), and restores a missing one the same way.
 
 At worst a task is published twice (confirm received, mark lost; or published again after a
 lost `-in` while its message had already been delivered): delivery is at-least-once end to
@@ -53,13 +55,18 @@ from typing import Any
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from conveyor import logs, topology, tracing
+from conveyor.connection import CONNECTION_ERRORS as BROKER_AWAY
 from conveyor.events import MessageFormat, Submission, encode_submission
 from gateway import lifecycle, metrics, supervisor
 from gateway.broker import Broker, PublishError, PublishTimeout, QueueMissing
 from gateway.catalog import Service
+from gateway.pgpool import CONNECTION_ERRORS as DATABASE_AWAY
 from gateway.pgpool import Pool
 
 log = logging.getLogger("conveyor.gateway.outbox")
+
+# The database or the broker away: a pass of `queue_check_loop` fails, the next tries again.
+_AWAY: tuple[type[BaseException], ...] = (*DATABASE_AWAY, *BROKER_AWAY)
 
 # Every statement stands alone: run in autocommit, each is its own transaction.
 _MARK_PUBLISHED = (
@@ -127,6 +134,11 @@ _REPUBLISH = """
     RETURNING t.id
     """
 REPUBLISH_PAGE = 5000
+# The services whose `-in` should hold something: PENDING tasks (the triggers' counts).
+_WAITING = """
+    SELECT s.queue_name, s.message_format FROM services s
+     WHERE (SELECT sum(b.pending) FROM task_backlog b WHERE b.service = s.name) > 0
+    """
 
 # A service whose `-in` is missing has its queues declared again at most this often: a storm
 # of submissions finding it missing makes one declaration, not one each.
@@ -139,6 +151,15 @@ REDECLARE_EVERY = 2.0
 QUEUE_SETTLE = 1.0
 # The failed rows the relay watches at most (`_failed`): a few suffice to tell it still fails.
 FAILED_KEPT = 1000
+
+
+class QueuesNotChecked(Exception):
+    """A pass of the queue check could not look for some services' `-in` (queue -> why)."""
+
+    def __init__(self, unchecked: dict[str, str]) -> None:
+        names = ", ".join(topology.in_queue(q) for q in sorted(unchecked))
+        super().__init__(f"{len(unchecked)} queues not checked: {names}")
+        self.unchecked = unchecked
 
 
 class RelayStalled(Exception):
@@ -356,6 +377,42 @@ class Outbox:
             "tasks published before their queue was lost are published again",
             extra={"queue": topology.in_queue(queue_name), "count": count},
         )
+
+    async def queue_check_loop(self, interval: float) -> None:
+        """Every `interval`, `-in` looked for wherever tasks wait (`check_queues`). A pass the
+        database or the broker fails, or that could not check a service, is tried again at the
+        next, named under `failing`."""
+        while True:
+            await asyncio.sleep(interval)
+            with supervisor.one_pass(log, "queues not checked", (*_AWAY, QueuesNotChecked)):
+                await self.check_queues()
+
+    async def check_queues(self) -> list[str]:
+        """The queue names whose `-in` was missing and is declared again (its lost tasks given
+        back to the relay), of the services with PENDING tasks. One service that cannot be
+        checked (a broker error on its queue, a declaration refused) holds up no other: the
+        pass goes on, then raises QueuesNotChecked naming it."""
+        async with self.pool.connection() as conn:
+            rows = await (await conn.execute(_WAITING)).fetchall()
+        restored: list[str] = []
+        unchecked: dict[str, str] = {}
+        for queue_name, message_format in sorted({(r.queue_name, r.message_format) for r in rows}):
+            try:
+                if await self.broker.queue_exists(topology.in_queue(queue_name)):
+                    continue
+                if await self._restore(queue_name, MessageFormat(message_format)):
+                    restored.append(queue_name)
+            except (OSError, TimeoutError):
+                raise  # the broker away (or frozen): the pass fails, the next tries them all
+            except Exception as exc:  # this queue's own (a channel error): the next queue
+                unchecked[queue_name] = logs.describe(exc)
+                log.warning(
+                    "a service's queue could not be checked",
+                    extra={"queue": topology.in_queue(queue_name), "error": unchecked[queue_name]},
+                )
+        if unchecked:
+            raise QueuesNotChecked(unchecked)
+        return restored
 
     async def _send(self, submission: Submission, queue_name: str, path: str) -> None:
         """One confirmed publish; with tracing on, in a `publish` span of the task's trace,

@@ -171,6 +171,7 @@ class Runtime:
         s = self.settings
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "outbox-relay": self.outbox.relay_loop,
+            "queue-check": lambda: self.outbox.queue_check_loop(s.queue_check_interval),
             "results-subscriptions": self.results.subscriptions_loop,
             "results-apply": self.results.apply_loop,
             "notifier": self.notifier.loop,

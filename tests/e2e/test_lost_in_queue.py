@@ -10,7 +10,11 @@ nothing due (the failed rows waiting out their backoff), so the failure flickere
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import aio_pika
@@ -76,6 +80,75 @@ def test_tasks_lost_with_a_deleted_in_are_published_again(stack: Stack, platform
         assert final["status"] == "SUCCESS", (task_id, final)
 
 
+@pytest.mark.timeout(150)
+def test_tasks_lost_with_a_deleted_in_are_published_again_without_another_submission(
+    database_url: str, amqp_url: str, procs: Processes, sleeper_url: str
+) -> None:
+    """Nothing else submitted to the service, so no publish finds `-in` missing: the gateway
+    looks for the `-in` of every service with PENDING tasks (`QUEUE_CHECK_INTERVAL`). This
+    waited until its time to live (24 h) before. Another service whose queue cannot be looked
+    at (an exclusive `-in` someone else holds: the broker answers RESOURCE_LOCKED), checked
+    first, is named in `/readyz` and holds up nobody (it stopped the whole pass before).
+
+    A database of its own: the suite's other gateways, which share one, leave the check off
+    (`gateway_env`), and this gateway sees no other test's services."""
+    with scratch_database(database_url) as url, _exclusive_holder(amqp_url) as hold:
+        platform = Platform(url)
+        services = [platform.service() for _ in range(2)]
+        try:
+            env = gateway_env(url, amqp_url, CONVEYOR_QUEUE_CHECK_INTERVAL="1")
+            gw = GatewayProcess(procs, env, "gateway-checking")
+            for svc in services:
+                wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            # checked in the order of their queue names: the locked one first
+            locked, lost = sorted(services, key=lambda svc: svc.queue_name)
+            hold(topology.in_queue(locked.queue_name))
+            Stack(procs, gw, sleeper_url, amqp_url, locked).submit({"sleep": 0})
+            stack = Stack(procs, gw, sleeper_url, amqp_url, lost)
+            in_queue = topology.in_queue(lost.queue_name)
+            queued = [stack.submit({"sleep": 0}) for _ in range(3)]  # no dispatcher: they wait
+            wait_until(lambda: message_count(amqp_url, in_queue) == 3, what="tasks published")
+            wait_until(lambda: _unpublished(platform, lost.name) == 0, what="marked published")
+
+            delete_queues(amqp_url, [in_queue])  # their messages go with it
+            stack.dispatcher("pod-a")  # waits for the gateway to declare -in again
+
+            for task_id in queued:
+                final = stack.finish(task_id, timeout=30)
+                assert final["status"] == "SUCCESS", (task_id, final)
+            failing = wait_until(lambda: _failing(gw).get("queue-check"), what="named")
+            assert topology.in_queue(locked.queue_name) in failing, failing
+        finally:
+            procs.stop_all()
+            for svc in services:
+                remove_service(platform, amqp_url, svc)
+
+
+@contextmanager
+def _exclusive_holder(url: str) -> Iterator[Callable[[str], None]]:
+    """`hold(name)` replaces the queue by an exclusive one this connection holds until the
+    block ends (its own event loop in a thread, as the queue lives as long as the connection)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    connection = asyncio.run_coroutine_threadsafe(aio_pika.connect(url), loop).result(10)
+
+    async def on_loop(name: str) -> None:
+        channel = await connection.channel()
+        await channel.queue_delete(name)
+        await channel.declare_queue(name, exclusive=True)
+
+    def hold(name: str) -> None:
+        asyncio.run_coroutine_threadsafe(on_loop(name), loop).result(10)
+
+    try:
+        yield hold
+    finally:
+        asyncio.run_coroutine_threadsafe(connection.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
 async def _refusing_in_queue(url: str, name: str) -> None:
     """`-in` replaced by a queue that refuses (nacks) every publish: it exists, so nothing
     declares it again, and the relay fails every pass."""
@@ -88,11 +161,11 @@ async def _refusing_in_queue(url: str, name: str) -> None:
         )
 
 
-def _failing(gw: GatewayProcess) -> set[str]:
-    """The loops /readyz names under `failing` (absent when none is)."""
+def _failing(gw: GatewayProcess) -> dict[str, str]:
+    """The loops /readyz names under `failing`, with why (absent when none is)."""
     with gw.http() as http:
         data: dict[str, Any] = http.get("/readyz").json()["data"]
-    return set(data.get("failing", {}))
+    return dict(data.get("failing", {}))
 
 
 def _ready(gw: GatewayProcess) -> bool:

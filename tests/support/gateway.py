@@ -82,6 +82,10 @@ def gateway_env(database_url: str, amqp_url: str, **extra: str) -> dict[str, str
         "CONVEYOR_PUBLISH_TIMEOUT": "1.5",  # the relay takes rows 3 s old (outbox_grace) ...
         "CONVEYOR_OUTBOX_KEEP_CONFIRMED": "0",  # ... on the shared broker, nobody kills
         "CONVEYOR_REAPER_INTERVAL": "0.5",
+        # Off: the suite's gateways share one database, and one that declared again the queues
+        # another test deleted on purpose would spoil that test (the test of the check runs
+        # a gateway of its own with it on).
+        "CONVEYOR_QUEUE_CHECK_INTERVAL": "3600",
         "CONVEYOR_AUTH_CACHE_TTL": "2",
         # Every test connects from 127.0.0.1: a low limit would let one test lock out the others.
         "CONVEYOR_AUTH_FAILURES_PER_MINUTE": "1000",

@@ -92,6 +92,10 @@ class DispatcherSettings:
     one_shot: bool = False
     # ONE_SHOT: counted from the start; a Job that has no message by then exits 0.
     idle_exit_seconds: float = _bounded(60.0, gt=0, le=MAX_TIMEOUT)
+    # Nothing delivered for this long with nothing in flight: the consumer of `-in` is
+    # replaced on a fresh channel (0: never). A broker that stopped feeding it without a word
+    # (RabbitMQ 3.10, a quorum `-in` deleted and declared again at once) is heard again so.
+    reconsume_idle_seconds: float = _bounded(30.0, ge=0, le=MAX_TIMEOUT)
     hostname: str = "localhost"
     # Used when a message does not carry its service's values (legacy format).
     max_attempts: int = _bounded(3, ge=1)

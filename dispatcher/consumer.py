@@ -49,6 +49,8 @@ RECALL_MARKER = "io.conveyor.dispatcher.recalled"
 RECALL_PREFETCH = 1000
 # Deliveries of the cancel log acked at once: well under the prefetch, so that credit flows.
 RECALL_ACK_EVERY = RECALL_PREFETCH // 4
+# A consumer replaced (`Broker.consume_again`) in this long at most, or left as it was.
+CONSUME_AGAIN_TIMEOUT = 5.0
 
 
 def _int_header(headers: dict[str, Any], name: str) -> int:
@@ -334,13 +336,50 @@ class Broker:
         return False
 
     async def consume(self, callback: Callable[[AbstractIncomingMessage], Any]) -> None:
-        assert self.connection is not None
-        channel = await self.connection.channel(publisher_confirms=False)
-        await channel.set_qos(prefetch_count=self.prefetch)
-        self._consume_channel = channel
-        self._queue = await channel.declare_queue(self.in_queue, passive=True)
-        self._consumer_tag = await self._queue.consume(callback, no_ack=False)
+        self._consume_channel, self._queue, self._consumer_tag = await self._consumer(callback)
         log.info("consuming", extra={"queue": self.in_queue, "prefetch": self.prefetch})
+
+    async def _consumer(
+        self, callback: Callable[[AbstractIncomingMessage], Any]
+    ) -> tuple[AbstractRobustChannel, aio_pika.abc.AbstractRobustQueue, str]:
+        """A channel of its own with the prefetch, and a consumer of `-in` on it."""
+        assert self.connection is not None
+        channel = cast(
+            AbstractRobustChannel, await self.connection.channel(publisher_confirms=False)
+        )
+        try:
+            await channel.set_qos(prefetch_count=self.prefetch)
+            queue = cast(
+                aio_pika.abc.AbstractRobustQueue,
+                await channel.declare_queue(self.in_queue, passive=True),
+            )
+            return channel, queue, await queue.consume(callback, no_ack=False)
+        except BaseException:
+            await _close_quietly(channel)
+            raise
+
+    async def consume_again(self, callback: Callable[[AbstractIncomingMessage], Any]) -> bool:
+        """The consumer replaced by one on a fresh channel; whether it was.
+
+        RabbitMQ 3.10 sends no cancel to the consumers of a quorum queue deleted and declared
+        again at once (an operator's script): they stay counted on the new queue, which hands
+        them its messages, and the channel passes none on. Neither the consumer nor a new one
+        on the same channel hears anything again; closing the channel gives those messages
+        back. The new consumer comes first: should it fail (the queue missing, the broker
+        away), the old one stays. A delivery the old channel took meanwhile and could not ack
+        is given again and known (`Orphans`): its function is not called twice.
+        """
+        old = (self._consume_channel, self._queue, self._consumer_tag)
+        if old[0] is None or old[0].is_closed or old[2] is None:
+            return False  # not consuming (shutting down), or aio-pika is restoring it
+        try:
+            fresh = await asyncio.wait_for(self._consumer(callback), CONSUME_AGAIN_TIMEOUT)
+        except (*BROKER_ERRORS, aio_pika.exceptions.AMQPError) as exc:
+            log.info("consumer not replaced", extra={"error": repr(exc)})
+            return False
+        self._consume_channel, self._queue, self._consumer_tag = fresh
+        await _close_quietly(old[0])  # its consumer with it; what it held goes back
+        return True
 
     async def listen_for_cancels(
         self, queue_name: str, hostname: str, callback: Callable[[AbstractIncomingMessage], Any]
@@ -425,6 +464,14 @@ class Broker:
                 await asyncio.wait_for(self.connection.close(), timeout=3)
             except Exception as exc:
                 log.info("connection close did not complete", extra={"error": repr(exc)})
+
+
+async def _close_quietly(channel: aio_pika.abc.AbstractChannel) -> None:
+    """Closed within CONSUME_AGAIN_TIMEOUT, whatever the broker says (or does not)."""
+    try:
+        await asyncio.wait_for(channel.close(), CONSUME_AGAIN_TIMEOUT)
+    except Exception as exc:
+        log.info("channel close did not complete", extra={"error": repr(exc)})
 
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:

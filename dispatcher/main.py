@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from typing import Any
@@ -104,6 +105,7 @@ class Dispatcher:
         self.taken = asyncio.Event()  # ONE_SHOT: the one message has arrived
         self._background: set[asyncio.Task[None]] = set()
         self._lost_at: datetime | None = None  # the broker connection was lost then
+        self._heard_at = time.monotonic()  # the last delivery from -in (see `_keep_hearing`)
 
     async def run(self) -> int:
         self.shutdown.install()
@@ -184,8 +186,12 @@ class Dispatcher:
                 "frozen": frozen,
             },
         )
+        hearing = None if self.settings.one_shot else asyncio.create_task(self._keep_hearing())
         await self._wait_for_the_end()
         self.accepting = False
+        if hearing is not None:
+            hearing.cancel()
+            await asyncio.gather(hearing, return_exceptions=True)
         await self.broker.stop_consuming()
         await settle(self.in_flight, self.settings.shutdown_mode, self.settings.drain_timeout)
         return 0
@@ -214,12 +220,38 @@ class Dispatcher:
             self.in_flight.spawn(self.worker.hand_back(delivery))
             return
         self.metrics.received.inc()
+        self._heard_at = time.monotonic()
         if self.settings.one_shot:
             self.accepting = False
             self.taken.set()
             self.in_flight.spawn(self._handle_the_one(delivery))
             return
         self.in_flight.spawn(self.worker.handle(delivery))
+
+    async def _keep_hearing(self) -> None:
+        """The consumer replaced whenever RECONSUME_IDLE_SECONDS pass with no delivery and
+        nothing in flight (`Broker.consume_again`): idle, it costs a channel now and then; a
+        consumer the broker stopped feeding without a word, its tasks PENDING, is heard
+        again. An error is logged and the next period tries again."""
+        period = self.settings.reconsume_idle_seconds
+        if not period:
+            return
+        while True:
+            wait = self._heard_at + period - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            self._heard_at = time.monotonic()
+            if len(self.in_flight) or not self.accepting:
+                continue  # busy: deliveries are coming
+            try:
+                replaced = await self.broker.consume_again(self._on_message)
+            except Exception as exc:
+                log.warning("consumer not replaced", extra={"error": logs.describe(exc)})
+                continue
+            if replaced:
+                self.metrics.consumers_replaced.inc()
+                log.debug("no delivery for a while; consuming again on a fresh channel")
 
     async def _handle_the_one(self, delivery: Delivery) -> None:
         """A Job's one message. Its consumer is cancelled first: a message settled at once (a

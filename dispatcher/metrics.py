@@ -60,6 +60,12 @@ class Metrics:
         self.poison = Counter(
             f"{_PREFIX}_poison_messages", "Unreadable messages dead-lettered from -in.", registry=r
         )
+        self.consumers_replaced = Counter(
+            f"{_PREFIX}_consumers_replaced",
+            "Consumers of -in replaced on a fresh channel after RECONSUME_IDLE_SECONDS"
+            " without a delivery (a consumer the broker stopped feeding heals so).",
+            registry=r,
+        )
         self.in_flight = Gauge(
             f"{_PREFIX}_tasks_in_flight", "Deliveries being handled.", registry=r
         )

@@ -21,6 +21,8 @@ import aio_pika
 import pytest
 
 from conveyor import topology
+from conveyor.events import MessageFormat
+from conveyor.settings import GatewaySettings
 from tests.e2e.conftest import Stack
 from tests.support.amqp import (
     delete_queues,
@@ -208,3 +210,35 @@ def test_a_stalled_relay_stays_failing_in_readyz_until_it_publishes(
         finally:
             procs.stop_all()
             remove_service(platform, amqp_url, svc)
+
+
+async def _replace_at_once(url: str, queue_name: str) -> None:
+    """`-in` deleted and declared again with the gateway's own arguments in one breath, as an
+    operator's script (or a deploy tool) would: no gap for anyone to notice."""
+    spec = next(
+        s
+        for s in topology.service_queues(
+            queue_name, MessageFormat.CLOUDEVENTS, GatewaySettings().delivery_limit
+        )
+        if s.name == topology.in_queue(queue_name)
+    )
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(spec.name)
+        await channel.declare_queue(spec.name, durable=True, arguments=spec.arguments)
+
+
+def test_a_dispatcher_hears_an_in_deleted_and_declared_again_at_once(stack: Stack) -> None:
+    """RabbitMQ 3.10 sends no cancel to the consumers of a quorum queue deleted and declared
+    again at once: it counts them on the new queue and hands them its messages, which their
+    channel never passes on. The dispatcher was deaf until restarted; idle for
+    RECONSUME_IDLE_SECONDS (30 s by default), it now consumes again on a fresh channel."""
+    wait_for_queues(stack.amqp_url, queues_of(stack.service.queue_name))
+    stack.dispatcher("pod-a", RECONSUME_IDLE_SECONDS="3")
+    assert stack.finish(stack.submit({"sleep": 0}), timeout=30)["status"] == "SUCCESS"
+
+    run_sync(_replace_at_once(stack.amqp_url, stack.service.queue_name))
+    task_id = stack.submit({"sleep": 0})
+    final = stack.finish(task_id, timeout=30)
+    assert final["status"] == "SUCCESS", final

@@ -185,6 +185,7 @@ def test_types_and_names() -> None:
         *(("IDLE_EXIT_SECONDS", v) for v in ("0", "-1", "nan", "inf")),
         *(("TASK_TIMEOUT", v) for v in ("1e12", "inf")),
         ("CANCEL_MEMORY_SECONDS", "1e300"),
+        *(("RECONSUME_IDLE_SECONDS", v) for v in ("-1", "nan", "1e300")),
         *(("DISPATCHER_PORT", v) for v in ("70000", "0", "-1")),
         *(("PROGRESS_PORT", v) for v in ("65536", "-1")),
         ("METRICS_PORT", "99999"),

@@ -83,6 +83,9 @@ _STARTED = """
 # A shutdown handed the attempt's message back to `-in`: the task waits in the queue again,
 # PENDING (the watchdog leaves it alone, the reaper's time to live applies, capacity counts
 # it). Only for the attempt the task is at: a later attempt's `started` already took it over.
+# The attempt itself is a hand-back whatever the task is at: read after the next attempt's
+# `started` (replicas read `-out` side by side), it was closed `interrupted` by it, which the
+# give-back (results.py) would count as a crash.
 _REQUEUED = """
     WITH task AS (
         UPDATE tasks
@@ -98,9 +101,15 @@ _REQUEUED = """
                 UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
         RETURNING task_id
     ), closed AS (
-        UPDATE task_attempts a SET end_date = %(time)s, outcome = 'requeued'
-          FROM task
-         WHERE a.task_id = task.task_id AND a.attempt_id = %(attempt)s AND a.end_date IS NULL
+        UPDATE task_attempts a
+           SET end_date = COALESCE(a.end_date, %(time)s), outcome = 'requeued'
+          FROM tasks t
+         WHERE a.task_id = %(task_id)s AND a.attempt_id = %(attempt)s
+           AND (a.end_date IS NULL OR a.outcome = 'interrupted')
+           AND t.task_id = a.task_id
+           AND (CAST(%(queue)s AS text) IS NULL OR t.service IN (
+                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
+                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
     )
     SELECT count(*) AS changed, 0 AS callbacks FROM task
     """

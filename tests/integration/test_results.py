@@ -975,6 +975,45 @@ def test_attempts_a_shutdown_handed_back_do_not_count_against_a_give_back(
     assert _poll(gateway, svc, task_id)["status"] == "PENDING"
 
 
+def test_a_hand_back_read_after_the_next_attempt_began_is_still_a_hand_back(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a flaky test: gateway replicas read `-out` side by side, so a dispatcher's
+    `requeued` may be applied after the `started` of the attempt that followed it, which had
+    closed the handed-back attempt as `interrupted`; the `requeued` then changed nothing, and
+    the give-back counted that hand-back as a crash. The attempt is a hand-back either way."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    _publish_events(
+        amqp_url,
+        svc,
+        _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first),
+        _event(
+            svc,
+            EventKind.STARTED,
+            task_id,
+            host="pod-b",
+            attempt="b",
+            time=first + timedelta(seconds=5),
+        ),
+        _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
+    )
+    wait_until(lambda: _drained(amqp_url, topology.out_queue(svc.queue_name)), what="drained")
+    history = lambda: platform.sql(  # noqa: E731
+        "SELECT attempt_id, outcome, end_date IS NOT NULL FROM task_attempts"
+        " WHERE task_id = %(t)s ORDER BY start_date",
+        {"t": task_id},
+    )
+    wait_until(lambda: history() == [("a", "requeued", True), ("b", None, False)], what=history)
+    assert _poll(gateway, svc, task_id)["status"] == "IN_PROGRESS"
+    assert _column(platform, task_id, "worker_host") == "pod-b"
+
+    # A `requeued` of an attempt that was never this task's touches nothing.
+    _publish_events(amqp_url, svc, _event(svc, EventKind.REQUEUED, task_id, attempt="zz"))
+    wait_until(lambda: _drained(amqp_url, topology.out_queue(svc.queue_name)), what="drained")
+    assert history() == [("a", "requeued", True), ("b", None, False)]
+
+
 @pytest.mark.timeout(60)
 def test_dead_lettered_submission_with_x_death_fails_its_task(
     gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str

@@ -67,6 +67,10 @@ _STARTED = """
                 OR (status = 'IN_PROGRESS' AND attempt_id IS DISTINCT FROM %(attempt)s
                     AND start_date < %(time)s
                     AND NOT (%(same_host_continues)s AND worker_host = %(host)s)))
+           -- an attempt already over (handed back, read first) starts nothing
+           AND NOT EXISTS (SELECT 1 FROM task_attempts x
+                            WHERE x.task_id = %(task_id)s AND x.attempt_id = %(attempt)s
+                              AND x.end_date IS NOT NULL)
         RETURNING task_id
     ), closed AS (
         UPDATE task_attempts a SET end_date = %(time)s, outcome = 'interrupted'
@@ -85,7 +89,8 @@ _STARTED = """
 # it). Only for the attempt the task is at: a later attempt's `started` already took it over.
 # The attempt itself is a hand-back whatever the task is at: read after the next attempt's
 # `started` (replicas read `-out` side by side), it was closed `interrupted` by it, which the
-# give-back (results.py) would count as a crash.
+# give-back (results.py) would count as a crash. A `started` of it read after it (a duplicate,
+# or another replica's) finds it over and starts nothing.
 _REQUEUED = """
     WITH task AS (
         UPDATE tasks

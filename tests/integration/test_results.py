@@ -1012,10 +1012,36 @@ def test_a_hand_back_read_after_the_next_attempt_began_is_still_a_hand_back(
     assert _poll(gateway, svc, task_id)["status"] == "IN_PROGRESS"
     assert _column(platform, task_id, "worker_host") == "pod-b"
 
+    # Its own `started` read again after it (a duplicate, another replica's): the attempt is
+    # over, and starts nothing; the task waits in the queue, as it does.
+    _publish_events(
+        amqp_url,
+        svc,
+        _event(svc, EventKind.REQUEUED, task_id, attempt="b", time=first + timedelta(seconds=9)),
+    )
+    _poll_until(gateway, svc, task_id, status="PENDING")
+    marker = _submit(gateway, svc, {"n": 2})
+    for event in (
+        _event(
+            svc,
+            EventKind.STARTED,
+            task_id,
+            host="pod-b",
+            attempt="b",
+            time=first + timedelta(seconds=5),
+        ),
+        _event(svc, EventKind.SUCCEEDED, marker, attempt="m", host="pod-m", started=first),
+    ):
+        _publish_events(amqp_url, svc, event)
+    _poll_until(gateway, svc, marker, status="SUCCESS")  # so the `started` before it too
+    assert _poll(gateway, svc, task_id)["status"] == "PENDING"
+    assert _column(platform, task_id, "attempts") == 2
+    assert history() == [("a", "requeued", True), ("b", "requeued", True)]
+
     # A `requeued` of an attempt that was never this task's touches nothing.
     _publish_events(amqp_url, svc, _event(svc, EventKind.REQUEUED, task_id, attempt="zz"))
     wait_until(lambda: _drained(amqp_url, topology.out_queue(svc.queue_name)), what="drained")
-    assert history() == [("a", "requeued", True), ("b", None, False)]
+    assert history() == [("a", "requeued", True), ("b", "requeued", True)]
 
 
 @pytest.mark.timeout(60)

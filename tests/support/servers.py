@@ -180,16 +180,18 @@ class RabbitNode:
         if self._proc is not None:
             _kill_tree(self._proc.pid, signal.SIGCONT)
 
-    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+    def ctl(self, *args: str, timeout: float = 60.0, tool: str = "rabbitmqctl") -> str:
+        """`tool` (rabbitmqctl, rabbitmq-diagnostics…) run against this node; its output, or
+        RuntimeError when it fails."""
         done = subprocess.run(
-            [str(self.sbin / "rabbitmqctl"), "-n", self.name, *args],
+            [str(self.sbin / tool), "-n", self.name, *args],
             env=self.env,
             capture_output=True,
             text=True,
             timeout=timeout,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {done.stderr[-500:]}")
+            raise RuntimeError(f"{tool} {' '.join(args)}: {done.stderr[-500:]}")
         return done.stdout
 
     def kill(self) -> None:
@@ -247,8 +249,11 @@ class RabbitCluster:
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        """Until every node runs, sees all the others and reports no partition: a node back
-        from a freeze or a crash may take a while to be told it had left."""
+        """Until every node runs, sees all the others and reports no partition (a node back
+        from a freeze or a crash may take a while to be told it had left), and no node is
+        critical to a quorum queue's quorum: the members on a node back from a freeze are
+        online again. Without that, a fault right after took a queue's quorum away (its
+        publishes refused until the node came back), which is two faults at once."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -263,7 +268,11 @@ class RabbitCluster:
     def _healthy(self, node: RabbitNode) -> bool:
         status = json.loads(node.ctl("cluster_status", "--formatter", "json", timeout=15))
         running = set(status.get("running_nodes") or [])
-        return running == {n.name for n in self.nodes} and not status.get("partitions")
+        if running != {n.name for n in self.nodes} or status.get("partitions"):
+            return False
+        # fails (RuntimeError) while some quorum queue would lose its quorum without this node
+        node.ctl("check_if_node_is_quorum_critical", tool="rabbitmq-diagnostics", timeout=15)
+        return True
 
     def node_of(self, name: str) -> RabbitNode:
         """The node of an Erlang node name as `rabbitmqctl` prints it."""

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import aiormq.exceptions
@@ -988,16 +989,10 @@ def test_a_hand_back_read_after_the_next_attempt_began_is_still_a_hand_back(
     the give-back counted that hand-back as a crash. The attempt is a hand-back either way."""
     task_id = _submit(gateway, svc, {"n": 1})
     first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    started_b = partial(_event, svc, EventKind.STARTED, task_id, host="pod-b", attempt="b")
     for event in (  # in this order on `-out` (one publish each: a batch's order may vary)
         _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first),
-        _event(
-            svc,
-            EventKind.STARTED,
-            task_id,
-            host="pod-b",
-            attempt="b",
-            time=first + timedelta(seconds=5),
-        ),
+        started_b(time=first + timedelta(seconds=5)),
         _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
     ):
         _publish_events(amqp_url, svc, event)
@@ -1022,14 +1017,7 @@ def test_a_hand_back_read_after_the_next_attempt_began_is_still_a_hand_back(
     _poll_until(gateway, svc, task_id, status="PENDING")
     marker = _submit(gateway, svc, {"n": 2})
     for event in (
-        _event(
-            svc,
-            EventKind.STARTED,
-            task_id,
-            host="pod-b",
-            attempt="b",
-            time=first + timedelta(seconds=5),
-        ),
+        started_b(time=first + timedelta(seconds=5)),
         _event(svc, EventKind.SUCCEEDED, marker, attempt="m", host="pod-m", started=first),
     ):
         _publish_events(amqp_url, svc, event)

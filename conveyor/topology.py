@@ -134,21 +134,21 @@ async def declare_service(
         await declare_control(channel, queue_name)
 
 
-async def queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) -> bool:
-    """Whether the broker holds a queue of that name, asked on a channel of its own (a missing
-    queue closes the channel it is asked about on). Only the broker's NOT_FOUND says no; any
-    other error raises, so that a queue that may well exist is never taken for a lost one."""
+async def queue_exists(channel: aio_pika.abc.AbstractChannel, name: str) -> bool:
+    """Whether the broker holds a queue of that name, asked on `channel` (passively, and never
+    re-declared by a robust channel's restore). Only the broker's NOT_FOUND says no, and it
+    closes `channel`; any other error raises, so that a queue that may well exist is never
+    taken for a lost one."""
     import aio_pika
 
-    channel = await connection.channel()
     try:
-        await channel.declare_queue(name, passive=True)
+        if isinstance(channel, aio_pika.abc.AbstractRobustChannel):
+            await channel.declare_queue(name, passive=True, robust=False)
+        else:
+            await channel.declare_queue(name, passive=True)
         return True
     except aio_pika.exceptions.ChannelNotFoundEntity:
         return False
-    finally:
-        if not channel.is_closed:
-            await channel.close()
 
 
 async def declare_control(channel: aio_pika.abc.AbstractChannel, queue_name: str) -> Any:

@@ -111,7 +111,12 @@ async def migrate_queue(
     channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
     try:
         await channel.declare_queue(name, durable=True, arguments=arguments)
-        staged = await topology.queue_exists(connection, staging)
+        probe = await connection.channel()
+        try:
+            staged = await topology.queue_exists(probe, staging)
+        finally:
+            if not probe.is_closed:
+                await probe.close()
         restored = 0
         if staged:
             await channel.declare_queue(staging, durable=True, arguments=topology.QUORUM)

@@ -233,7 +233,7 @@ def test_a_dispatcher_hears_an_in_deleted_and_declared_again_at_once(stack: Stac
     """RabbitMQ 3.10 sends no cancel to the consumers of a quorum queue deleted and declared
     again at once: it counts them on the new queue and hands them its messages, which their
     channel never passes on. The dispatcher was deaf until restarted; idle for
-    RECONSUME_IDLE_SECONDS (30 s by default), it now consumes again on a fresh channel."""
+    RECONSUME_IDLE_SECONDS (5 min by default), it now consumes again on a fresh channel."""
     wait_for_queues(stack.amqp_url, queues_of(stack.service.queue_name))
     stack.dispatcher("pod-a", RECONSUME_IDLE_SECONDS="3")
     assert stack.finish(stack.submit({"sleep": 0}), timeout=30)["status"] == "SUCCESS"

@@ -201,8 +201,22 @@ async def _unmatched_in_envelope(
         return _error(404, 404000, "Not found.")
 
 
+@web.middleware
+async def _closing_when_the_body_is_left(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """An answer given before its request's body was read whole (a refusal: a task not here,
+    a body too large) says `Connection: close`, as the connection then closes (`lingering_time`
+    0, below): without it, a client that sent its next request on that connection at once lost
+    it to the close (httpx.ReadError, seen in CI)."""
+    answer = await handler(request)
+    if request.body_exists and not request.content.is_eof():
+        answer.force_close()
+    return answer
+
+
 def _app(routes: list[web.RouteDef]) -> web.Application:
-    app = web.Application(middlewares=[_unmatched_in_envelope])
+    app = web.Application(middlewares=[_closing_when_the_body_is_left, _unmatched_in_envelope])
     app.add_routes(routes)
     return app
 

@@ -72,6 +72,31 @@ async def test_hostile_requests_get_the_specs_answers_and_break_nothing(
     )
 
 
+async def test_a_refusal_before_the_body_came_says_it_closes_the_connection(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by CI: a refused report whose body had not all arrived was answered keep-alive,
+    then its connection closed (the unread body is not drained); the client's next request,
+    sent on that connection at once, failed with httpx.ReadError. The answer now says so."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    with socket.create_connection(("127.0.0.1", dispatcher.port), timeout=5) as raw:
+        head = f"POST /tasks/{uuid.uuid4()}/progress HTTP/1.1\r\nHost: x\r\n"
+        raw.sendall(f"{head}Content-Length: 20\r\n\r\n{{".encode())  # 19 bytes to come
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += raw.recv(4096)
+        lines = answer.split(b"\r\n\r\n")[0].lower().split(b"\r\n")
+        assert lines[0].endswith(b" 404 not found"), lines
+        assert b"connection: close" in lines, lines
+    # A refusal of a whole body keeps the connection, as before.
+    async with httpx.AsyncClient(timeout=10) as http:
+        for _ in range(3):
+            refused = await http.post(f"{dispatcher.base}/tasks/x/progress", json={"progress": 1})
+            assert refused.status_code == 404
+            assert refused.headers.get("connection", "").lower() != "close"
+
+
 async def test_an_integer_too_big_for_a_float_is_clamped_not_a_500(
     rabbit: Rabbit, function: FakeFunction, launch: Launch
 ) -> None:

@@ -7,7 +7,6 @@ test can grep the logs (e.g. for leaked secrets). The benchmarks use the same.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -23,34 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
-# Below Linux's ephemeral range (32768+), so that no client's outgoing connection takes a port
-# handed out here before its server binds it; one block per xdist worker, so that two workers
-# are never handed the same port. A port the kernel picked (bind to 0) was free, then free for
-# everyone: two workers got the same one, one server failed to bind, and its readiness check
-# was answered by the other worker's server (seen in CI).
-_PORTS_PER_WORKER = 2000
-_PORTS_FROM = 12000
-_handed_out: set[int] = set()
-
-
 def free_port() -> int:
-    """A port nothing listens on, this worker's own, not handed out before by this process."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    first = _PORTS_FROM + (int(worker) if worker.isdigit() else 0) % 10 * _PORTS_PER_WORKER
-    block = range(first, first + _PORTS_PER_WORKER)
-    if all(p in _handed_out for p in block):
-        _handed_out.difference_update(block)  # long a run's: those handed out first are free
-    candidates = [p for p in block if p not in _handed_out]
-    random.shuffle(candidates)
-    for port in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port in {first}..{first + _PORTS_PER_WORKER}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Proc:

@@ -28,13 +28,16 @@ async def _ask(amqp_url: str) -> tuple[list[bool], int]:
     try:
         async with connection:
             channel = await connection.channel()
-            await channel.declare_queue(name, auto_delete=True)
-            answers = [await broker.queue_exists(name), await broker.queue_exists(name + "-x")]
-            answers.append(await broker.queue_exists(name))  # after a NOT_FOUND closed it
-            before = _callbacks_held()
-            for _ in range(200):
-                assert await broker.queue_exists(name)
-            return answers, _callbacks_held() - before
+            await channel.declare_queue(name)
+            try:
+                answers = [await broker.queue_exists(name), await broker.queue_exists(name + "-x")]
+                answers.append(await broker.queue_exists(name))  # after a NOT_FOUND closed it
+                before = _callbacks_held()
+                for _ in range(200):
+                    assert await broker.queue_exists(name)
+                return answers, _callbacks_held() - before
+            finally:
+                await channel.queue_delete(name)
     finally:
         await broker.close()
 

@@ -46,13 +46,19 @@ log = logging.getLogger(__name__)
 # broker did (tests/integration/test_broker_reconnection.py). An attempt is cheap.
 RECONNECT_INTERVAL = 1.0
 
+# The connection itself lost, refused or frozen (aiormq's connection errors are OSErrors).
+# A channel's error (a queue missing, locked, declared otherwise) is not one: it ends that
+# channel, and a loop asking about many queues goes on to the next (gateway/outbox.py).
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+
 # What a connection attempt to a node that is down, frozen or refusing raises.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
+    *TRANSPORT_ERRORS,
     aiormq.exceptions.AMQPError,
-    ConnectionError,
 )
+
+# How long a channel being let go (replaced, or done with) may take to close.
+CLOSE_TIMEOUT = 5.0
 
 
 class NodeList:
@@ -253,6 +259,16 @@ async def connect(
             last = exc
     assert last is not None
     raise last
+
+
+async def close_quietly(channel: AbstractChannel, timeout: float = CLOSE_TIMEOUT) -> None:
+    """A channel let go, closed within `timeout` whatever the broker says (or does not): its
+    owner has already moved on (a replacement, the end of a declaration), so a close that
+    fails is logged, not raised."""
+    try:
+        await asyncio.wait_for(channel.close(), timeout)
+    except Exception as exc:
+        log.info("channel close did not complete", extra={"error": repr(exc)})
 
 
 async def publish_confirmed(

@@ -36,7 +36,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, Abstrac
 from conveyor import connection as amqp_connection
 from conveyor import headers as h
 from conveyor.amqp import from_amqp
-from conveyor.connection import ConfirmingChannel
+from conveyor.connection import ConfirmingChannel, close_quietly
 from conveyor.events import WireMessage
 from conveyor.topology import cancel_log, control_exchange, declare_control
 
@@ -355,7 +355,7 @@ class Broker:
             )
             return channel, queue, await queue.consume(callback, no_ack=False)
         except BaseException:
-            await _close_quietly(channel)
+            await close_quietly(channel)
             raise
 
     async def consume_again(self, callback: Callable[[AbstractIncomingMessage], Any]) -> bool:
@@ -378,7 +378,7 @@ class Broker:
             log.info("consumer not replaced", extra={"error": repr(exc)})
             return False
         self._consume_channel, self._queue, self._consumer_tag = fresh
-        await _close_quietly(old[0])  # its consumer with it; what it held goes back
+        await close_quietly(old[0])  # its consumer with it; what it held goes back
         return True
 
     async def listen_for_cancels(
@@ -464,14 +464,6 @@ class Broker:
                 await asyncio.wait_for(self.connection.close(), timeout=3)
             except Exception as exc:
                 log.info("connection close did not complete", extra={"error": repr(exc)})
-
-
-async def _close_quietly(channel: aio_pika.abc.AbstractChannel) -> None:
-    """Closed within CONSUME_AGAIN_TIMEOUT, whatever the broker says (or does not)."""
-    try:
-        await asyncio.wait_for(channel.close(), CONSUME_AGAIN_TIMEOUT)
-    except Exception as exc:
-        log.info("channel close did not complete", extra={"error": repr(exc)})
 
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:

@@ -48,6 +48,7 @@ class Broker:
         self._on_reconnect: list[Callable[[], None]] = []
         self._declared: set[str] = set()
         self._probe: AbstractChannel | None = None  # `queue_exists`'s channel
+        self._probe_lock = asyncio.Lock()  # one probe opened at a time, never two kept
 
     def on_reconnect(self, callback: Callable[[], None]) -> None:
         """`callback()` after the connection was lost and made again."""
@@ -118,10 +119,11 @@ class Broker:
         only after a NOT_FOUND closed it: aio-pika 10.2.1 keeps a callback (~4 KB) on its
         connection for every channel ever opened there, and the queue check asks every 10 s."""
         async with asyncio.timeout(self.publish_timeout):
-            probe = self._probe
-            if probe is None or probe.is_closed:
-                connection = await self.connect()
-                probe = self._probe = await connection.channel(publisher_confirms=False)
+            async with self._probe_lock:
+                probe = self._probe
+                if probe is None or probe.is_closed:
+                    connection = await self.connect()
+                    probe = self._probe = await connection.channel(publisher_confirms=False)
             return await topology.queue_exists(probe, name)
 
     async def publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:

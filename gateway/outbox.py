@@ -56,6 +56,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from conveyor import logs, topology, tracing
 from conveyor.connection import CONNECTION_ERRORS as BROKER_AWAY
+from conveyor.connection import TRANSPORT_ERRORS as BROKER_GONE
 from conveyor.events import MessageFormat, Submission, encode_submission
 from gateway import lifecycle, metrics, supervisor
 from gateway.broker import Broker, PublishError, PublishTimeout, QueueMissing
@@ -402,8 +403,8 @@ class Outbox:
                     continue
                 if await self._restore(queue_name, MessageFormat(message_format)):
                     restored.append(queue_name)
-            except (OSError, TimeoutError):
-                raise  # the broker away (or frozen): the pass fails, the next tries them all
+            except BROKER_GONE:
+                raise  # the connection lost (or frozen): the pass fails, the next tries them all
             except Exception as exc:  # this queue's own (a channel error): the next queue
                 unchecked[queue_name] = logs.describe(exc)
                 log.warning(

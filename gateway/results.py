@@ -54,6 +54,7 @@ from tenacity import (
 from conveyor import headers as h
 from conveyor import logs, storable, topology, tracing
 from conveyor.amqp import from_amqp
+from conveyor.connection import close_quietly
 from conveyor.events import (
     MessageFormat,
     Submission,
@@ -299,7 +300,7 @@ class ResultConsumer:
         self._retired = {queue_name: [] for queue_name in self._retired}
         if old is not None:
             self._replaced.append(old)
-            await _close_quietly(old)
+            await close_quietly(old)
 
     async def _close_reopened(self) -> None:
         """A replaced channel the reconnection reopened anyway would consume every result queue
@@ -308,7 +309,7 @@ class ResultConsumer:
             if not channel.is_closed:
                 log.warning("a replaced results channel was reopened by a reconnection; closed")
                 metrics.REPLACED_CHANNELS_REOPENED.inc()
-                await _close_quietly(channel)
+                await close_quietly(channel)
 
     async def _subscribe(self, channel: AbstractChannel, service: catalog.Service) -> None:
         """Declares the service's queues on a channel of their own (a refused declaration
@@ -404,7 +405,7 @@ class ResultConsumer:
                 )
             self._broken[service.name] = reason
         finally:
-            await _close_quietly(channel)
+            await close_quietly(channel)
         names = [name for name, _ in _result_queues(service.queue_name)]
         return {name for name in names if not await self.broker.queue_exists(name)}
 
@@ -898,13 +899,6 @@ async def _set_aside(conn: psycopg.AsyncConnection[Any], delivery: Delivery, rea
         "message set aside",
         extra={"queue": delivery.queue, "reason": reason[:200], "size": len(body)},
     )
-
-
-async def _close_quietly(channel: AbstractChannel) -> None:
-    try:
-        await channel.close()
-    except Exception:
-        log.debug("closing a stale channel failed")
 
 
 def last_per_channel(batch: list[Delivery]) -> list[AbstractIncomingMessage]:

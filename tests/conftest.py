@@ -19,7 +19,7 @@ import pytest
 
 from conveyor.settings import DEFAULT_AMQP_URL, normalize_database_url
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
-from tests.support.processes import Processes
+from tests.support.processes import Processes, forget_claimed_ports
 from tests.support.servers import RabbitNode, rabbitmq_available
 from tests.support.tcpproxy import TcpProxy
 
@@ -42,6 +42,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     except OSError:
         return
     _require_a_broker_that_answers(AMQP_URL)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller: its workers are done
+        forget_claimed_ports()
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ def _writes(pid: int) -> int:
 
 
 def test_an_answer_leaves_the_gateway_in_one_send(gateway: GatewayProcess) -> None:
-    requests = 60
+    requests = 200
     with httpx.Client(base_url=gateway.url, timeout=10) as http:  # one kept-alive connection
         http.get("/healthz").raise_for_status()
         before = _writes(gateway.proc.pid)
@@ -33,9 +33,10 @@ def test_an_answer_leaves_the_gateway_in_one_send(gateway: GatewayProcess) -> No
             answer = http.get("/healthz")
             assert answer.status_code == 200 and answer.json()
         written = _writes(gateway.proc.pid) - before
-    # uvicorn writes a head and then a body: two sends per answer without the coalescing;
-    # the slack is for whatever the gateway's own loops sent meanwhile
-    assert written <= requests + 15, f"{written} sends for {requests} answers"
+    # uvicorn writes a head and then a body: two sends per answer without the coalescing
+    # (400 here); the slack is for whatever the gateway's own loops sent meanwhile, which
+    # grows with the time the requests take on a loaded machine (76 against 60 + 15 once)
+    assert written <= requests * 3 // 2, f"{written} sends for {requests} answers"
 
 
 _PUBLISHER = textwrap.dedent(

@@ -7,10 +7,12 @@ test can grep the logs (e.g. for leaked secrets). The benchmarks use the same.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -23,9 +25,35 @@ PYTHON = sys.executable
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, picked by the kernel, and never handed to two xdist workers
+    of one run: a kernel-picked port is free for every worker alike until its server binds
+    it, and two workers were once handed the same one (one server failed to bind; its
+    readiness check was answered by the other worker's server). Each port handed out is
+    claimed in a directory the run's workers share (`ports_claimed`)."""
+    claims = ports_claimed(os.getppid()) if "PYTEST_XDIST_WORKER" in os.environ else None
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if claims is None:
+            return port
+        claims.mkdir(exist_ok=True)
+        try:
+            os.close(os.open(claims / str(port), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue  # another worker's already
+        return port
+    raise RuntimeError("no port left unclaimed in 100 tries")
+
+
+def ports_claimed(controller_pid: int) -> Path:
+    """Where the xdist workers started by `controller_pid` claim their ports; the controller
+    removes it when the run ends (`forget_claimed_ports`)."""
+    return Path(tempfile.gettempdir()) / f"conveyor-test-ports-{controller_pid}"
+
+
+def forget_claimed_ports() -> None:
+    shutil.rmtree(ports_claimed(os.getpid()), ignore_errors=True)
 
 
 class Proc:

@@ -93,10 +93,11 @@ class DispatcherSettings:
     # ONE_SHOT: counted from the start; a Job that has no message by then exits 0.
     idle_exit_seconds: float = _bounded(60.0, gt=0, le=MAX_TIMEOUT)
     # Nothing delivered for this long with nothing in flight: the consumer of `-in` is
-    # replaced on a fresh channel (0: never). A broker that stopped feeding it without a word
-    # (RabbitMQ 3.10, a quorum `-in` deleted and declared again at once) is heard again so.
-    # Not shorter by default: aio-pika 10.2.1 keeps ~4 KB on the connection per channel ever
-    # opened there (288 replacements, ~1.3 MB, in a day idle).
+    # replaced on a fresh channel (0: never; sooner when `-in` has messages ready that none
+    # came to take). A broker that stopped feeding it without a word (RabbitMQ 3.10, a quorum
+    # `-in` deleted and declared again at once) is heard again so. Not shorter by default:
+    # aio-pika 10.2.1 keeps ~4 KB on the connection per channel ever opened there (288
+    # replacements, ~1.3 MB, in a day idle).
     reconsume_idle_seconds: float = _bounded(300.0, ge=0, le=MAX_TIMEOUT)
     hostname: str = "localhost"
     # Used when a message does not carry its service's values (legacy format).

@@ -135,20 +135,27 @@ async def declare_service(
 
 
 async def queue_exists(channel: aio_pika.abc.AbstractChannel, name: str) -> bool:
-    """Whether the broker holds a queue of that name, asked on `channel` (passively, and never
-    re-declared by a robust channel's restore). Only the broker's NOT_FOUND says no, and it
-    closes `channel`; any other error raises, so that a queue that may well exist is never
-    taken for a lost one."""
+    """Whether the broker holds a queue of that name (`ready_messages`)."""
+    return await ready_messages(channel, name) is not None
+
+
+async def ready_messages(channel: aio_pika.abc.AbstractChannel, name: str) -> int | None:
+    """The messages ready in that queue (delivered to no one yet), or None when the broker
+    holds no such queue; asked on `channel` (passively, and never re-declared by a robust
+    channel's restore). Only the broker's NOT_FOUND says None, and it closes `channel`; any
+    other error raises, so that a queue that may well exist is never taken for a lost one."""
     import aio_pika
 
+    queue: aio_pika.abc.AbstractQueue
     try:
         if isinstance(channel, aio_pika.abc.AbstractRobustChannel):
-            await channel.declare_queue(name, passive=True, robust=False)
+            queue = await channel.declare_queue(name, passive=True, robust=False)
         else:
-            await channel.declare_queue(name, passive=True)
-        return True
+            queue = await channel.declare_queue(name, passive=True)
     except aio_pika.exceptions.ChannelNotFoundEntity:
-        return False
+        return None
+    declared = queue.declaration_result
+    return int(declared.message_count or 0)
 
 
 async def declare_control(channel: aio_pika.abc.AbstractChannel, queue_name: str) -> Any:

@@ -72,9 +72,10 @@ class Stack:
         self.service = service
         self.client: Client = service.clients[0]
         self.http = gateway.http(self.client)
+        self.dispatcher_ports: dict[str, int] = {}  # by name: its /healthz, /readyz, /metrics
 
     def dispatcher(self, name: str, **env: str) -> Proc:
-        port = free_port()
+        port = self.dispatcher_ports[name] = free_port()
         proc = self.procs.conveyor(
             name,
             "dispatcher",

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import aio_pika
+import httpx
 import pytest
 
 from conveyor import topology
@@ -229,6 +230,14 @@ async def _replace_at_once(url: str, queue_name: str) -> None:
         await channel.declare_queue(spec.name, durable=True, arguments=spec.arguments)
 
 
+def _replaced(stack: Stack, name: str) -> float:
+    metrics = httpx.get(f"http://127.0.0.1:{stack.dispatcher_ports[name]}/metrics", timeout=5)
+    for line in metrics.text.splitlines():
+        if line.startswith("conveyor_dispatcher_consumers_replaced_total "):
+            return float(line.split()[1])
+    raise AssertionError("no conveyor_dispatcher_consumers_replaced_total in /metrics")
+
+
 def test_a_dispatcher_hears_an_in_deleted_and_declared_again_at_once(stack: Stack) -> None:
     """RabbitMQ 3.10 sends no cancel to the consumers of a quorum queue deleted and declared
     again at once: it counts them on the new queue and hands them its messages, which their
@@ -242,3 +251,23 @@ def test_a_dispatcher_hears_an_in_deleted_and_declared_again_at_once(stack: Stac
     task_id = stack.submit({"sleep": 0})
     final = stack.finish(task_id, timeout=30)
     assert final["status"] == "SUCCESS", final
+
+
+def test_a_backlog_behind_a_deaf_consumer_is_heard_within_seconds(stack: Stack) -> None:
+    """The same deaf consumer with more tasks than its prefetch: those beyond it wait ready in
+    `-in`, which an idle dispatcher asks about every READY_CHECK_INTERVAL (10 s): it consumes
+    again then, not after RECONSUME_IDLE_SECONDS (5 min). Idle with nothing waiting, it keeps
+    its consumer (each replacement leaves ~4 KB on the connection for good)."""
+    wait_for_queues(stack.amqp_url, queues_of(stack.service.queue_name))
+    stack.dispatcher("pod-a")  # CONCURRENCY 4: the broker hands a deaf consumer 4 at most
+    assert stack.finish(stack.submit({"sleep": 0}), timeout=30)["status"] == "SUCCESS"
+
+    run_sync(_replace_at_once(stack.amqp_url, stack.service.queue_name))
+    task_ids = [stack.submit({"sleep": 0}) for _ in range(7)]
+    for task_id in task_ids:
+        final = stack.finish(task_id, timeout=45)
+        assert final["status"] == "SUCCESS", final
+    assert _replaced(stack, "pod-a") == 1
+
+    time.sleep(12)  # one check at least, idle, nothing waiting
+    assert _replaced(stack, "pod-a") == 1

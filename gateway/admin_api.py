@@ -64,7 +64,8 @@ _TASK = """
            callback, submission_date, start_date, end_date, notification_status,
            notification_attempts, notify_claimed_until, worker_host, attempt_id, attempts,
            idempotency_key, idempotency_fingerprint, not_before, traceparent, publish_at,
-           publish_attempts, publish_error, time_limit, expires_at, cancelled_at, updated_at
+           publish_attempts, publish_error, time_limit, expires_at, cancelled_at,
+           handed_back_attempt, handed_back_at, updated_at
     FROM tasks WHERE task_id = %(task_id)s
     """
 _ATTEMPTS = """
@@ -160,6 +161,9 @@ async def task(task_id: str, request: Request) -> Json:
         "timeLimit": row.time_limit,
         "expiresAt": iso(row.expires_at),
         "cancelledAt": iso(row.cancelled_at),  # set by a cancel, not by a function's message
+        # a `requeued` read before its own `started` (gateway/lifecycle.py, `_REQUEUED`)
+        "handedBackAttempt": row.handed_back_attempt,
+        "handedBackAt": iso(row.handed_back_at),
         "updatedAt": iso(row.updated_at),
         "callback": None,
         "attempts": [

@@ -245,6 +245,10 @@ class TaskDetail(TaskSummary):
     timeLimit: int | None = None
     expiresAt: str | None = None
     cancelledAt: str | None = Field(None, description="When a cancel ended the task")
+    handedBackAttempt: str | None = Field(
+        None, description="An attempt whose hand-back was read before its `started`"
+    )
+    handedBackAt: str | None = Field(None, description="When that attempt was handed back")
     updatedAt: str
 
 

@@ -71,7 +71,29 @@ _STARTED = """
            AND NOT EXISTS (SELECT 1 FROM task_attempts x
                             WHERE x.task_id = %(task_id)s AND x.attempt_id = %(attempt)s
                               AND x.end_date IS NOT NULL)
+           AND handed_back_attempt IS DISTINCT FROM %(attempt)s
         RETURNING task_id
+    ), handed_back AS (
+        -- its `requeued` was read first (see `_REQUEUED`): the attempt is recorded as handed
+        -- back, once, and its republished message lives its time to live again from now
+        UPDATE tasks
+           SET attempts = attempts + 1, updated_at = now(),
+               expires_at = GREATEST(
+                   expires_at, now() + (expires_at - COALESCE(not_before, submission_date)))
+         WHERE task_id = %(task_id)s AND status = 'PENDING'
+           AND handed_back_attempt = %(attempt)s
+           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
+                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
+                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+           AND NOT EXISTS (SELECT 1 FROM task_attempts x
+                            WHERE x.task_id = %(task_id)s AND x.attempt_id = %(attempt)s)
+        RETURNING task_id, handed_back_at
+    ), recorded AS (
+        INSERT INTO task_attempts (task_id, attempt_id, worker_host, start_date, end_date, outcome)
+        SELECT task_id, CAST(%(attempt)s AS text), CAST(%(host)s AS text), %(time)s,
+               GREATEST(handed_back_at, %(time)s), 'requeued'
+          FROM handed_back
+        ON CONFLICT (task_id, attempt_id) DO NOTHING
     ), closed AS (
         UPDATE task_attempts a SET end_date = %(time)s, outcome = 'interrupted'
           FROM task
@@ -90,7 +112,11 @@ _STARTED = """
 # The attempt itself is a hand-back whatever the task is at: read after the next attempt's
 # `started` (replicas read `-out` side by side), it was closed `interrupted` by it, which the
 # give-back (results.py) would count as a crash. A `started` of it read after it (a duplicate,
-# or another replica's) finds it over and starts nothing.
+# or another replica's) finds it over and starts nothing. Read before its own `started`, while
+# the task is PENDING, it is kept on the row (`early`): that `started` would have set the task
+# IN_PROGRESS while its message waits in `-in`, where the watchdog would fail it; it records
+# the hand-back instead (`_STARTED`). Kept aside, not recorded at once: a `requeued` of an
+# attempt that never was the task's must leave no attempt in its history.
 _REQUEUED = """
     WITH task AS (
         UPDATE tasks
@@ -115,6 +141,16 @@ _REQUEUED = """
            AND (CAST(%(queue)s AS text) IS NULL OR t.service IN (
                 SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
                 UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+    ), early AS (
+        UPDATE tasks
+           SET handed_back_attempt = %(attempt)s, handed_back_at = %(time)s
+         WHERE task_id = %(task_id)s AND status = 'PENDING'
+           AND CAST(%(attempt)s AS text) IS NOT NULL
+           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
+                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
+                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+           AND NOT EXISTS (SELECT 1 FROM task_attempts x
+                            WHERE x.task_id = %(task_id)s AND x.attempt_id = %(attempt)s)
     )
     SELECT count(*) AS changed, 0 AS callbacks FROM task
     """

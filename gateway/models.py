@@ -151,6 +151,10 @@ tasks = Table(
     # Set by a cancel, in the transaction that ends the task (0014): a function's own failure
     # may carry the same message.
     Column("cancelled_at", DateTime(timezone=True)),
+    # A `requeued` read while the task was PENDING, before its own `started` (0015): that
+    # `started` then records the attempt as handed back instead of starting it.
+    Column("handed_back_attempt", Text),
+    Column("handed_back_at", DateTime(timezone=True)),
     _updated(),
     CheckConstraint(
         "status IN ('PENDING', 'IN_PROGRESS', 'SUCCESS', 'FAILURE')", name="ck_tasks_status"

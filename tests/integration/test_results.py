@@ -1305,3 +1305,47 @@ def test_the_watchdog_fails_a_task_whose_worker_went_silent(
         assert "conveyor_gateway_abandoned_total 1.0" in httpx.get(f"{watchdog.url}/metrics").text
     finally:
         remove_service(platform, amqp_url, service)
+
+
+@pytest.mark.timeout(60)
+def test_a_hand_back_read_before_its_own_started_leaves_the_task_pending(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Replicas read `-out` side by side, so a `requeued` may be applied before the `started`
+    of its own attempt. It changed nothing then (the task was PENDING), and the `started` set
+    the task IN_PROGRESS while its message waited in `-in`: with no dispatcher left to take it
+    (scaled to zero, which is when hand-backs happen) the watchdog failed it there."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    expires = _column(platform, task_id, "expires_at")
+    first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    for event in (  # in this order on `-out`
+        _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
+        _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first),
+    ):
+        _publish_events(amqp_url, svc, event)
+    wait_until(lambda: _drained(amqp_url, topology.out_queue(svc.queue_name)), what="drained")
+    history = lambda: platform.sql(  # noqa: E731
+        "SELECT attempt_id, worker_host, outcome, end_date > start_date FROM task_attempts"
+        " WHERE task_id = %(t)s ORDER BY start_date",
+        {"t": task_id},
+    )
+    wait_until(lambda: history() == [("a", "pod-a", "requeued", True)], what="a handed back")
+    pending = _poll(gateway, svc, task_id)
+    assert pending["status"] == "PENDING", pending
+    assert "workerHost" not in pending and "startDate" not in pending
+    assert _column(platform, task_id, "attempts") == 1
+    assert _column(platform, task_id, "expires_at") > expires  # its copy's time to live
+
+    # The same `started` again (a duplicate) records nothing more; the next attempt runs.
+    for event in (
+        _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first),
+        _event(svc, EventKind.STARTED, task_id, host="pod-b", attempt="b"),
+        _event(svc, EventKind.SUCCEEDED, task_id, attempt="b", response={"ok": 1}),
+    ):
+        _publish_events(amqp_url, svc, event)
+    _poll_until(gateway, svc, task_id, status="SUCCESS")
+    assert _column(platform, task_id, "attempts") == 2
+    assert [row[:3] for row in history()] == [
+        ("a", "pod-a", "requeued"),
+        ("b", "pod-b", "success"),
+    ]

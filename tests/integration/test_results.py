@@ -173,6 +173,22 @@ def _drained(amqp_url: str, queue: str) -> bool:
     return message_count(amqp_url, queue) == 0
 
 
+def _publish_one_by_one(amqp_url: str, svc: Service, *messages: WireMessage) -> None:
+    """Each in a publish of its own, in this order, and every one read off `-out`."""
+    for message in messages:
+        _publish_events(amqp_url, svc, message)
+    wait_until(lambda: _drained(amqp_url, topology.out_queue(svc.queue_name)), what="drained")
+
+
+def _history(platform: Platform, task_id: str, columns: str) -> list[tuple[Any, ...]]:
+    """The task's attempts, first begun first: the attempt id, then `columns`."""
+    return platform.sql(
+        f"SELECT attempt_id, {columns} FROM task_attempts"
+        " WHERE task_id = %(t)s ORDER BY start_date",
+        {"t": task_id},
+    )
+
+
 def _unfinished(platform: Platform, task_ids: list[str]) -> int:
     rows = platform.sql(
         "SELECT count(*) FROM tasks WHERE task_id = ANY(%(ids)s::uuid[])"
@@ -990,18 +1006,14 @@ def test_a_hand_back_read_after_the_next_attempt_began_is_still_a_hand_back(
     task_id = _submit(gateway, svc, {"n": 1})
     first = _ms(datetime.now(UTC) - timedelta(seconds=20))
     started_b = partial(_event, svc, EventKind.STARTED, task_id, host="pod-b", attempt="b")
-    for event in (  # in this order on `-out` (one publish each: a batch's order may vary)
+    _publish_one_by_one(  # in this order on `-out` (one publish each: a batch's may vary)
+        amqp_url,
+        svc,
         _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first),
         started_b(time=first + timedelta(seconds=5)),
         _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
-    ):
-        _publish_events(amqp_url, svc, event)
-    wait_until(lambda: _drained(amqp_url, topology.out_queue(svc.queue_name)), what="drained")
-    history = lambda: platform.sql(  # noqa: E731
-        "SELECT attempt_id, outcome, end_date IS NOT NULL FROM task_attempts"
-        " WHERE task_id = %(t)s ORDER BY start_date",
-        {"t": task_id},
     )
+    history = partial(_history, platform, task_id, "outcome, end_date IS NOT NULL")
     expected = [("a", "requeued", True), ("b", None, False)]
     wait_until(lambda: history() == expected, what="a handed back, b running")
     assert _poll(gateway, svc, task_id)["status"] == "IN_PROGRESS"
@@ -1318,17 +1330,13 @@ def test_a_hand_back_read_before_its_own_started_leaves_the_task_pending(
     task_id = _submit(gateway, svc, {"n": 1})
     expires = _column(platform, task_id, "expires_at")
     first = _ms(datetime.now(UTC) - timedelta(seconds=20))
-    for event in (  # in this order on `-out`
+    _publish_one_by_one(  # in this order on `-out`
+        amqp_url,
+        svc,
         _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
         _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first),
-    ):
-        _publish_events(amqp_url, svc, event)
-    wait_until(lambda: _drained(amqp_url, topology.out_queue(svc.queue_name)), what="drained")
-    history = lambda: platform.sql(  # noqa: E731
-        "SELECT attempt_id, worker_host, outcome, end_date > start_date FROM task_attempts"
-        " WHERE task_id = %(t)s ORDER BY start_date",
-        {"t": task_id},
     )
+    history = partial(_history, platform, task_id, "worker_host, outcome, end_date > start_date")
     wait_until(lambda: history() == [("a", "pod-a", "requeued", True)], what="a handed back")
     pending = _poll(gateway, svc, task_id)
     assert pending["status"] == "PENDING", pending

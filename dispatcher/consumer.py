@@ -362,8 +362,7 @@ class Broker:
     async def ready_in_queue(self) -> int | None:
         """The messages ready in `-in` now (None: no such queue), within CONSUME_AGAIN_TIMEOUT,
         asked on one channel kept for it: aio-pika 10.2.1 keeps ~4 KB on the connection for
-        every channel ever opened there, and an idle dispatcher asks every
-        RECONSUME_IDLE_SECONDS."""
+        every channel ever opened there, and an idle dispatcher asks every 10 s."""
         assert self.connection is not None
         async with asyncio.timeout(CONSUME_AGAIN_TIMEOUT):
             if self._probe is None or self._probe.is_closed:

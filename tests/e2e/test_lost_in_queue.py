@@ -256,8 +256,8 @@ def test_a_dispatcher_hears_an_in_deleted_and_declared_again_at_once(stack: Stac
 def test_a_backlog_behind_a_deaf_consumer_is_heard_within_seconds(stack: Stack) -> None:
     """The same deaf consumer with more tasks than its prefetch: those beyond it wait ready in
     `-in`, which an idle dispatcher asks about every READY_CHECK_INTERVAL (10 s): it consumes
-    again then, not after RECONSUME_IDLE_SECONDS (5 min). Idle with nothing waiting, it keeps
-    its consumer (each replacement leaves ~4 KB on the connection for good)."""
+    again then, not after RECONSUME_IDLE_SECONDS (5 min). Idle with nothing waiting, it
+    replaces nothing before that period (each replacement leaves ~4 KB on the connection)."""
     wait_for_queues(stack.amqp_url, queues_of(stack.service.queue_name))
     stack.dispatcher("pod-a")  # CONCURRENCY 4: the broker hands a deaf consumer 4 at most
     assert stack.finish(stack.submit({"sleep": 0}), timeout=30)["status"] == "SUCCESS"

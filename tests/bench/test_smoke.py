@@ -219,3 +219,22 @@ def test_wakeup_benchmark_runs(tmp_path: Path) -> None:
         "confirmed_publish_classic",
     }
     assert all(by_gap[gap]["n"] == 3 for by_gap in figures.values() for gap in ("0.0", "0.01"))
+
+
+def test_footprint_benchmark_runs(tmp_path: Path) -> None:
+    """Its figures of record come from a venv as the dispatcher's image makes one."""
+    result = _run(
+        "bench.footprint",
+        "--starts",
+        "1",
+        "--settle",
+        "0.2",
+        "--load-tasks",
+        "50",
+        results=tmp_path,
+    )
+    assert result["shipped"] == {"built": True}
+    shipped = result["entrypoints"]["conveyor dispatcher, as its image installs it"]
+    assert result["idle_rss_mib"] == shipped["idle_rss_mib"]
+    assert shipped["under_load"]["finished"]
+    assert str(REPO) not in json.dumps(result)

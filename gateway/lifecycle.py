@@ -75,11 +75,9 @@ _STARTED = """
         RETURNING task_id
     ), handed_back AS (
         -- its `requeued` was read first (see `_REQUEUED`): the attempt is recorded as handed
-        -- back, once, and its republished message lives its time to live again from now
+        -- back, once
         UPDATE tasks
-           SET attempts = attempts + 1, updated_at = now(),
-               expires_at = GREATEST(
-                   expires_at, now() + (expires_at - COALESCE(not_before, submission_date)))
+           SET attempts = attempts + 1, updated_at = now()
          WHERE task_id = %(task_id)s AND status = 'PENDING'
            AND handed_back_attempt = %(attempt)s
            AND (CAST(%(queue)s AS text) IS NULL OR service IN (
@@ -142,8 +140,12 @@ _REQUEUED = """
                 SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
                 UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
     ), early AS (
+        -- its copy lives its time to live again from now, as above: also when its `started`
+        -- never comes (that publish is best effort)
         UPDATE tasks
-           SET handed_back_attempt = %(attempt)s, handed_back_at = %(time)s
+           SET handed_back_attempt = %(attempt)s, handed_back_at = %(time)s, updated_at = now(),
+               expires_at = GREATEST(
+                   expires_at, now() + (expires_at - COALESCE(not_before, submission_date)))
          WHERE task_id = %(task_id)s AND status = 'PENDING'
            AND CAST(%(attempt)s AS text) IS NOT NULL
            AND (CAST(%(queue)s AS text) IS NULL OR service IN (

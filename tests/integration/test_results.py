@@ -1357,3 +1357,20 @@ def test_a_hand_back_read_before_its_own_started_leaves_the_task_pending(
         ("a", "pod-a", "requeued"),
         ("b", "pod-b", "success"),
     ]
+
+
+@pytest.mark.timeout(60)
+def test_a_hand_back_whose_started_never_comes_renews_the_tasks_time_to_live(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """A dispatcher's `started` is best effort: one the broker refused, followed by the
+    attempt's `requeued`, left the task PENDING with the expiry it had, while its republished
+    copy lives a time to live of its own from the hand-back: the reaper would fail a task its
+    copy still carries. The hand-back renews it; no attempt is recorded without a start."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    expires = _column(platform, task_id, "expires_at")
+    _publish_one_by_one(amqp_url, svc, _event(svc, EventKind.REQUEUED, task_id, attempt="a"))
+    wait_until(lambda: _column(platform, task_id, "expires_at") > expires, what="renewed")
+    assert _poll(gateway, svc, task_id)["status"] == "PENDING"
+    assert _history(platform, task_id, "outcome") == []
+    assert _column(platform, task_id, "attempts") == 0

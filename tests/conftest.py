@@ -19,7 +19,7 @@ import pytest
 
 from conveyor.settings import DEFAULT_AMQP_URL, normalize_database_url
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
-from tests.support.processes import Processes, forget_claimed_ports
+from tests.support.processes import PORT_CLAIMS, Processes, claim_ports_for_this_run
 from tests.support.servers import RabbitNode, rabbitmq_available
 from tests.support.tcpproxy import TcpProxy
 
@@ -44,9 +44,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _require_a_broker_that_answers(AMQP_URL)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    if not hasattr(session.config, "workerinput"):  # the controller: its workers are done
-        forget_claimed_ports()
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config) -> Iterator[object]:
+    """The whole run, with a directory its processes claim their ports in (`free_port`): made
+    before any xdist worker starts, so that each inherits it, and removed after the last one
+    ended. A worker (it has its controller's) makes none."""
+    if PORT_CLAIMS in os.environ:
+        return (yield)
+    with claim_ports_for_this_run():
+        return (yield)
 
 
 @pytest.fixture(scope="session")

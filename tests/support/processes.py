@@ -24,36 +24,45 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
+# Where the processes of one test run claim the ports they are handed: set by the run's
+# controller before its xdist workers start, inherited by them and by what they start (the
+# benchmarks the smoke tests run), removed when the run ends (`claim_ports_for_this_run`).
+PORT_CLAIMS = "CONVEYOR_TEST_PORT_CLAIMS"
+
+
 def free_port() -> int:
-    """A port nothing listens on, picked by the kernel, and never handed to two xdist workers
-    of one run: a kernel-picked port is free for every worker alike until its server binds
-    it, and two workers were once handed the same one (one server failed to bind; its
+    """A port nothing listens on, picked by the kernel, and never handed to two processes of
+    one test run: a kernel-picked port is free for every xdist worker alike until its server
+    binds it, and two workers were once handed the same one (one server failed to bind; its
     readiness check was answered by the other worker's server). Each port handed out is
-    claimed in a directory the run's workers share (`ports_claimed`)."""
-    claims = ports_claimed(os.getppid()) if "PYTEST_XDIST_WORKER" in os.environ else None
+    claimed in the run's directory (PORT_CLAIMS), when there is one."""
+    claims = os.environ.get(PORT_CLAIMS)
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port: int = s.getsockname()[1]
-        if claims is None:
+        if not claims:
             return port
-        claims.mkdir(exist_ok=True)
         try:
-            os.close(os.open(claims / str(port), os.O_CREAT | os.O_EXCL))
+            os.close(os.open(Path(claims) / str(port), os.O_CREAT | os.O_EXCL))
         except FileExistsError:
-            continue  # another worker's already
+            continue  # another process's already
+        except FileNotFoundError:
+            pass  # the run's directory is gone (its end, or someone's clean-up): unclaimed
         return port
     raise RuntimeError("no port left unclaimed in 100 tries")
 
 
-def ports_claimed(controller_pid: int) -> Path:
-    """Where the xdist workers started by `controller_pid` claim their ports; the controller
-    removes it when the run ends (`forget_claimed_ports`)."""
-    return Path(tempfile.gettempdir()) / f"conveyor-test-ports-{controller_pid}"
-
-
-def forget_claimed_ports() -> None:
-    shutil.rmtree(ports_claimed(os.getpid()), ignore_errors=True)
+@contextmanager
+def claim_ports_for_this_run() -> Iterator[None]:
+    """The run's claims directory, in the environment of everything the run starts."""
+    claims = tempfile.mkdtemp(prefix="conveyor-test-ports-")
+    os.environ[PORT_CLAIMS] = claims
+    try:
+        yield
+    finally:
+        os.environ.pop(PORT_CLAIMS, None)
+        shutil.rmtree(claims, ignore_errors=True)
 
 
 class Proc:

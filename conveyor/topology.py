@@ -28,6 +28,7 @@ PRECONDITION_FAILED otherwise. On a cluster their `-out` lives on one node.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -156,6 +157,26 @@ async def ready_messages(channel: aio_pika.abc.AbstractChannel, name: str) -> in
         return None
     declared = queue.declaration_result
     return int(declared.message_count or 0)
+
+
+class QueueProbe:
+    """One channel kept for passive questions about queues (`ready_messages`), opened again
+    only after a NOT_FOUND closed it: aio-pika 10.2.1 keeps ~4 KB on its connection for every
+    channel ever opened there, and the gateway's queue check and an idle dispatcher ask every
+    10 s. Opened under a lock: two callers after a NOT_FOUND would each open one, and one of
+    them would be dropped unclosed."""
+
+    def __init__(self) -> None:
+        self._channel: aio_pika.abc.AbstractChannel | None = None
+        self._opening = asyncio.Lock()
+
+    async def ready_messages(
+        self, connection: aio_pika.abc.AbstractConnection, name: str
+    ) -> int | None:
+        async with self._opening:
+            if self._channel is None or self._channel.is_closed:
+                self._channel = await connection.channel(publisher_confirms=False)
+        return await ready_messages(self._channel, name)
 
 
 async def declare_control(channel: aio_pika.abc.AbstractChannel, queue_name: str) -> Any:

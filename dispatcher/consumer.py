@@ -38,7 +38,7 @@ from conveyor import headers as h
 from conveyor.amqp import from_amqp
 from conveyor.connection import ConfirmingChannel, close_quietly
 from conveyor.events import WireMessage
-from conveyor.topology import cancel_log, control_exchange, declare_control, ready_messages
+from conveyor.topology import QueueProbe, cancel_log, control_exchange, declare_control
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class Broker:
         self._consume_channel: AbstractRobustChannel | None = None
         self._queue: aio_pika.abc.AbstractRobustQueue | None = None
         self._consumer_tag: str | None = None
-        self._probe: aio_pika.abc.AbstractChannel | None = None  # `ready_in_queue`'s channel
+        self._probe = QueueProbe()  # `ready_in_queue`'s channel
 
     async def consuming(self) -> bool:
         """Whether the broker delivers to our consumer now. It cancels it when `-in` goes
@@ -361,13 +361,10 @@ class Broker:
 
     async def ready_in_queue(self) -> int | None:
         """The messages ready in `-in` now (None: no such queue), within CONSUME_AGAIN_TIMEOUT,
-        asked on one channel kept for it: aio-pika 10.2.1 keeps ~4 KB on the connection for
-        every channel ever opened there, and an idle dispatcher asks every 10 s."""
+        asked on one channel kept for it (`QueueProbe`)."""
         assert self.connection is not None
         async with asyncio.timeout(CONSUME_AGAIN_TIMEOUT):
-            if self._probe is None or self._probe.is_closed:
-                self._probe = await self.connection.channel(publisher_confirms=False)
-            return await ready_messages(self._probe, self.in_queue)
+            return await self._probe.ready_messages(self.connection, self.in_queue)
 
     async def consume_again(self, callback: Callable[[AbstractIncomingMessage], Any]) -> bool:
         """The consumer replaced by one on a fresh channel; whether it was.

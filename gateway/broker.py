@@ -47,8 +47,7 @@ class Broker:
         self._connect_lock = asyncio.Lock()
         self._on_reconnect: list[Callable[[], None]] = []
         self._declared: set[str] = set()
-        self._probe: AbstractChannel | None = None  # `queue_exists`'s channel
-        self._probe_lock = asyncio.Lock()  # one probe opened at a time, never two kept
+        self._probe = topology.QueueProbe()  # `queue_exists`'s channel
 
     def on_reconnect(self, callback: Callable[[], None]) -> None:
         """`callback()` after the connection was lost and made again."""
@@ -114,17 +113,10 @@ class Broker:
             raise PublishError(f"{key} not declared: {exc!r}") from None
 
     async def queue_exists(self, name: str) -> bool:
-        """Whether the broker holds that queue (`topology.queue_exists`), within
-        `publish_timeout` (else TimeoutError). Asked on one channel kept for it, opened again
-        only after a NOT_FOUND closed it: aio-pika 10.2.1 keeps a callback (~4 KB) on its
-        connection for every channel ever opened there, and the queue check asks every 10 s."""
+        """Whether the broker holds that queue, within `publish_timeout` (else TimeoutError),
+        asked on one channel kept for it (`topology.QueueProbe`)."""
         async with asyncio.timeout(self.publish_timeout):
-            async with self._probe_lock:
-                probe = self._probe
-                if probe is None or probe.is_closed:
-                    connection = await self.connect()
-                    probe = self._probe = await connection.channel(publisher_confirms=False)
-            return await topology.queue_exists(probe, name)
+            return await self._probe.ready_messages(await self.connect(), name) is not None
 
     async def publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:
         """Confirmed within `publish_timeout` in all, connecting included, or PublishError.

@@ -112,11 +112,15 @@ class Broker:
         except Exception as exc:
             raise PublishError(f"{key} not declared: {exc!r}") from None
 
-    async def queue_exists(self, name: str) -> bool:
-        """Whether the broker holds that queue, within `publish_timeout` (else TimeoutError),
-        asked on one channel kept for it (`topology.QueueProbe`)."""
+    async def ready_messages(self, name: str) -> int | None:
+        """The messages ready in that queue (None: no such queue), within `publish_timeout`
+        (else TimeoutError), asked on one channel kept for it (`topology.QueueProbe`): the
+        loops that ask every few seconds open no channel each time."""
         async with asyncio.timeout(self.publish_timeout):
-            return await self._probe.ready_messages(await self.connect(), name) is not None
+            return await self._probe.ready_messages(await self.connect(), name)
+
+    async def queue_exists(self, name: str) -> bool:
+        return await self.ready_messages(name) is not None
 
     async def publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:
         """Confirmed within `publish_timeout` in all, connecting included, or PublishError.

@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from conveyor import logs, topology
+from conveyor.connection import TRANSPORT_ERRORS
 from gateway import metrics, supervisor
 from gateway.broker import Broker
 from gateway.pgpool import CONNECTION_ERRORS, Pool
@@ -170,34 +171,28 @@ class ServiceStats:
         return {**self._settled, **fresh}
 
     async def _depths(self, queue_names: list[str]) -> dict[str, dict[str, int | None]]:
+        """Each service's ready messages in `-in` and `-dlq` (None: not declared yet), on the
+        broker's kept probe channel: a channel opened and closed at every pass left ~4.4 KB
+        on the connection each time (aio-pika 10.2), 25 MB a day at the default interval."""
         found: dict[str, dict[str, int | None]] = {}
         try:
             async with asyncio.timeout(QUEUE_TIMEOUT):
-                channel = await self.broker.channel()
-                try:
-                    for name in queue_names:
-                        found[name] = {
-                            "in": await self._depth(channel, topology.in_queue(name)),
-                            "dlq": await self._depth(channel, topology.dead_letter_queue(name)),
-                        }
-                        if channel.is_closed:  # a missing queue closes the channel
-                            channel = await self.broker.channel()
-                finally:
-                    if not channel.is_closed:
-                        await channel.close()
+                for name in queue_names:
+                    found[name] = {
+                        "in": await self._depth(topology.in_queue(name)),
+                        "dlq": await self._depth(topology.dead_letter_queue(name)),
+                    }
         except Exception as exc:  # the broker down or slow: depths unknown, figures still shown
             log.warning("queue depths unavailable", extra={"error": logs.describe(exc)})
         return found
 
-    @staticmethod
-    async def _depth(channel: Any, queue: str) -> int | None:
+    async def _depth(self, queue: str) -> int | None:
         try:
-            # Not robust: a channel that reopens must not declare these again.
-            declared = await channel.declare_queue(queue, passive=True, robust=False)
-        except Exception:  # not declared (yet): no depth to show
+            return await self.broker.ready_messages(queue)
+        except TRANSPORT_ERRORS:
+            raise  # the connection lost or frozen: no depth this pass
+        except Exception:  # this queue's own (a channel error): no depth to show, the next one
             return None
-        count = declared.declaration_result.message_count
-        return None if count is None else int(count)
 
 
 class ServiceGauges(Collector):

@@ -74,7 +74,7 @@ def run(settings: DispatcherSettings) -> int:
     logs.configure(settings.log_level, settings.log_format)
     tracing.configure("conveyor-dispatcher")  # nothing unless an OTLP endpoint is set
     try:
-        import uvloop
+        import uvloop  # the `dispatcher` extra installs it, where it builds (not Windows)
     except ImportError:
         return asyncio.run(Dispatcher(settings).run())
     return uvloop.run(Dispatcher(settings).run())

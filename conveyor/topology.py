@@ -162,9 +162,9 @@ async def ready_messages(channel: aio_pika.abc.AbstractChannel, name: str) -> in
 class QueueProbe:
     """One channel kept for passive questions about queues (`ready_messages`), opened again
     only after a NOT_FOUND closed it: aio-pika 10.2.1 keeps ~4 KB on its connection for every
-    channel ever opened there, and the gateway's queue check and an idle dispatcher ask every
-    10 s. Opened under a lock: two callers after a NOT_FOUND would each open one, and one of
-    them would be dropped unclosed."""
+    channel ever opened there, and the gateway's queue check and service figures and an idle
+    dispatcher ask every few seconds. Opened under a lock: two callers after a NOT_FOUND would
+    each open one, and one of them would be dropped unclosed."""
 
     def __init__(self) -> None:
         self._channel: aio_pika.abc.AbstractChannel | None = None

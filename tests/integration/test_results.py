@@ -1359,6 +1359,43 @@ def test_a_hand_back_read_before_its_own_started_leaves_the_task_pending(
     ]
 
 
+def test_a_hand_back_read_before_its_started_and_the_next_attempts_is_still_recorded(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Three events out of order: the `requeued` of attempt a, then the `started` of the next
+    attempt b (its republished copy), then a's own `started`. b's start took the task over, and
+    a's `started` found it neither PENDING nor older: the handed-back attempt was missing from
+    the history and the count, the task right otherwise."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    _publish_one_by_one(  # in this order on `-out`
+        amqp_url,
+        svc,
+        _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
+        _event(
+            svc,
+            EventKind.STARTED,
+            task_id,
+            host="pod-b",
+            attempt="b",
+            time=first + timedelta(seconds=2),
+        ),
+        _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first),
+    )
+    history = partial(_history, platform, task_id, "worker_host, outcome")
+    wait_until(lambda: len(history()) == 2, what="both attempts recorded")
+    assert history() == [("a", "pod-a", "requeued"), ("b", "pod-b", None)]
+    running = _poll(gateway, svc, task_id)
+    assert running["status"] == "IN_PROGRESS", running
+    assert _column(platform, task_id, "worker_host") == "pod-b"
+    assert _column(platform, task_id, "attempts") == 2
+
+    _publish_events(amqp_url, svc, _event(svc, EventKind.SUCCEEDED, task_id, attempt="b"))
+    _poll_until(gateway, svc, task_id, status="SUCCESS")
+    assert [row[:3] for row in history()] == [("a", "pod-a", "requeued"), ("b", "pod-b", "success")]
+    assert _column(platform, task_id, "attempts") == 2
+
+
 @pytest.mark.timeout(60)
 def test_a_hand_back_whose_started_never_comes_renews_the_tasks_time_to_live(
     gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str

@@ -57,6 +57,10 @@ RECALL_PATIENCE = 5.0
 # (`_keep_hearing`): one passive declaration, on a channel kept for it.
 READY_CHECK_INTERVAL = 10.0
 
+# Idle replacements of the consumer that nothing followed double the idle time before the next,
+# up to this (or RECONSUME_IDLE_SECONDS, if longer): each leaves ~4 KB on the connection.
+RECONSUME_IDLE_LIMIT = 3600.0
+
 
 def main() -> int:
     """The settings from the environment, then `run`. A setting it cannot run with is one line
@@ -110,6 +114,7 @@ class Dispatcher:
         self._background: set[asyncio.Task[None]] = set()
         self._lost_at: datetime | None = None  # the broker connection was lost then
         self._heard_at = time.monotonic()  # the last delivery from -in (see `_keep_hearing`)
+        self._fruitless = 0  # idle replacements since it, none followed by a delivery
 
     async def run(self) -> int:
         self.shutdown.install()
@@ -225,6 +230,7 @@ class Dispatcher:
             return
         self.metrics.received.inc()
         self._heard_at = time.monotonic()
+        self._fruitless = 0
         if self.settings.one_shot:
             self.accepting = False
             self.taken.set()
@@ -240,12 +246,15 @@ class Dispatcher:
         beyond the prefetch the broker gave it), else after RECONSUME_IDLE_SECONDS idle (the
         messages it was handed, within its prefetch, are not ready: the broker counts them
         delivered). Each replacement leaves ~4 KB on the connection for good (aio-pika
-        10.2.1). Idle means nothing delivered and nothing in flight. An error is logged and
-        the next check tries again."""
+        10.2.1), so an idle replacement that no delivery follows doubles the idle time before
+        the next, up to RECONSUME_IDLE_LIMIT (an hour): ~24 a day idle, not 288; a delivery
+        starts again from RECONSUME_IDLE_SECONDS. Idle means nothing delivered and nothing in
+        flight. An error is logged and the next check tries again."""
         period = self.settings.reconsume_idle_seconds
         if not period:
             return
         check = min(period, READY_CHECK_INTERVAL)
+        limit = max(period, RECONSUME_IDLE_LIMIT)
         while True:
             await asyncio.sleep(check)
             if len(self.in_flight):
@@ -254,19 +263,23 @@ class Dispatcher:
             asked = self._heard_at
             if time.monotonic() - asked < check or not self.accepting:
                 continue  # a delivery lately, or stopping
+            fruitless = self._fruitless
             try:
                 if not await self.broker.consuming():
                     continue  # cancelled by the broker, or being restored: aio-pika's
-                if time.monotonic() - asked < period:
+                if time.monotonic() - asked < min(period * 2 ** min(fruitless, 20), limit):
                     ready = await self.broker.ready_in_queue()
                     if not ready or self._heard_at != asked or len(self.in_flight):
                         continue  # nothing waits, or a delivery came meanwhile
+                    fruitless = -1  # messages waited: a delivery will follow, not a doubling
                 replaced = await self.broker.consume_again(self._on_message)
             except Exception as exc:
                 log.warning("consumer not replaced", extra={"error": logs.describe(exc)})
                 continue
             if replaced:
-                self._heard_at = time.monotonic()  # idle again from now
+                if self._heard_at == asked:  # else a delivery came meanwhile: it counts
+                    self._heard_at = time.monotonic()  # idle again from now
+                    self._fruitless = fruitless + 1
                 self.metrics.consumers_replaced.inc()
                 log.info("nothing delivered for a while: consuming on a fresh channel")
 

@@ -271,3 +271,22 @@ def test_a_backlog_behind_a_deaf_consumer_is_heard_within_seconds(stack: Stack) 
 
     time.sleep(12)  # one check at least, idle, nothing waiting
     assert _replaced(stack, "pod-a") == 1
+
+
+def test_idle_replacements_that_bring_nothing_come_ever_more_rarely(stack: Stack) -> None:
+    """Each replacement leaves ~4 KB on the connection (aio-pika 10.2.1): an idle sidecar
+    replaced its consumer every RECONSUME_IDLE_SECONDS for as long as it stayed idle (288 a
+    day, ~1.3 MB). One that no delivery follows now doubles the wait for the next; a delivery
+    starts again from the setting."""
+    wait_for_queues(stack.amqp_url, queues_of(stack.service.queue_name))
+    stack.dispatcher("pod-a", RECONSUME_IDLE_SECONDS="1")
+    assert stack.finish(stack.submit({"sleep": 0}), timeout=30)["status"] == "SUCCESS"
+    start = _replaced(stack, "pod-a")
+
+    time.sleep(20)  # at 1, 3, 7 and 15 s idle: 4 (every second before: about 20)
+    idle = _replaced(stack, "pod-a") - start
+    assert 2 <= idle <= 5, idle
+
+    assert stack.finish(stack.submit({"sleep": 0}), timeout=30)["status"] == "SUCCESS"
+    after_work = _replaced(stack, "pod-a")
+    wait_until(lambda: _replaced(stack, "pod-a") > after_work, timeout=6, what="a replacement")

@@ -264,6 +264,7 @@ class Dispatcher:
             if time.monotonic() - asked < check or not self.accepting:
                 continue  # a delivery lately, or stopping
             fruitless = self._fruitless
+            waited = False  # messages ready in -in: a delivery will follow, not a doubling
             try:
                 if not await self.broker.consuming():
                     continue  # cancelled by the broker, or being restored: aio-pika's
@@ -271,7 +272,7 @@ class Dispatcher:
                     ready = await self.broker.ready_in_queue()
                     if not ready or self._heard_at != asked or len(self.in_flight):
                         continue  # nothing waits, or a delivery came meanwhile
-                    fruitless = -1  # messages waited: a delivery will follow, not a doubling
+                    waited = True
                 replaced = await self.broker.consume_again(self._on_message)
             except Exception as exc:
                 log.warning("consumer not replaced", extra={"error": logs.describe(exc)})
@@ -279,7 +280,7 @@ class Dispatcher:
             if replaced:
                 if self._heard_at == asked:  # else a delivery came meanwhile: it counts
                     self._heard_at = time.monotonic()  # idle again from now
-                    self._fruitless = fruitless + 1
+                    self._fruitless = 0 if waited else fruitless + 1
                 self.metrics.consumers_replaced.inc()
                 log.info("nothing delivered for a while: consuming on a fresh channel")
 

@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 
 from gateway import catalog
-from gateway.listener import Listener, NotNotified
+from gateway.listener import Listener, require_triggers
 from gateway.pgpool import Pool
 
 log = logging.getLogger("conveyor.gateway.access_cache")
@@ -37,7 +37,6 @@ log = logging.getLogger("conveyor.gateway.access_cache")
 CHANNEL = "conveyor_catalog"
 MAX_ENTRIES = 10_000
 TRIGGERS = ("services_catalog_changed", "authorizations_catalog_changed")
-_TRIGGERS_PRESENT = "SELECT count(DISTINCT tgname) FROM pg_trigger WHERE tgname = ANY(%s)"
 
 
 class AccessCache:
@@ -75,9 +74,7 @@ class AccessCache:
 
     async def _trusted(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Once LISTEN took effect: trusted only if the triggers that notify exist."""
-        found = await (await conn.execute(_TRIGGERS_PRESENT, [list(TRIGGERS)])).fetchone()
-        if found is None or found[0] < len(TRIGGERS):
-            raise NotNotified("no catalog triggers (migration 0002 missing): cache off")
+        await require_triggers(conn, TRIGGERS, "no catalog triggers (migration 0002 missing)")
         self.invalidate()  # whatever changed before LISTEN took effect
         self._listening = True
         log.info("caching services and grants")

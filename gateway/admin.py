@@ -292,8 +292,8 @@ async def delete_client(conn: AsyncConnection[Any], client_id: str) -> bool:
 
 async def delete_operator(conn: AsyncConnection[Any], operator_id: str) -> bool:
     """The operator's row: `apply` leaves operators missing from the file alone. A client of
-    that id is not one (SPEC §11.6). A gateway that verified the secret lately accepts it
-    until its cache entry expires (CONVEYOR_AUTH_CACHE_TTL)."""
+    that id is not one (SPEC §11.6). The gateways forget its verified secret when they hear
+    the change (gateway.credentials): its next request is refused."""
     return await _delete_principal(conn, operator_id, "operator")
 
 

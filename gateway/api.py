@@ -589,8 +589,8 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
 
     async def check() -> None:
         # This stream's own credentials, before each read another stream led: the credential
-        # cache's (gateway.auth: in memory, no bcrypt nor database until its TTL), so that a
-        # secret changed since ends this stream alone within that TTL.
+        # cache's (gateway.auth: in memory, no bcrypt nor database until a change to the
+        # secrets is heard), so that a secret changed since ends this stream alone.
         await authenticated(request, rt.auth)
 
     stopping = anyio.Event()  # set by sse_starlette once the server shuts down

@@ -2,9 +2,13 @@
 
 bcrypt costs about 0.25 s by design, so successful verifications are cached in
 memory under a keyed hash of the presented credentials (never the secret
-itself), for a short TTL: a revoked client or a changed secret stops working
-within that TTL. Concurrent first requests with the same credentials share one
-verification instead of queueing a bcrypt each. bcrypt runs on a small pool of
+itself), for a short TTL, and only while changes to the stored secrets are heard
+(gateway.credentials forgets them the moment a client or operator changes, and
+turns the cache off while it cannot hear): a deleted client or a changed secret
+is refused by the next request. Off the cache, a request reads the stored hash,
+and a secret already verified against that very hash skips bcrypt. Concurrent
+first requests with the same credentials share one verification instead of
+queueing a bcrypt each. bcrypt runs on a small pool of
 its own, so a burst of logins cannot starve the default executor (DNS look-ups
 of the callback checks run there).
 
@@ -147,6 +151,20 @@ class Authenticator:
         self._bcrypt = ThreadPoolExecutor(bcrypt_threads, thread_name_prefix="conveyor-bcrypt")
         self._dummy_hash = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(dummy_rounds))
         self._check_seconds: float | None = None  # how long a check takes here (moving mean)
+        self._heard = True  # changes to the stored secrets reach `forget` (gateway.credentials)
+        self._generation = 0  # bumped by `forget`: a verification it raced is not cached
+
+    def forget(self) -> None:
+        """The stored secrets changed: each client's next request reads its hash again (one
+        verified against that same hash still skips bcrypt)."""
+        self._generation += 1
+        self._cache.clear()
+
+    def hearing(self, heard: bool) -> None:
+        """Whether changes to the stored secrets are heard; unheard, nothing is served from
+        memory, since a change would go unnoticed until the TTL."""
+        self._heard = heard
+        self.forget()
 
     def _cache_key(self, client_id: str, secret: str) -> bytes:
         return hmac.new(self._key, f"{client_id}\0{secret}".encode(), hashlib.sha256).digest()
@@ -159,7 +177,7 @@ class Authenticator:
         client_id, secret = creds
         key = self._cache_key(client_id, secret)
         cached = self._cache.get(key)
-        if cached and cached[1] > time.monotonic():
+        if cached and self._heard and cached[1] > time.monotonic():
             return cached[0]
         pair = f"{client_id}\0{source}"
         if self._failures.blocked(pair):
@@ -177,9 +195,10 @@ class Authenticator:
         secret verified here before is still accepted at once."""
         verified = self._verified.get(client_id)
         if verified is not None and hmac.compare_digest(verified.key, key):
+            generation = self._generation
             stored = await self._lookup(client_id)
             if stored is not None and hmac.compare_digest(verified.stored_hash, stored):
-                self._remember(key, client_id, stored)
+                self._remember(key, client_id, stored, generation)
                 return client_id
         async with self._one_at_a_time(pair):
             return await self._verify_once(key, client_id, secret)
@@ -215,13 +234,14 @@ class Authenticator:
             del self._inflight[key]
 
     async def _verify(self, key: bytes, client_id: str, secret: str) -> str | None:
+        generation = self._generation
         stored = await self._lookup(client_id)
         verified = self._verified.get(client_id)
         refused = stored is None  # no such client: nothing could be accepted
         if stored is not None and verified and hmac.compare_digest(verified.stored_hash, stored):
             # This very hash was matched here: the answer is certain without bcrypt.
             if hmac.compare_digest(verified.key, key):
-                self._remember(key, client_id, stored)
+                self._remember(key, client_id, stored, generation)
                 return client_id
             refused = True
         # One check at a time per client id, whether it exists or not: a burst of guesses
@@ -233,7 +253,7 @@ class Authenticator:
                 return None
             if not await self._check(secret.encode(), stored.encode()):
                 return None
-        self._remember(key, client_id, stored)
+        self._remember(key, client_id, stored, generation)
         return client_id
 
     async def _check(self, secret: bytes, hashed: bytes) -> bool:
@@ -254,9 +274,12 @@ class Authenticator:
         await asyncio.get_running_loop().run_in_executor(self._bcrypt, _nothing)
         await asyncio.sleep(self._check_seconds)
 
-    def _remember(self, key: bytes, client_id: str, stored: str) -> None:
-        self._cache[key] = (client_id, time.monotonic() + self._ttl)
+    def _remember(self, key: bytes, client_id: str, stored: str, generation: int) -> None:
+        """`_verified` is only ever compared with a hash read afresh, so it is kept through a
+        `forget`; the cache, which skips that read, only if nothing changed since it."""
         self._verified[client_id] = _Verified(key, stored)
+        if self._heard and generation == self._generation:
+            self._cache[key] = (client_id, time.monotonic() + self._ttl)
 
     def close(self) -> None:
         self._bcrypt.shutdown(wait=False, cancel_futures=True)

@@ -1,7 +1,7 @@
 """One LISTEN connection per gateway process, shared by whatever waits on PostgreSQL's NOTIFY.
 
-The access cache drops its entries on `conveyor_catalog`; the task event streams re-read a
-task on `conveyor_task`. Both must know when notifications may have been missed: a subscriber
+The access cache drops its entries on `conveyor_catalog`, the authenticators their verified
+secrets on `conveyor_credentials`; the task event streams re-read a task on `conveyor_task`. Both must know when notifications may have been missed: a subscriber
 hears `on_connected` once its channels are listened to again (and may refuse the database, for
 instance when a migration's triggers are missing), and `on_lost` whenever the connection goes.
 One connection, not one per subscriber or per open stream: a thousand streams cost one.
@@ -10,7 +10,7 @@ One connection, not one per subscriber or per open stream: a thousand streams co
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,18 @@ Connected = Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]
 class NotNotified(Exception):
     """The database does not send the notifications a subscriber relies on (a migration is
     missing): trusting it would serve stale answers."""
+
+
+_TRIGGERS_PRESENT = "SELECT count(DISTINCT tgname) FROM pg_trigger WHERE tgname = ANY(%s)"
+
+
+async def require_triggers(
+    conn: psycopg.AsyncConnection[Any], triggers: Sequence[str], what: str
+) -> None:
+    """For a subscriber's `on_connected`: NotNotified unless the triggers that notify it exist."""
+    found = await (await conn.execute(_TRIGGERS_PRESENT, [list(triggers)])).fetchone()
+    if found is None or found[0] < len(triggers):
+        raise NotNotified(what)
 
 
 @dataclass

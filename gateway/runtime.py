@@ -22,6 +22,7 @@ from gateway.broker import Broker
 from gateway.callbacks import CallbackPolicy, close_resolver
 from gateway.cancel import tell_ended
 from gateway.catalog import SchemaCache
+from gateway.credentials import Credentials
 from gateway.hearing import Hearing
 from gateway.housekeeping import reaper_loop
 from gateway.intake import Intake
@@ -72,6 +73,9 @@ class Runtime:
             cache_ttl=settings.auth_cache_ttl,
             failures_per_minute=settings.auth_failures_per_minute,
             bcrypt_threads=1,
+        )
+        self.credentials = Credentials(
+            self.listener, {"clients": self.auth, "operators": self.operators}
         )
         self.stats = ServiceStats(self.pool, self.broker)
         register_gauges(self.stats)

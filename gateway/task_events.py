@@ -26,8 +26,8 @@ meanwhile. Only one client can read a task, through one service and one grant, s
 any of its streams (its `read`: that stream's credentials, the grant, then the task) serves
 them all, as to what the database says; but each stream checks its own credentials (its
 `check`, in memory while the credential cache holds them) before it takes a read another led,
-so that a secret changed since it opened ends it alone within the cache's TTL (SPEC §3),
-whichever stream leads; it was checked only when it led, once in as many reads as its task had
+so that a secret changed since it opened ends it alone (the change's notification wakes every
+stream, and empties that cache: gateway.credentials), whichever stream leads; it was checked only when it led, once in as many reads as its task had
 streams. Leading rotates (the least recent leads the next read). A refusal (403001, 404001,
 404002) is the verdict of the stream that led it: each other stream then leads a read of its
 own before it takes one.
@@ -63,7 +63,7 @@ import psycopg
 from sse_starlette import ServerSentEvent
 
 from conveyor import logs, strict_json
-from gateway import access_cache, errors, metrics
+from gateway import access_cache, credentials, errors, metrics
 from gateway.listener import Listener
 from gateway.pgpool import CONNECTION_ERRORS, Pool
 
@@ -133,9 +133,11 @@ class TaskEvents:
         self._tasks: dict[str, _Task] = {}
         self._reads: asyncio.Semaphore | None = None  # sized from the pool at the first read
         listener.subscribe(CHANNEL, self._changed, on_connected=self._reconnected)
-        # A grant revoked or a client deleted: every stream reads again, which checks its
-        # client's access first, and ends the ones that lost it.
-        listener.subscribe(access_cache.CHANNEL, lambda _: self._wake_all())
+        # A grant revoked, a client deleted or its secret changed: every stream reads again,
+        # which checks its client's credentials and access first, and ends the ones that
+        # lost them.
+        for channel in (access_cache.CHANNEL, credentials.CHANNEL):
+            listener.subscribe(channel, lambda _: self._wake_all())
 
     @property
     def open(self) -> int:

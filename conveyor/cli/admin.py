@@ -356,7 +356,7 @@ def operator_list() -> None:
 def operator_delete(operator_id: str) -> None:
     """Delete an operator (`apply` leaves operators missing from the file alone).
 
-    A gateway that verified its secret lately accepts it until CONVEYOR_AUTH_CACHE_TTL ends.
+    Every gateway refuses its next request, though it verified the secret lately.
     """
     from gateway import admin
 

@@ -111,3 +111,69 @@ async def test_guesses_take_as_long_whether_the_client_exists_or_not() -> None:
         assert 0.4 < made_up / real < 2.5, (made_up, real)
     finally:
         auth.close()
+
+
+class _Table:
+    """A client table whose reads are counted, and can be held half-way."""
+
+    def __init__(self) -> None:
+        self.hashes = dict(STORED)
+        self.reads = 0
+        self.hold: asyncio.Event | None = None
+        self.reading = asyncio.Event()
+
+    async def __call__(self, client_id: str) -> str | None:
+        self.reads += 1
+        found = self.hashes.get(client_id)
+        if self.hold is not None:
+            self.reading.set()
+            await self.hold.wait()
+        return found
+
+
+async def test_unheard_every_request_reads_the_stored_hash_without_bcrypt_again() -> None:
+    """While the gateway cannot hear changes to the secrets (gateway.credentials), nothing is
+    served from memory: a client deleted meanwhile is refused by its next request."""
+    table = _Table()
+    auth = Authenticator(table, cache_ttl=3600, dummy_rounds=4)
+    try:
+        assert await auth.authenticate(basic("client-a", SECRET)) == "client-a"
+        assert await auth.authenticate(basic("client-a", SECRET)) == "client-a"
+        assert table.reads == 1  # heard: the second came from memory
+        auth.hearing(False)
+        checks_before = auth._check_seconds
+        for _ in range(3):
+            assert await auth.authenticate(basic("client-a", SECRET)) == "client-a"
+        assert table.reads == 4
+        assert auth._check_seconds == checks_before  # verified against that hash: no bcrypt
+        del table.hashes["client-a"]
+        assert await auth.authenticate(basic("client-a", SECRET)) is None
+    finally:
+        auth.close()
+
+
+async def test_forget_refuses_a_deleted_client_at_once_and_keeps_no_verification_it_raced() -> None:
+    table = _Table()
+    auth = Authenticator(table, cache_ttl=3600, dummy_rounds=4)
+    try:
+        assert await auth.authenticate(basic("client-a", SECRET)) == "client-a"
+        del table.hashes["client-a"]
+        assert await auth.authenticate(basic("client-a", SECRET)) == "client-a"  # memory
+        auth.forget()  # the deletion's notification
+        assert await auth.authenticate(basic("client-a", SECRET)) is None
+
+        # A verification that read the hash before a change, and finished after its
+        # notification, answers for the hash it read but is not kept.
+        table.hashes["client-a"] = STORED["client-a"]
+        auth.forget()
+        table.hold = asyncio.Event()
+        racing = asyncio.create_task(auth.authenticate(basic("client-a", SECRET)))
+        await table.reading.wait()
+        del table.hashes["client-a"]
+        auth.forget()
+        table.hold.set()
+        assert await racing == "client-a"
+        table.hold = None
+        assert await auth.authenticate(basic("client-a", SECRET)) is None
+    finally:
+        auth.close()

@@ -75,12 +75,12 @@ _STARTED = """
         RETURNING task_id
     ), handed_back AS (
         -- its `requeued` was read first (see `_REQUEUED`): the attempt is recorded as handed
-        -- back, once; also when the next attempt's `started` was read before this one (the
-        -- task IN_PROGRESS with that attempt, which the guard of `task` kept it from taking)
+        -- back, once, whatever the task is at: also when the next attempt's `started` (the
+        -- task IN_PROGRESS with that attempt, which the guard of `task` kept it from taking),
+        -- or even its end, was read before this one
         UPDATE tasks
            SET attempts = attempts + 1, updated_at = now()
-         WHERE task_id = %(task_id)s AND status IN ('PENDING', 'IN_PROGRESS')
-           AND handed_back_attempt = %(attempt)s
+         WHERE task_id = %(task_id)s AND handed_back_attempt = %(attempt)s
            AND (CAST(%(queue)s AS text) IS NULL OR service IN (
                 SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
                 UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))

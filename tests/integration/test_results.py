@@ -1396,6 +1396,43 @@ def test_a_hand_back_read_before_its_started_and_the_next_attempts_is_still_reco
     assert _column(platform, task_id, "attempts") == 2
 
 
+def test_a_hand_back_read_before_its_started_and_the_next_attempts_end_is_still_recorded(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Four events out of order: a's `requeued`, then the next attempt b's `started` and
+    `succeeded`, then a's own `started`. The task had ended with b: a's `started` found it
+    neither PENDING nor IN_PROGRESS, and the handed-back attempt was missing from the history
+    and the count. The task's end is untouched."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    events = [
+        _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
+        _event(
+            svc,
+            EventKind.STARTED,
+            task_id,
+            host="pod-b",
+            attempt="b",
+            time=first + timedelta(seconds=2),
+        ),
+        _event(svc, EventKind.SUCCEEDED, task_id, attempt="b", time=first + timedelta(seconds=3)),
+    ]
+    _publish_one_by_one(amqp_url, svc, *events)  # in this order on `-out`
+    ended = _poll_until(gateway, svc, task_id, status="SUCCESS")
+    history = partial(_history, platform, task_id, "worker_host, outcome")
+    assert [row[:3] for row in history()] == [("b", "pod-b", "success")]
+
+    late = _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first)
+    _publish_one_by_one(amqp_url, svc, late)
+    wait_until(lambda: len(history()) == 2, what="both attempts recorded")
+    assert [row[:3] for row in history()] == [("a", "pod-a", "requeued"), ("b", "pod-b", "success")]
+    assert _column(platform, task_id, "attempts") == 2
+    assert _poll(gateway, svc, task_id) == ended
+    _publish_one_by_one(amqp_url, svc, late)  # again (a duplicate): recorded once
+    time.sleep(1.0)
+    assert len(history()) == 2 and _column(platform, task_id, "attempts") == 2
+
+
 @pytest.mark.timeout(60)
 def test_a_hand_back_whose_started_never_comes_renews_the_tasks_time_to_live(
     gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str

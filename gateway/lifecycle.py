@@ -11,7 +11,9 @@ precondition, re-checked by PostgreSQL under the row lock. That is what makes
 duplicated, late and reordered events harmless, even with several gateway
 replicas applying events concurrently:
 
-* terminal states are final: every statement requires a non-terminal status;
+* terminal states are final: every change of status requires a non-terminal one (a
+  hand-back read before its own `started` still adds its attempt to an ended task's history);
+* a worker's event changes only its own service's tasks (`_came_through`);
 * a `started` resets the task only for an attempt it has not seen yet and that
   began after the current one (the `conveyorattempt` extension and event time);
 * `progress` applies to the current attempt only, and only upwards;
@@ -53,16 +55,25 @@ class Applied(enum.Enum):
     FINISHED = "finished"  # reached a terminal state (the notifier may have work)
 
 
-_STARTED = """
+def _came_through(service: str, queue: str = "CAST(%(queue)s AS text)") -> str:
+    """A worker's event changes only a task of the service whose queue it came through, or
+    that the queue was moved from (`moved_queues`): a dispatcher cannot touch another
+    service's tasks. No queue (NULL): the platform's own event."""
+    return (
+        f"({queue} IS NULL OR {service} IN ("
+        f"SELECT s.name FROM services s WHERE s.queue_name = {queue}"
+        f" UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = {queue}))"
+    )
+
+
+_STARTED = f"""
     WITH task AS (
         UPDATE tasks
            SET status = 'IN_PROGRESS', worker_host = CAST(%(host)s AS text),
                start_date = %(time)s, progress = 0, attempt_id = %(attempt)s,
                attempts = attempts + 1, updated_at = now(), publish_at = NULL
          WHERE task_id = %(task_id)s
-           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
-                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
-                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+           AND {_came_through("service")}
            AND (status = 'PENDING'
                 OR (status = 'IN_PROGRESS' AND attempt_id IS DISTINCT FROM %(attempt)s
                     AND start_date < %(time)s
@@ -81,9 +92,7 @@ _STARTED = """
         UPDATE tasks
            SET attempts = attempts + 1, updated_at = now()
          WHERE task_id = %(task_id)s AND handed_back_attempt = %(attempt)s
-           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
-                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
-                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+           AND {_came_through("service")}
            AND NOT EXISTS (SELECT 1 FROM task_attempts x
                             WHERE x.task_id = %(task_id)s AND x.attempt_id = %(attempt)s)
         RETURNING task_id, handed_back_at
@@ -116,7 +125,7 @@ _STARTED = """
 # IN_PROGRESS while its message waits in `-in`, where the watchdog would fail it; it records
 # the hand-back instead (`_STARTED`). Kept aside, not recorded at once: a `requeued` of an
 # attempt that never was the task's must leave no attempt in its history.
-_REQUEUED = """
+_REQUEUED = f"""
     WITH task AS (
         UPDATE tasks
            SET status = 'PENDING', worker_host = NULL, start_date = NULL, progress = 0,
@@ -126,9 +135,7 @@ _REQUEUED = """
                expires_at = GREATEST(
                    expires_at, now() + (expires_at - COALESCE(not_before, submission_date)))
          WHERE task_id = %(task_id)s AND status = 'IN_PROGRESS' AND attempt_id = %(attempt)s
-           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
-                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
-                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+           AND {_came_through("service")}
         RETURNING task_id
     ), closed AS (
         UPDATE task_attempts a
@@ -137,9 +144,7 @@ _REQUEUED = """
          WHERE a.task_id = %(task_id)s AND a.attempt_id = %(attempt)s
            AND (a.end_date IS NULL OR a.outcome = 'interrupted')
            AND t.task_id = a.task_id
-           AND (CAST(%(queue)s AS text) IS NULL OR t.service IN (
-                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
-                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+           AND {_came_through("t.service")}
     ), early AS (
         -- its copy lives its time to live again from now, as above: also when its `started`
         -- never comes (that publish is best effort)
@@ -149,23 +154,19 @@ _REQUEUED = """
                    expires_at, now() + (expires_at - COALESCE(not_before, submission_date)))
          WHERE task_id = %(task_id)s AND status = 'PENDING'
            AND CAST(%(attempt)s AS text) IS NOT NULL
-           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
-                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
-                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+           AND {_came_through("service")}
            AND NOT EXISTS (SELECT 1 FROM task_attempts x
                             WHERE x.task_id = %(task_id)s AND x.attempt_id = %(attempt)s)
     )
     SELECT count(*) AS changed, 0 AS callbacks FROM task
     """
 
-_PROGRESS = """
+_PROGRESS = f"""
     WITH task AS (
         UPDATE tasks SET progress = %(progress)s, updated_at = now()
          WHERE task_id = %(task_id)s AND status = 'IN_PROGRESS' AND progress < %(progress)s
            AND (CAST(%(attempt)s AS text) IS NULL OR attempt_id = %(attempt)s)
-           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
-                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
-                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+           AND {_came_through("service")}
         RETURNING task_id
     )
     SELECT count(*) AS changed, 0 AS callbacks FROM task
@@ -174,7 +175,7 @@ _PROGRESS = """
 # `started` below is the stand-in start of an attempt that sent no `started` event (a call
 # shorter than the dispatcher's STARTED_DELAY_MS): the terminal event then opens and closes
 # that attempt itself, one statement instead of two events' worth.
-_FINISH = """
+_FINISH = f"""
     WITH task AS (
         UPDATE tasks
            SET status = CAST(%(status)s AS text), end_date = %(time)s, updated_at = now(),
@@ -196,9 +197,7 @@ _FINISH = """
                notification_status = CASE WHEN callback IS NOT NULL THEN 'PENDING' END,
                publish_at = NULL
          WHERE task_id = %(task_id)s AND status IN ('PENDING', 'IN_PROGRESS')
-           AND (CAST(%(queue)s AS text) IS NULL OR service IN (
-                SELECT s.name FROM services s WHERE s.queue_name = %(queue)s
-                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = %(queue)s))
+           AND {_came_through("service")}
         RETURNING task_id, attempt_id, callback IS NOT NULL AS notify, service, attempts,
                   submission_date, not_before, start_date, end_date, traceparent
     ), history AS (
@@ -239,7 +238,7 @@ _FINISH = """
 # `_FINISH` for many tasks at once, row by row the same statement: each input row is one
 # task's parameters, and a task must appear once (see `together`). It answers, per task it
 # ended, what `_FINISH` answers for one.
-_FINISH_MANY = """
+_FINISH_MANY = f"""
     WITH input AS (
         SELECT * FROM unnest(CAST(%(task_ids)s AS uuid[]), CAST(%(statuses)s AS text[]),
                              CAST(%(times)s AS timestamptz[]), CAST(%(attempts)s AS text[]),
@@ -263,9 +262,7 @@ _FINISH_MANY = """
                publish_at = NULL
           FROM input i
          WHERE t.task_id = i.task_id AND t.status IN ('PENDING', 'IN_PROGRESS')
-           AND (i.queue IS NULL OR t.service IN (
-                SELECT s.name FROM services s WHERE s.queue_name = i.queue
-                UNION ALL SELECT m.service FROM moved_queues m WHERE m.queue_name = i.queue))
+           AND {_came_through("t.service", "i.queue")}
         RETURNING t.task_id, t.attempt_id, t.callback IS NOT NULL AS notify, t.service,
                   t.attempts, t.submission_date, t.not_before, t.start_date, t.end_date,
                   t.traceparent

@@ -14,7 +14,8 @@ A callback target is someone else's server, so none may hold the notifier up:
 each attempt has a total deadline (a target trickling its answer included), only
 the status line is read, and deliveries run in a bounded pool that the claim
 loop never waits on as a whole, shared round-robin across targets: hanging targets leave
-slots free for the others unless nearly as many hang as there are slots. Each notification
+slots free for the others, however many hang, once each has let an attempt time out (it
+then gives way to the others, and never takes the last free slots). Each notification
 gets a bounded number of attempts with exponential backoff (tenacity); then its outcome is
 recorded, whatever went wrong.
 """
@@ -25,6 +26,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -51,6 +53,14 @@ RECORD_PATIENCE = 60.0  # seconds to wait out a database outage before giving a 
 # The result consumer wakes the notifier after every batch that finished a task, callback or
 # not: under load, wake-ups are coalesced into at most one claim pass per WAKE_GAP seconds.
 WAKE_GAP = 0.05
+
+# A target that let an attempt time out is slow for SLOW_MEMORY seconds (or until it answers):
+# its deliveries, a first one too, take only slots that leave `reserve` free, after every other
+# target's first. Hanging targets with nothing in flight would otherwise each take a slot at
+# their first delivery, and as many of them as there are slots would hold every slot again
+# at each round of their callbacks.
+SLOW_MEMORY = 300.0
+MAX_MARKS = 10_000  # the earliest to expire go first beyond this
 
 # A callback's target, as the claim groups them: its URL's authority (host and port). URLs are
 # stored as httpx writes them (`callbacks.check_shape`); split_part costs a tenth of a regex.
@@ -91,13 +101,15 @@ _CLAIM = f"""
                  WHERE NOT EXISTS (SELECT FROM oldest o WHERE o.target = b.target)) seen
     ), ranked AS (
         SELECT id, target, rank + COALESCE((CAST(%(busy)s AS int[]))[
-                   array_position(CAST(%(targets)s AS text[]), target)], 0) AS nth
+                   array_position(CAST(%(targets)s AS text[]), target)], 0) AS nth,
+               target = ANY(CAST(%(slow)s AS text[])) AS slow
           FROM due
     ), turns AS (
-        SELECT id, target, nth, row_number() OVER (ORDER BY nth, id) AS pos
-          FROM (SELECT * FROM ranked ORDER BY nth, id LIMIT %(limit)s) first
+        SELECT id, target, first, row_number() OVER (ORDER BY NOT first, nth, id) AS pos
+          FROM (SELECT *, nth = 1 AND NOT slow AS first FROM ranked
+                 ORDER BY NOT (nth = 1 AND NOT slow), nth, id LIMIT %(limit)s) head
     ), chosen AS (
-        SELECT id, target FROM turns WHERE nth = 1 OR pos <= %(limit)s - %(reserve)s
+        SELECT id, target FROM turns WHERE first OR pos <= %(limit)s - %(reserve)s
     ), claimed AS (
         UPDATE tasks t
            SET notify_claimed_until = now() + make_interval(secs => %(lease)s),
@@ -138,6 +150,35 @@ class CallbackFailed(Exception):
     pass
 
 
+class CallbackTimedOut(CallbackFailed):
+    pass
+
+
+class _Marks:
+    """Keys remembered until a time (monotonic), at most MAX_MARKS of them."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+
+    def mark(self, key: str) -> None:
+        self._until.pop(key, None)  # re-inserted last: the dict stays in order of expiry
+        self._until[key] = time.monotonic() + SLOW_MEMORY
+        if len(self._until) > MAX_MARKS:
+            del self._until[next(iter(self._until))]
+
+    def forget(self, key: str) -> None:
+        self._until.pop(key, None)
+
+    def current(self) -> list[str]:
+        now = time.monotonic()
+        while self._until:
+            key, until = next(iter(self._until.items()))
+            if until > now:
+                break
+            del self._until[key]
+        return list(self._until)
+
+
 class Notifier:
     def __init__(
         self,
@@ -174,6 +215,7 @@ class Notifier:
         self._deliveries: dict[int, asyncio.Task[None]] = {}  # row id -> its delivery
         self._targets: dict[int, str] = {}  # row id -> its delivery's target
         self._claims: dict[int, int] = {}  # row id -> its claim's token
+        self._slow = _Marks()  # targets that let an attempt time out lately
         self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False)
 
     def wake(self) -> None:
@@ -201,6 +243,7 @@ class Notifier:
             return 0
         busy = Counter(self._targets.values())
         params = {
+            "slow": self._slow.current(),
             "lease": self.lease,
             "limit": room,
             "reserve": self.reserve,
@@ -251,7 +294,9 @@ class Notifier:
         try:
             with tracing.span("callback", row.traceparent, attributes, kind="client"):
                 still_ours = functools.partial(self._still_ours, row.id, row.claim)
-                await self._deliver(row.callback["url"], task_view(row), still_ours)
+                timed_out = functools.partial(self._slow.mark, row.target)
+                await self._deliver(row.callback["url"], task_view(row), still_ours, timed_out)
+            self._slow.forget(row.target)  # it answered
         except ClaimLost:
             log.info("callback taken over by another replica", extra={"task_id": str(row.task_id)})
             return
@@ -300,7 +345,11 @@ class Notifier:
         return {"ids": list(claims), "claims": list(claims.values())}
 
     async def _deliver(
-        self, url: str, data: dict[str, Any], still_ours: Callable[[], Awaitable[bool]]
+        self,
+        url: str,
+        data: dict[str, Any],
+        still_ours: Callable[[], Awaitable[bool]],
+        timed_out: Callable[[], None] = lambda: None,
     ) -> None:
         body = json.dumps(data, separators=(",", ":")).encode()
         retrying = AsyncRetrying(
@@ -320,7 +369,11 @@ class Notifier:
                 # address that was checked: a DNS answer that changes in between (rebinding)
                 # cannot lead the call anywhere else.
                 target = await callbacks.destination(url, self.policy)
-                await self._post(target, body)
+                try:
+                    await self._post(target, body)
+                except CallbackTimedOut:
+                    timed_out()
+                    raise
 
     async def _post(self, target: callbacks.Destination, body: bytes) -> None:
         headers = {
@@ -339,7 +392,9 @@ class Notifier:
                 answer = await self._send(target, body, headers)
                 await answer.aclose()  # the status is all we need: the body is never read
         except TimeoutError:
-            raise CallbackFailed(f"no answer within {self.timeout:g} s") from None
+            raise CallbackTimedOut(f"no answer within {self.timeout:g} s") from None
+        except httpx.TimeoutException as exc:  # httpx's own clock, the same timeout
+            raise CallbackTimedOut(f"network error: {exc.__class__.__name__}") from None
         except httpx.HTTPError as exc:
             raise CallbackFailed(f"network error: {exc.__class__.__name__}") from None
         if not 200 <= answer.status_code < 300:

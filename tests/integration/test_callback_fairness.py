@@ -153,3 +153,68 @@ def test_many_hanging_targets_delay_no_other_consumer(
         for target in hanging:
             target.close()
         healthy.close()
+
+
+@pytest.mark.timeout(120)
+def test_more_hanging_targets_than_slots_delay_no_other_consumer_past_their_first_round(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """Ten hanging targets, eight slots: each target's first delivery took any free slot, so
+    at every round of their callbacks they held all eight between them, and a healthy
+    consumer's callbacks, finished later, went out only after every hanging one (~4 rounds of
+    two 2 s attempts here). A target that let an attempt time out now gives way: its
+    deliveries take only slots that leave CALLBACK_PER_TARGET free, after other targets'."""
+    targets, each = 10, 3
+    hanging = [Hanging() for _ in range(targets)]
+    healthy = Healthy()
+    try:
+        tuned = _notifier(
+            database_url,
+            amqp_url,
+            procs,
+            CONVEYOR_CALLBACK_TIMEOUT=f"{TIMEOUT:g}",
+            CONVEYOR_CALLBACK_ATTEMPTS="2",
+            CONVEYOR_CALLBACK_CONCURRENCY="8",
+            CONVEYOR_CALLBACK_PER_TARGET="2",
+        )
+        with tuned as (gateway, platform, svc):
+            dead_ids = _submit(
+                gateway,
+                svc,
+                [f"http://localhost:{t.port}/hook" for _ in range(each) for t in hanging],
+            )
+            good_ids = _submit(gateway, svc, [f"http://localhost:{healthy.port}/hook"] * HEALTHY)
+            _finish(platform, dead_ids)
+            wait_until(
+                lambda: sum(t.accepted for t in hanging) >= 8,
+                timeout=10,
+                what="the first round of calls to the hanging targets",
+            )
+            time.sleep(TIMEOUT + 0.5)  # their first attempts have timed out
+
+            ended = time.monotonic()
+            _finish(platform, good_ids)
+            bound = 2 * TIMEOUT + 2  # the first round's second attempts, and a margin
+            wait_until(
+                lambda: len(healthy.arrivals) >= HEALTHY,
+                timeout=bound,
+                what=f"the healthy consumer's {HEALTHY} callbacks within {bound:g} s",
+            )
+            delays = [round(at - ended, 2) for at in healthy.arrivals]
+            assert max(delays) < bound, delays
+
+            # The hanging targets are slowed, not starved: every callback of theirs ends.
+            def pending() -> int:
+                rows = platform.sql(
+                    "SELECT count(*) FROM tasks WHERE task_id = ANY(CAST(%(ids)s AS uuid[]))"
+                    " AND notification_status = 'PENDING'",
+                    {"ids": dead_ids},
+                )
+                return int(rows[0][0])
+
+            wait_until(lambda: pending() == 0, timeout=60, what="every hanging callback ended")
+            assert all(t.accepted for t in hanging), [t.accepted for t in hanging]
+    finally:
+        for target in hanging:
+            target.close()
+        healthy.close()

@@ -13,6 +13,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -105,11 +108,38 @@ def _finish(platform: Platform, task_ids: list[str]) -> None:
     )
 
 
-@pytest.mark.timeout(90)
-def test_many_hanging_targets_delay_no_other_consumer(
-    database_url: str, amqp_url: str, procs: Processes
-) -> None:
-    hanging = [Hanging() for _ in range(HANGING_TARGETS)]
+@dataclass
+class Scene:
+    gateway: GatewayProcess
+    platform: Platform
+    svc: Service
+    hanging: list[Hanging]
+    healthy: Healthy
+
+    def submit(self, each: int) -> tuple[list[str], list[str]]:
+        """`each` callbacks per hanging target, interleaved; then HEALTHY healthy ones."""
+        dead = [f"http://localhost:{t.port}/hook" for _ in range(each) for t in self.hanging]
+        good = [f"http://localhost:{self.healthy.port}/hook"] * HEALTHY
+        return _submit(self.gateway, self.svc, dead), _submit(self.gateway, self.svc, good)
+
+    def healthy_delays(self, good_ids: list[str], bound: float) -> list[float]:
+        """Ends the healthy consumer's tasks; how long each callback took to arrive."""
+        ended = time.monotonic()
+        _finish(self.platform, good_ids)
+        wait_until(
+            lambda: len(self.healthy.arrivals) >= HEALTHY,
+            timeout=bound,
+            what=f"the healthy consumer's {HEALTHY} callbacks within {bound:g} s",
+        )
+        return [round(at - ended, 2) for at in self.healthy.arrivals]
+
+
+@contextmanager
+def _scene(
+    database_url: str, amqp_url: str, procs: Processes, targets: int, attempts: int
+) -> Iterator[Scene]:
+    """Hanging targets and a healthy one, and a gateway with 8 slots, 2 "per target"."""
+    hanging = [Hanging() for _ in range(targets)]
     healthy = Healthy()
     try:
         tuned = _notifier(
@@ -117,42 +147,37 @@ def test_many_hanging_targets_delay_no_other_consumer(
             amqp_url,
             procs,
             CONVEYOR_CALLBACK_TIMEOUT=f"{TIMEOUT:g}",
-            CONVEYOR_CALLBACK_ATTEMPTS="3",
+            CONVEYOR_CALLBACK_ATTEMPTS=str(attempts),
             CONVEYOR_CALLBACK_CONCURRENCY="8",
             CONVEYOR_CALLBACK_PER_TARGET="2",
         )
         with tuned as (gateway, platform, svc):
-            dead_ids = _submit(
-                gateway,
-                svc,
-                [f"http://localhost:{t.port}/hook" for t in hanging for _ in range(CALLBACKS_EACH)],
-            )
-            good_ids = _submit(gateway, svc, [f"http://localhost:{healthy.port}/hook"] * HEALTHY)
-            _finish(platform, dead_ids)
-            # The hanging callbacks are under way: the pool has taken all it will of them.
-            wait_until(
-                lambda: sum(t.accepted for t in hanging) >= 5,
-                timeout=10,
-                what="calls to the hanging targets",
-            )
-            time.sleep(0.5)
-
-            ended = time.monotonic()
-            _finish(platform, good_ids)
-            bound = 2 * TIMEOUT + 2
-            wait_until(
-                lambda: len(healthy.arrivals) >= HEALTHY,
-                timeout=bound,
-                what=f"the healthy consumer's {HEALTHY} callbacks within {bound:g} s",
-            )
-            delays = [round(at - ended, 2) for at in healthy.arrivals]
-            assert max(delays) < bound, delays
-            # Round-robin: every hanging target has had a go, none was left out for later.
-            assert all(t.accepted for t in hanging), [t.accepted for t in hanging]
+            yield Scene(gateway, platform, svc, hanging, healthy)
     finally:
         for target in hanging:
             target.close()
         healthy.close()
+
+
+@pytest.mark.timeout(90)
+def test_many_hanging_targets_delay_no_other_consumer(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    with _scene(database_url, amqp_url, procs, HANGING_TARGETS, attempts=3) as scene:
+        dead_ids, good_ids = scene.submit(CALLBACKS_EACH)
+        _finish(scene.platform, dead_ids)
+        # The hanging callbacks are under way: the pool has taken all it will of them.
+        wait_until(
+            lambda: sum(t.accepted for t in scene.hanging) >= 5,
+            timeout=10,
+            what="calls to the hanging targets",
+        )
+        time.sleep(0.5)
+        bound = 2 * TIMEOUT + 2
+        delays = scene.healthy_delays(good_ids, bound)
+        assert max(delays) < bound, delays
+        # Round-robin: every hanging target has had a go, none was left out for later.
+        assert all(t.accepted for t in scene.hanging), [t.accepted for t in scene.hanging]
 
 
 @pytest.mark.timeout(120)
@@ -164,57 +189,27 @@ def test_more_hanging_targets_than_slots_delay_no_other_consumer_past_their_firs
     consumer's callbacks, finished later, went out only after every hanging one (~4 rounds of
     two 2 s attempts here). A target that let an attempt time out now gives way: its
     deliveries take only slots that leave CALLBACK_PER_TARGET free, after other targets'."""
-    targets, each = 10, 3
-    hanging = [Hanging() for _ in range(targets)]
-    healthy = Healthy()
-    try:
-        tuned = _notifier(
-            database_url,
-            amqp_url,
-            procs,
-            CONVEYOR_CALLBACK_TIMEOUT=f"{TIMEOUT:g}",
-            CONVEYOR_CALLBACK_ATTEMPTS="2",
-            CONVEYOR_CALLBACK_CONCURRENCY="8",
-            CONVEYOR_CALLBACK_PER_TARGET="2",
+    with _scene(database_url, amqp_url, procs, targets=10, attempts=2) as scene:
+        dead_ids, good_ids = scene.submit(3)
+        _finish(scene.platform, dead_ids)
+        wait_until(
+            lambda: sum(t.accepted for t in scene.hanging) >= 8,
+            timeout=10,
+            what="the first round of calls to the hanging targets",
         )
-        with tuned as (gateway, platform, svc):
-            dead_ids = _submit(
-                gateway,
-                svc,
-                [f"http://localhost:{t.port}/hook" for _ in range(each) for t in hanging],
-            )
-            good_ids = _submit(gateway, svc, [f"http://localhost:{healthy.port}/hook"] * HEALTHY)
-            _finish(platform, dead_ids)
-            wait_until(
-                lambda: sum(t.accepted for t in hanging) >= 8,
-                timeout=10,
-                what="the first round of calls to the hanging targets",
-            )
-            time.sleep(TIMEOUT + 0.5)  # their first attempts have timed out
+        time.sleep(TIMEOUT + 0.5)  # their first attempts have timed out
+        bound = 2 * TIMEOUT + 2  # the first round's second attempts, and a margin
+        delays = scene.healthy_delays(good_ids, bound)
+        assert max(delays) < bound, delays
 
-            ended = time.monotonic()
-            _finish(platform, good_ids)
-            bound = 2 * TIMEOUT + 2  # the first round's second attempts, and a margin
-            wait_until(
-                lambda: len(healthy.arrivals) >= HEALTHY,
-                timeout=bound,
-                what=f"the healthy consumer's {HEALTHY} callbacks within {bound:g} s",
+        # The hanging targets are slowed, not starved: every callback of theirs ends.
+        def pending() -> int:
+            rows = scene.platform.sql(
+                "SELECT count(*) FROM tasks WHERE task_id = ANY(CAST(%(ids)s AS uuid[]))"
+                " AND notification_status = 'PENDING'",
+                {"ids": dead_ids},
             )
-            delays = [round(at - ended, 2) for at in healthy.arrivals]
-            assert max(delays) < bound, delays
+            return int(rows[0][0])
 
-            # The hanging targets are slowed, not starved: every callback of theirs ends.
-            def pending() -> int:
-                rows = platform.sql(
-                    "SELECT count(*) FROM tasks WHERE task_id = ANY(CAST(%(ids)s AS uuid[]))"
-                    " AND notification_status = 'PENDING'",
-                    {"ids": dead_ids},
-                )
-                return int(rows[0][0])
-
-            wait_until(lambda: pending() == 0, timeout=60, what="every hanging callback ended")
-            assert all(t.accepted for t in hanging), [t.accepted for t in hanging]
-    finally:
-        for target in hanging:
-            target.close()
-        healthy.close()
+        wait_until(lambda: pending() == 0, timeout=60, what="every hanging callback ended")
+        assert all(t.accepted for t in scene.hanging), [t.accepted for t in scene.hanging]

@@ -95,6 +95,12 @@ LOOP_FAILURES = Counter(
     "Passes of a background loop that failed, the loop trying again by itself",
     ["loop"],
 )
+CALLBACK_SLOW_TARGETS = Gauge(
+    "conveyor_gateway_callback_slow_targets",
+    "Callback targets that let an attempt time out lately: they take only the slots that"
+    " leave CALLBACK_PER_TARGET free",
+    multiprocess_mode="livesum",  # only the process that runs the notifier sets it
+)
 EVENT_STREAMS = Gauge(
     "conveyor_gateway_event_streams",
     "Task event streams open (SSE)",

@@ -238,12 +238,14 @@ class Notifier:
 
     async def claim(self) -> int:
         """Claims as many notifications as there are free delivery slots; starts them."""
+        slow = self._slow.current()
+        metrics.CALLBACK_SLOW_TARGETS.set(len(slow))
         room = self.concurrency - len(self._deliveries)
         if room <= 0:
             return 0
         busy = Counter(self._targets.values())
         params = {
-            "slow": self._slow.current(),
+            "slow": slow,
             "lease": self.lease,
             "limit": room,
             "reserve": self.reserve,

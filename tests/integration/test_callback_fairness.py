@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.integration.test_callbacks import _notifier
+from tests.support import metrics
 from tests.support.amqp import (
     wait_until,
 )
@@ -106,6 +107,11 @@ def _finish(platform: Platform, task_ids: list[str]) -> None:
         """,
         {"ids": task_ids},
     )
+
+
+def _slow_targets(gateway: GatewayProcess) -> float:
+    with gateway.http() as http:
+        return metrics.value(http.get("/metrics").text, "conveyor_gateway_callback_slow_targets")
 
 
 @dataclass
@@ -198,6 +204,9 @@ def test_more_hanging_targets_than_slots_delay_no_other_consumer_past_their_firs
             what="the first round of calls to the hanging targets",
         )
         time.sleep(TIMEOUT + 0.5)  # their first attempts have timed out
+        wait_until(
+            lambda: _slow_targets(scene.gateway) >= 8, timeout=5, what="the slow targets counted"
+        )
         bound = 2 * TIMEOUT + 2  # the first round's second attempts, and a margin
         delays = scene.healthy_delays(good_ids, bound)
         assert max(delays) < bound, delays

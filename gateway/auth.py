@@ -8,9 +8,9 @@ turns the cache off while it cannot hear): a deleted client or a changed secret
 is refused by the next request. Off the cache, a request reads the stored hash,
 and a secret already verified against that very hash skips bcrypt. Concurrent
 first requests with the same credentials share one verification instead of
-queueing a bcrypt each. bcrypt runs on a small pool of
-its own, so a burst of logins cannot starve the default executor (DNS look-ups
-of the callback checks run there).
+queueing a bcrypt each. bcrypt runs on a small pool of its own, so a burst of
+logins cannot starve the default executor (DNS look-ups of the callback checks
+run there).
 
 Every failure looks the same (403001) and takes as long as a real check, whether the
 client exists or not: when the answer is certain without bcrypt (an unknown client, or a

@@ -1,9 +1,10 @@
 """One LISTEN connection per gateway process, shared by whatever waits on PostgreSQL's NOTIFY.
 
 The access cache drops its entries on `conveyor_catalog`, the authenticators their verified
-secrets on `conveyor_credentials`; the task event streams re-read a task on `conveyor_task`. Both must know when notifications may have been missed: a subscriber
-hears `on_connected` once its channels are listened to again (and may refuse the database, for
-instance when a migration's triggers are missing), and `on_lost` whenever the connection goes.
+secrets on `conveyor_credentials`; the task event streams re-read a task on `conveyor_task`.
+Each must know when notifications may have been missed: a subscriber hears `on_connected` once
+its channels are listened to again (and may refuse the database, for instance when a
+migration's triggers are missing), and `on_lost` whenever the connection goes.
 One connection, not one per subscriber or per open stream: a thousand streams cost one.
 """
 

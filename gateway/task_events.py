@@ -26,9 +26,9 @@ meanwhile. Only one client can read a task, through one service and one grant, s
 any of its streams (its `read`: that stream's credentials, the grant, then the task) serves
 them all, as to what the database says; but each stream checks its own credentials (its
 `check`, in memory while the credential cache holds them) before it takes a read another led,
-so that a secret changed since it opened ends it alone (the change's notification wakes every
-stream, and empties that cache: gateway.credentials), whichever stream leads; it was checked only when it led, once in as many reads as its task had
-streams. Leading rotates (the least recent leads the next read). A refusal (403001, 404001,
+so that a secret changed since it opened ends it alone, whichever stream leads (the change's
+notification wakes every stream and empties that cache: gateway.credentials); it was checked
+only when it led, once in as many reads as its task had streams. Leading rotates (the least recent leads the next read). A refusal (403001, 404001,
 404002) is the verdict of the stream that led it: each other stream then leads a read of its
 own before it takes one.
 

@@ -58,7 +58,8 @@ WAKE_GAP = 0.05
 # its deliveries, a first one too, take only slots that leave `reserve` free, after every other
 # target's first. Hanging targets with nothing in flight would otherwise each take a slot at
 # their first delivery, and as many of them as there are slots would hold every slot again
-# at each round of their callbacks.
+# at each round of their callbacks. Never starved: however busy the other targets keep the
+# pool, a mark that no new timeout renews ends, and the target's oldest callback goes first.
 SLOW_MEMORY = 300.0
 MAX_MARKS = 10_000  # the earliest to expire go first beyond this
 

@@ -83,11 +83,48 @@ def _children(pid: int) -> list[int]:
 
 
 def _kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    for member in [pid, *_children(pid)]:
-        try:
-            os.kill(member, sig)
-        except ProcessLookupError:
-            pass
+    """`sig` (SIGKILL, SIGSTOP or SIGCONT) to `pid` and every descendant. For the first two
+    the tree is stopped first, a process at a time until a listing finds none left running:
+    a process that forks while its children are listed (a postmaster under load) would
+    otherwise leave a child out, alive after a SIGKILL, and a PostgreSQL backend left holding
+    the cluster's shared memory keeps it from starting again."""
+    if sig == signal.SIGCONT:  # a stopped tree forks nothing: one listing is all of it
+        members = [pid, *_children(pid)]
+    else:
+        members = _stopped_tree(pid)
+    if sig != signal.SIGSTOP:
+        for member in members:
+            _signal(member, sig)
+
+
+def _stopped_tree(pid: int) -> list[int]:
+    """Each member is listed again once seen stopped (a fork under way has then finished)."""
+    stopped: list[int] = []
+    while fresh := [m for m in [pid, *_children(pid)] if m not in stopped]:
+        for member in fresh:
+            _signal(member, signal.SIGSTOP)
+        deadline = time.monotonic() + 2.0
+        while any(_state(m) not in ("T", "t", "Z", "") for m in fresh):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        stopped += fresh
+    return stopped
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 class RabbitNode:

@@ -1359,6 +1359,22 @@ def test_a_hand_back_read_before_its_own_started_leaves_the_task_pending(
     ]
 
 
+def _handed_back_then_next(svc: Service, task_id: str, first: datetime) -> list[WireMessage]:
+    """Attempt a (started at `first`) handed back a second later, and attempt b started on
+    another pod a second after that: what a SIGTERM's requeue and the next delivery send."""
+    return [
+        _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
+        _event(
+            svc,
+            EventKind.STARTED,
+            task_id,
+            host="pod-b",
+            attempt="b",
+            time=first + timedelta(seconds=2),
+        ),
+    ]
+
+
 def test_a_hand_back_read_before_its_started_and_the_next_attempts_is_still_recorded(
     gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
 ) -> None:
@@ -1371,15 +1387,7 @@ def test_a_hand_back_read_before_its_started_and_the_next_attempts_is_still_reco
     _publish_one_by_one(  # in this order on `-out`
         amqp_url,
         svc,
-        _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
-        _event(
-            svc,
-            EventKind.STARTED,
-            task_id,
-            host="pod-b",
-            attempt="b",
-            time=first + timedelta(seconds=2),
-        ),
+        *_handed_back_then_next(svc, task_id, first),
         _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first),
     )
     history = partial(_history, platform, task_id, "worker_host, outcome")
@@ -1406,15 +1414,7 @@ def test_a_hand_back_read_before_its_started_and_the_next_attempts_end_is_still_
     task_id = _submit(gateway, svc, {"n": 1})
     first = _ms(datetime.now(UTC) - timedelta(seconds=20))
     events = [
-        _event(svc, EventKind.REQUEUED, task_id, attempt="a", time=first + timedelta(seconds=1)),
-        _event(
-            svc,
-            EventKind.STARTED,
-            task_id,
-            host="pod-b",
-            attempt="b",
-            time=first + timedelta(seconds=2),
-        ),
+        *_handed_back_then_next(svc, task_id, first),
         _event(svc, EventKind.SUCCEEDED, task_id, attempt="b", time=first + timedelta(seconds=3)),
     ]
     _publish_one_by_one(amqp_url, svc, *events)  # in this order on `-out`

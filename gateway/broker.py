@@ -1,7 +1,12 @@
 """The gateway's RabbitMQ connection: robust (aio-pika reconnects by itself) and
 publishing with confirms, `mandatory` so that a missing queue is an error
 (`QueueMissing`, which the outbox answers by declaring the queue again) rather than a
-silently dropped task."""
+silently dropped task.
+
+Broadcasts (cancels, to a service's `-control` exchange) go on a channel of their own: a
+publish to an exchange that no longer exists is a channel error (NOT_FOUND), which closed the
+channel every task was published on, failed the publishes in flight on it and turned
+`/readyz` 503 until it was restored."""
 
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ class PublishTimeout(PublishError):
     or disk alarm), or a queue that cannot take messages now."""
 
 
+class ExchangeMissing(PublishError):
+    """The broker closed the broadcast channel: no exchange of that name (NOT_FOUND)."""
+
+
 class QueueMissing(PublishError):
     """The broker returned the message (`basic.return`, NO_ROUTE): no queue of that name.
     A `mandatory` publish to the default exchange is returned only so, and RabbitMQ reports a
@@ -44,6 +53,7 @@ class Broker:
         self.publish_timeout = publish_timeout
         self._connection: AbstractRobustConnection | None = None
         self._publishing: ConfirmingChannel | None = None
+        self._broadcasting: ConfirmingChannel | None = None  # opened by its first publish
         self._connect_lock = asyncio.Lock()
         self._on_reconnect: list[Callable[[], None]] = []
         self._declared: set[str] = set()
@@ -75,6 +85,7 @@ class Broker:
                 )
                 self._connection.reconnect_callbacks.add(self._reconnected)
                 self._publishing = ConfirmingChannel(self._connection)
+                self._broadcasting = ConfirmingChannel(self._connection)
                 await self._publishing.open()
             return self._connection
 
@@ -95,6 +106,10 @@ class Broker:
             return
         await self.declare(key, declare)
         self._declared.add(key)
+
+    def forget(self, key: str) -> None:
+        """`declare_once(key, …)` declares again: what it declared was deleted."""
+        self._declared.discard(key)
 
     async def declare(
         self, key: str, declare: Callable[[AbstractChannel], Awaitable[None]]
@@ -138,11 +153,14 @@ class Broker:
                 await self.connect()
             except Exception as exc:
                 raise PublishError(f"broker unavailable: {exc.__class__.__name__}") from None
-        assert self._publishing is not None
+        channel = self._broadcasting if exchange else self._publishing
+        assert channel is not None
         try:
-            await self._publishing.publish(to_amqp(message), routing_key, exchange)
+            await channel.publish(to_amqp(message), routing_key, exchange)
         except aiormq.exceptions.PublishError:  # returned: only a mandatory one, to a queue
             raise QueueMissing(f"publish to {routing_key} returned: no such queue") from None
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            raise ExchangeMissing(f"publish to {exchange}: no such exchange") from None
         except Exception as exc:
             target = exchange or routing_key
             raise PublishError(f"publish to {target} not confirmed: {exc!r}") from None
@@ -152,3 +170,4 @@ class Broker:
             await self._connection.close()
             self._connection = None
             self._publishing = None
+            self._broadcasting = None

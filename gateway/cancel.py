@@ -25,7 +25,7 @@ from typing import Any
 from conveyor import topology
 from conveyor.events import encode_cancel
 from gateway import errors, lifecycle, metrics
-from gateway.broker import Broker, PublishError
+from gateway.broker import Broker, ExchangeMissing, PublishError
 from gateway.catalog import Service
 from gateway.pgpool import Pool
 from gateway.store import get_task, task_status
@@ -102,33 +102,60 @@ async def tell_dispatchers(
     declaring its `-cancels` stream; False if the broker could not take them all (the tasks
     stay ended; their functions may run, and their results are ignored). A batch of cancels
     (a service deleted) goes out pipelined, and stops at the first refusal: the broker is
-    away for the rest too."""
+    away for the rest too. An exchange deleted since this process declared it (by an
+    operator, or with its service's queues) is declared again and the batch sent once more;
+    if it still cannot be, the next queue name's are sent all the same."""
     for queue_name in queue_names:
-        try:
-            if broker.connected:  # else the publish below reports the outage, in its own time
-                await broker.declare_once(
-                    topology.cancel_log(queue_name),
-                    partial(topology.declare_cancel_log, queue_name=queue_name),
-                )
-        except PublishError as exc:
-            log.warning(
-                "cancel log not declared; a dispatcher started later would not know these cancels",
-                extra={"queue": queue_name, "tasks": len(task_ids), "error": str(exc)},
-            )
-        exchange = topology.control_exchange(queue_name)
+        await _declare_log(broker, queue_name, again=False)
         for start in range(0, len(task_ids), _PIPELINED):
             chunk = task_ids[start : start + _PIPELINED]
             try:
-                await asyncio.gather(
-                    *(
-                        broker.publish(encode_cancel(str(task_id), queue_name), "", exchange)
-                        for task_id in chunk
-                    )
-                )
+                try:
+                    await _broadcast(broker, queue_name, chunk)
+                except ExchangeMissing:
+                    await _declare_log(broker, queue_name, again=True)
+                    await _broadcast(broker, queue_name, chunk)
             except PublishError as exc:
                 log.warning(
                     "cancels not broadcast; the tasks stay ended",
                     extra={"queue": queue_name, "tasks": len(task_ids), "error": str(exc)},
                 )
+                if isinstance(exc, ExchangeMissing):
+                    break  # this exchange's: the broker takes the others'
                 return False
     return True
+
+
+async def _declare_log(broker: Broker, queue_name: str, again: bool) -> None:
+    """The queue name's `-control` exchange and `-cancels` stream, once per process (or
+    `again`, once found deleted); a failure is logged: the broadcast reports its own."""
+    key = topology.cancel_log(queue_name)
+    if again:
+        broker.forget(key)
+    try:
+        if broker.connected:  # else the publish reports the outage, in its own time
+            await broker.declare_once(
+                key, partial(topology.declare_cancel_log, queue_name=queue_name)
+            )
+    except PublishError as exc:
+        log.warning(
+            "cancel log not declared; a dispatcher started later would not know these cancels",
+            extra={"queue": queue_name, "error": str(exc)},
+        )
+
+
+async def _broadcast(broker: Broker, queue_name: str, task_ids: list[uuid.UUID]) -> None:
+    """One cancel per task on the queue name's `-control` exchange, pipelined. Every publish
+    in flight fails with the channel a missing exchange closes: ExchangeMissing if any says
+    so, else the first error."""
+    exchange = topology.control_exchange(queue_name)
+    outcomes = await asyncio.gather(
+        *(broker.publish(encode_cancel(str(t), queue_name), "", exchange) for t in task_ids),
+        return_exceptions=True,
+    )
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    for error in failed:
+        if isinstance(error, ExchangeMissing):
+            raise error
+    if failed:
+        raise failed[0]

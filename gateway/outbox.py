@@ -34,7 +34,10 @@ tried once more; the messages that went down with the queue are found from their
 PENDING task of that service already published (and due) is marked unpublished, so the relay
 publishes it again. A service that gets no new submission would never find it so: the gateway
 also looks for the `-in` of every service with PENDING tasks every `QUEUE_CHECK_INTERVAL`
-(`queue_check_loop`), and restores a missing one the same way.
+(`queue_check_loop`), and restores a missing one the same way. So does a gateway about to
+subscribe a service whose `-in` is missing while some of its PENDING tasks are marked
+published (`restore_lost`): declared as a subscription declares it, at once, the queue would
+be there for the next publish and the next check, and the loss found by nobody.
 
 At worst a task is published twice (confirm received, mark lost; or published again after a
 lost `-in` while its message had already been delivered): delivery is at-least-once end to
@@ -135,6 +138,15 @@ _REPUBLISH = """
     RETURNING t.id
     """
 REPUBLISH_PAGE = 5000
+# Of these queue names, those of a service with a PENDING task marked published: a `-in` found
+# missing lost that message. A service's first subscription finds its `-in` missing too, and
+# has none (a publish to it would have been returned).
+_LOST_WITH = """
+    SELECT s.queue_name FROM services s
+     WHERE s.queue_name = ANY(%(queues)s)
+       AND EXISTS (SELECT 1 FROM tasks t
+                    WHERE t.service = s.name AND t.status = 'PENDING' AND t.publish_at IS NULL)
+    """
 # The services whose `-in` should hold something: PENDING tasks (the triggers' counts).
 _WAITING = """
     SELECT s.queue_name, s.message_format FROM services s
@@ -314,6 +326,16 @@ class Outbox:
             last = (now, asyncio.create_task(self._redeclare(queue_name, message_format, now)))
             self._restores[queue_name] = last
         return await asyncio.shield(last[1])
+
+    async def restore_lost(self, missing: dict[str, MessageFormat]) -> None:
+        """The queue names whose `-in` the caller found missing and is about to declare (the
+        results consumer subscribing a service: at start, after a reconnection, or a service
+        another replica made): those that lost messages are restored first, all at once, so
+        that their tasks are published again. Declared at once, `-in` would leave the loss
+        for nobody to find: the next publish and the queue check see the queue there."""
+        async with self.pool.connection() as conn:
+            rows = await (await conn.execute(_LOST_WITH, {"queues": list(missing)})).fetchall()
+        await asyncio.gather(*(self._restore(r.queue_name, missing[r.queue_name]) for r in rows))
 
     async def _redeclare(
         self, queue_name: str, message_format: MessageFormat, started: float

@@ -30,7 +30,7 @@ import re
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -211,6 +211,7 @@ class ResultConsumer:
         refresh_interval: float = 5.0,
         on_finished: Callable[[], None] = lambda: None,
         hearing: Hearing | None = None,
+        on_missing_in: Callable[[dict[str, MessageFormat]], Awaitable[None]] | None = None,
     ) -> None:
         self.pool = pool  # raw psycopg: events are applied pipelined
         self.hearing = hearing or Hearing(lambda: True)  # told when results cannot be written
@@ -218,6 +219,7 @@ class ResultConsumer:
         self.delivery_limit = delivery_limit
         self.refresh_interval = refresh_interval
         self.on_finished = on_finished
+        self._on_missing_in = on_missing_in or _nothing_to_restore
         self._inbox: asyncio.Queue[Delivery] = asyncio.Queue()
         self._next: Delivery | None = None  # taken from the inbox, too heavy for the last batch
         self._channel: AbstractRobustChannel | None = None
@@ -285,9 +287,10 @@ class ResultConsumer:
             del self._broken[name]
         if (channel := self._channel) is None:
             return  # released meanwhile: the next refresh opens one
-        for service in services.values():
-            if service.name not in self._subscribed:
-                await self._subscribe(channel, service)
+        unsubscribed = [s for s in services.values() if s.name not in self._subscribed]
+        await self._restore_lost(unsubscribed)
+        for service in unsubscribed:
+            await self._subscribe(channel, service)
         await self._consume_retired(channel, {s.queue_name for s in services.values()}, moved)
 
     async def _replace_channel(self, fresh: AbstractRobustChannel | None) -> None:
@@ -382,6 +385,25 @@ class ResultConsumer:
                 async with self.pool.connection() as conn:
                     await catalog.forget_moved(conn, queue_name)
                 log.info("queues left by their service are gone", extra={"queue": queue_name})
+
+    async def _restore_lost(self, services: list[catalog.Service]) -> None:
+        """Before subscribing (which declares `-in`), the services whose `-in` is missing go
+        to `on_missing_in`: if it was deleted, the tasks whose messages went with it must be
+        published again, and a queue declared again here would hide that it ever went."""
+        missing: dict[str, MessageFormat] = {}
+        for service in services:
+            try:
+                exists = await self.broker.queue_exists(topology.in_queue(service.queue_name))
+            except Exception as exc:  # the subscription below meets the same, or not
+                log.warning(
+                    "a service's queue could not be looked for",
+                    extra={"service": service.name, "error": logs.describe(exc)},
+                )
+                continue
+            if not exists:
+                missing[service.queue_name] = service.message_format
+        if missing:
+            await self._on_missing_in(missing)
 
     async def _declare(self, service: catalog.Service) -> set[str]:
         """The service's topology; on a refusal, which of its result queues do not exist.
@@ -937,3 +959,7 @@ async def _settle(action: Callable[..., Any], **options: Any) -> None:
         # The channel died since delivery: the broker has already requeued it and will
         # redeliver; applying it again is a no-op.
         log.debug("settling on a closed channel skipped")
+
+
+async def _nothing_to_restore(missing: dict[str, MessageFormat]) -> None:
+    """Without an outbox (tests of the consumer alone): `-in` is declared as it was."""

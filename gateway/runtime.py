@@ -108,6 +108,7 @@ class Runtime:
             refresh_interval=settings.service_refresh_interval,
             on_finished=self.notifier.wake,
             hearing=self.hearing,
+            on_missing_in=self.outbox.restore_lost,
         )
         self.loops = Supervisor()
         self.background = False

@@ -84,6 +84,43 @@ def test_tasks_lost_with_a_deleted_in_are_published_again(stack: Stack, platform
 
 
 @pytest.mark.timeout(150)
+def test_tasks_lost_with_a_deleted_in_are_published_again_when_another_gateway_declares_it(
+    database_url: str, amqp_url: str, procs: Processes, sleeper_url: str
+) -> None:
+    """A gateway that subscribes the service after `-in` was deleted (started then, or
+    reconnected, or a replica that had not seen the service yet) declared `-in` again at
+    once: the next publish and every queue check then found it there, and the tasks whose
+    messages went with it stayed PENDING until their time to live. Found by CI, where every
+    gateway of the suite shares one database and subscribes every test's services.
+
+    A database of its own (no other gateway subscribes this service), the queue check on
+    neither gateway, nothing submitted after the deletion."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        try:
+            first = GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-first")
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            stack = Stack(procs, first, sleeper_url, amqp_url, svc)
+            in_queue = topology.in_queue(svc.queue_name)
+            queued = [stack.submit({"sleep": 0}) for _ in range(3)]  # no dispatcher: they wait
+            wait_until(lambda: message_count(amqp_url, in_queue) == 3, what="tasks published")
+            wait_until(lambda: _unpublished(platform, svc.name) == 0, what="marked published")
+
+            delete_queues(amqp_url, [in_queue])  # their messages go with it
+            GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-second")
+            wait_until(lambda: message_count(amqp_url, in_queue) is not None, what="declared")
+            stack.dispatcher("pod-a")
+
+            for task_id in queued:
+                final = stack.finish(task_id, timeout=30)
+                assert final["status"] == "SUCCESS", (task_id, final)
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
+@pytest.mark.timeout(150)
 def test_tasks_lost_with_a_deleted_in_are_published_again_without_another_submission(
     database_url: str, amqp_url: str, procs: Processes, sleeper_url: str
 ) -> None:

@@ -48,6 +48,17 @@ def _unpublished(platform: Platform, service: str) -> int:
     return int(rows[0][0])
 
 
+def _queued_then_lost(stack: Stack, platform: Platform) -> list[str]:
+    """Three tasks published into `-in` (no dispatcher yet) and marked so, then `-in` deleted
+    with their messages; their ids."""
+    in_queue = topology.in_queue(stack.service.queue_name)
+    queued = [stack.submit({"sleep": 0}) for _ in range(3)]
+    wait_until(lambda: message_count(stack.amqp_url, in_queue) == 3, what="tasks published")
+    wait_until(lambda: _unpublished(platform, stack.service.name) == 0, what="marked published")
+    delete_queues(stack.amqp_url, [in_queue])
+    return queued
+
+
 def test_a_new_task_runs_after_in_was_deleted_under_a_running_dispatcher(stack: Stack) -> None:
     """The next submission right after the deletion: a queue declared again within ~20 ms
     kept the dispatcher's consumer attached to it, delivered to in the broker's eyes and
@@ -102,12 +113,8 @@ def test_tasks_lost_with_a_deleted_in_are_published_again_when_another_gateway_d
             first = GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-first")
             wait_for_queues(amqp_url, queues_of(svc.queue_name))
             stack = Stack(procs, first, sleeper_url, amqp_url, svc)
+            queued = _queued_then_lost(stack, platform)
             in_queue = topology.in_queue(svc.queue_name)
-            queued = [stack.submit({"sleep": 0}) for _ in range(3)]  # no dispatcher: they wait
-            wait_until(lambda: message_count(amqp_url, in_queue) == 3, what="tasks published")
-            wait_until(lambda: _unpublished(platform, svc.name) == 0, what="marked published")
-
-            delete_queues(amqp_url, [in_queue])  # their messages go with it
             GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-second")
             wait_until(lambda: message_count(amqp_url, in_queue) is not None, what="declared")
             stack.dispatcher("pod-a")
@@ -145,12 +152,7 @@ def test_tasks_lost_with_a_deleted_in_are_published_again_without_another_submis
             hold(topology.in_queue(locked.queue_name))
             Stack(procs, gw, sleeper_url, amqp_url, locked).submit({"sleep": 0})
             stack = Stack(procs, gw, sleeper_url, amqp_url, lost)
-            in_queue = topology.in_queue(lost.queue_name)
-            queued = [stack.submit({"sleep": 0}) for _ in range(3)]  # no dispatcher: they wait
-            wait_until(lambda: message_count(amqp_url, in_queue) == 3, what="tasks published")
-            wait_until(lambda: _unpublished(platform, lost.name) == 0, what="marked published")
-
-            delete_queues(amqp_url, [in_queue])  # their messages go with it
+            queued = _queued_then_lost(stack, platform)
             stack.dispatcher("pod-a")  # waits for the gateway to declare -in again
 
             for task_id in queued:

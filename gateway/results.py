@@ -54,7 +54,7 @@ from tenacity import (
 from conveyor import headers as h
 from conveyor import logs, storable, topology, tracing
 from conveyor.amqp import from_amqp
-from conveyor.connection import close_quietly
+from conveyor.connection import TRANSPORT_ERRORS, close_quietly
 from conveyor.events import (
     MessageFormat,
     Submission,
@@ -389,16 +389,21 @@ class ResultConsumer:
     async def _restore_lost(self, services: list[catalog.Service]) -> None:
         """Before subscribing (which declares `-in`), the services whose `-in` is missing go
         to `on_missing_in`: if it was deleted, the tasks whose messages went with it must be
-        published again, and a queue declared again here would hide that it ever went."""
+        published again, and a queue declared again here would hide that it ever went. A
+        queue that cannot be looked at is left to the subscription; one that does not answer
+        (a frozen node, the connection lost) ends the looking: a probe each, one after the
+        other, would hold every subscription a timeout per service."""
         missing: dict[str, MessageFormat] = {}
         for service in services:
             try:
                 exists = await self.broker.queue_exists(topology.in_queue(service.queue_name))
-            except Exception as exc:  # the subscription below meets the same, or not
+            except Exception as exc:
                 log.warning(
                     "a service's queue could not be looked for",
                     extra={"service": service.name, "error": logs.describe(exc)},
                 )
+                if isinstance(exc, TRANSPORT_ERRORS):
+                    break
                 continue
             if not exists:
                 missing[service.queue_name] = service.message_format

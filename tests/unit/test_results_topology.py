@@ -6,6 +6,8 @@ under it: in CI a connection closed with INTERNAL_ERROR while a refresh declared
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -105,3 +107,37 @@ def test_a_replaced_channel_a_reconnection_reopened_is_closed_again() -> None:
     consumer._replaced.extend([closed, reopened])  # type: ignore[list-item]
     asyncio.run(consumer._close_reopened())
     assert reopened.is_closed, "it would consume every result queue a second time"
+
+
+class FrozenBroker(Broker):
+    """Every look at a queue waits out the probe's timeout, as a frozen node makes it."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(None)
+        self.timeout = timeout
+
+    async def queue_exists(self, name: str) -> bool:
+        async with asyncio.timeout(self.timeout):
+            await asyncio.Event().wait()
+        return True
+
+
+def test_a_broker_that_does_not_answer_holds_the_subscriptions_one_timeout_not_one_per_service() -> (
+    None
+):
+    services = [replace(_service(), name=f"svc{n}", queue_name=f"svc{n}") for n in range(10)]
+    restored: list[dict[str, MessageFormat]] = []
+
+    async def on_missing_in(missing: dict[str, MessageFormat]) -> None:
+        restored.append(missing)
+
+    consumer = results.ResultConsumer(
+        pool=None,  # type: ignore[arg-type]
+        broker=FrozenBroker(0.2),  # type: ignore[arg-type]
+        delivery_limit=5,
+        on_missing_in=on_missing_in,
+    )
+    began = time.monotonic()
+    asyncio.run(consumer._restore_lost(services))
+    assert time.monotonic() - began < 1.0  # 10 services at 0.2 s each before
+    assert restored == []  # nothing found missing: nothing restored

@@ -53,7 +53,7 @@ class Broker:
         self.publish_timeout = publish_timeout
         self._connection: AbstractRobustConnection | None = None
         self._publishing: ConfirmingChannel | None = None
-        self._broadcasting: ConfirmingChannel | None = None  # opened by its first publish
+        self._broadcasting: ConfirmingChannel | None = None
         self._connect_lock = asyncio.Lock()
         self._on_reconnect: list[Callable[[], None]] = []
         self._declared: set[str] = set()
@@ -87,6 +87,9 @@ class Broker:
                 self._publishing = ConfirmingChannel(self._connection)
                 self._broadcasting = ConfirmingChannel(self._connection)
                 await self._publishing.open()
+                # Opened here, not by the first cancels: a batch of them at once would each
+                # open one, and keep only the last.
+                await self._broadcasting.open()
             return self._connection
 
     async def channel(self, prefetch: int | None = None) -> AbstractChannel:

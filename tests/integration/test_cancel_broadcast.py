@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import aio_pika
 import pytest
@@ -54,8 +54,24 @@ def _submission(n: int) -> Submission:
 async def test_a_cancel_to_a_missing_exchange_fails_no_task_publish_nor_readiness(
     broker: Broker, channel: aio_pika.abc.AbstractChannel, queue_name: str
 ) -> None:
-    tasks_queue = await channel.declare_queue(f"{queue_name}-tasks", auto_delete=True)
-    missing = topology.control_exchange(f"{queue_name}-gone")
+    tasks_queue = await channel.declare_queue(f"{queue_name}-tasks")
+    try:
+        outcomes, readiness = await _publishing_beside_a_cancel_to(
+            broker, tasks_queue.name, topology.control_exchange(f"{queue_name}-gone")
+        )
+        assert [o for o in outcomes if o is not None] == []
+        assert all(readiness), f"not ready {readiness.count(False)} times of {len(readiness)}"
+        declared = await channel.declare_queue(tasks_queue.name, passive=True)
+        assert declared.declaration_result.message_count == 40
+    finally:
+        await channel.queue_delete(tasks_queue.name)
+
+
+async def _publishing_beside_a_cancel_to(
+    broker: Broker, queue: str, exchange: str
+) -> tuple[list[BaseException | None], list[bool]]:
+    """40 task publishes to `queue` with a cancel to `exchange` among them: each task
+    publish's outcome, and `broker.connected` as seen at every turn of the loop meanwhile."""
     readiness: list[bool] = []
 
     async def watch() -> None:
@@ -63,28 +79,21 @@ async def test_a_cancel_to_a_missing_exchange_fails_no_task_publish_nor_readines
             readiness.append(broker.connected)
             await asyncio.sleep(0)
 
+    def tasks(count: int) -> list[Awaitable[None]]:
+        return [broker.publish(encode_submission(_submission(n)), queue) for n in range(count)]
+
     watcher = asyncio.create_task(watch())
     try:
         outcomes = await asyncio.gather(
-            *(
-                broker.publish(encode_submission(_submission(n)), tasks_queue.name)
-                for n in range(20)
-            ),
-            broker.publish(encode_cancel(str(uuid.uuid4()), queue_name), "", missing),
-            *(
-                broker.publish(encode_submission(_submission(n)), tasks_queue.name)
-                for n in range(20)
-            ),
+            *tasks(20),
+            broker.publish(encode_cancel(str(uuid.uuid4()), queue), "", exchange),
+            *tasks(20),
             return_exceptions=True,
         )
         await asyncio.sleep(0.2)
     finally:
         watcher.cancel()
-    task_publishes = outcomes[:20] + outcomes[21:]
-    assert [o for o in task_publishes if o is not None] == []
-    assert all(readiness), f"not ready {readiness.count(False)} times of {len(readiness)}"
-    declared = await channel.declare_queue(tasks_queue.name, passive=True)
-    assert declared.declaration_result.message_count == 40
+    return outcomes[:20] + outcomes[21:], readiness
 
 
 async def test_cancels_reach_an_exchange_deleted_since_it_was_declared_and_the_next_one(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import psycopg
 import pytest
 
 from gateway.database_url import libpq
+from tests.support.amqp import scratch_database
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
 
@@ -142,10 +144,20 @@ async def _meanwhile(
     return others
 
 
+@pytest.fixture
+def own_database(database_url: str) -> Iterator[tuple[str, Platform]]:
+    """A database of its own: the gateway's background loops serve this test's tasks only
+    (on the suite's shared database they serve every test's, whose faults are not this
+    test's subject)."""
+    with scratch_database(database_url) as url:
+        yield url, Platform(url)
+
+
 @pytest.mark.timeout(120)
 def test_a_burst_of_streams_on_busy_tasks_leaves_the_pool_to_everyone(
-    database_url: str, amqp_url: str, platform: Platform, tmp_path: Path
+    own_database: tuple[str, Platform], amqp_url: str, tmp_path: Path
 ) -> None:
+    database_url, platform = own_database
     procs = Processes(tmp_path)
     try:
         env = gateway_env(

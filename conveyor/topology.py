@@ -163,20 +163,21 @@ class QueueProbe:
     """One channel kept for passive questions about queues (`ready_messages`), opened again
     only after a NOT_FOUND closed it: aio-pika 10.2.1 keeps ~4 KB on its connection for every
     channel ever opened there, and the gateway's queue check and service figures and an idle
-    dispatcher ask every few seconds. Opened under a lock: two callers after a NOT_FOUND would
-    each open one, and one of them would be dropped unclosed."""
+    dispatcher ask every few seconds. One question at a time: the NOT_FOUND that answers one
+    closes the channel under every other in flight, which then failed or read "no such
+    queue" for a queue that exists."""
 
     def __init__(self) -> None:
         self._channel: aio_pika.abc.AbstractChannel | None = None
-        self._opening = asyncio.Lock()
+        self._asking = asyncio.Lock()
 
     async def ready_messages(
         self, connection: aio_pika.abc.AbstractConnection, name: str
     ) -> int | None:
-        async with self._opening:
+        async with self._asking:
             if self._channel is None or self._channel.is_closed:
                 self._channel = await connection.channel(publisher_confirms=False)
-        return await ready_messages(self._channel, name)
+            return await ready_messages(self._channel, name)
 
 
 async def declare_control(channel: aio_pika.abc.AbstractChannel, queue_name: str) -> Any:

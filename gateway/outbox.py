@@ -138,14 +138,19 @@ _REPUBLISH = """
     RETURNING t.id
     """
 REPUBLISH_PAGE = 5000
-# Of these queue names, those of a service with a PENDING task marked published: a `-in` found
-# missing lost that message. A service's first subscription finds its `-in` missing too, and
-# has none (a publish to it would have been returned).
+# Of these queue names, those of a service with a PENDING task marked published since it last
+# moved: a `-in` found missing lost that message. A service's first subscription finds its
+# `-in` missing too, and has none (a publish to it would have been returned); so does the
+# first subscription after a move, whose earlier tasks wait in the old `-in`, to be moved on.
 _LOST_WITH = """
     SELECT s.queue_name FROM services s
      WHERE s.queue_name = ANY(%(queues)s)
-       AND EXISTS (SELECT 1 FROM tasks t
-                    WHERE t.service = s.name AND t.status = 'PENDING' AND t.publish_at IS NULL)
+       AND EXISTS (
+           SELECT 1 FROM tasks t
+            WHERE t.service = s.name AND t.status = 'PENDING' AND t.publish_at IS NULL
+              AND greatest(t.submission_date, t.not_before) > coalesce(
+                  (SELECT max(m.moved_at) FROM moved_queues m WHERE m.service = s.name),
+                  '-infinity'))
     """
 # The services whose `-in` should hold something: PENDING tasks (the triggers' counts).
 _WAITING = """
@@ -333,9 +338,18 @@ class Outbox:
         another replica made): those that lost messages are restored first, all at once, so
         that their tasks are published again. Declared at once, `-in` would leave the loss
         for nobody to find: the next publish and the queue check see the queue there."""
+        started = time.monotonic()
         async with self.pool.connection() as conn:
             rows = await (await conn.execute(_LOST_WITH, {"queues": list(missing)})).fetchall()
-        await asyncio.gather(*(self._restore(r.queue_name, missing[r.queue_name]) for r in rows))
+        lost = [row.queue_name for row in rows]
+        declared = await asyncio.gather(*(self._restore(q, missing[q]) for q in lost))
+        for queue_name, again in zip(lost, declared, strict=True):
+            if not again:
+                # Refused or not in time, the declaration may still have made `-in` (its
+                # queues are declared one by one; the broker finishes what it began): the
+                # caller's subscription then would, and nothing would find the loss again.
+                # The relay's publishes restore a queue still missing.
+                self._give_back(queue_name, started)
 
     async def _redeclare(
         self, queue_name: str, message_format: MessageFormat, started: float
@@ -365,11 +379,16 @@ class Outbox:
             "a service's queue was missing: declared again; its pending tasks are published again",
             extra={"queue": topology.in_queue(queue_name)},
         )
+        self._give_back(queue_name, started)
+        return True
+
+    def _give_back(self, queue_name: str, started: float) -> None:
+        """The service's tasks published before `started` given back to the relay, in the
+        background (`_republish_lost`): their messages were in a queue that is gone."""
         kept = [row_id for at, row_id, _ in self._confirmed if at < started]
         task = asyncio.create_task(self._republish_lost(queue_name, kept))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        return True
 
     async def _republish_lost(self, queue_name: str, kept: list[int]) -> None:
         """Gives the relay back the service's PENDING tasks whose messages may have been in

@@ -59,6 +59,26 @@ def _queued_then_lost(stack: Stack, platform: Platform) -> list[str]:
     return queued
 
 
+@contextmanager
+def _lost_under_a_first_gateway(
+    database_url: str, amqp_url: str, procs: Processes, sleeper_url: str
+) -> Iterator[tuple[str, Stack, list[str]]]:
+    """A database of its own (no other gateway of the suite subscribes its service), one
+    gateway, and three tasks lost with `-in` (`_queued_then_lost`): the database's url, the
+    stack and the tasks' ids. The queue check on no gateway: nothing else finds the loss."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        try:
+            first = GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-first")
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            stack = Stack(procs, first, sleeper_url, amqp_url, svc)
+            yield url, stack, _queued_then_lost(stack, platform)
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
 def test_a_new_task_runs_after_in_was_deleted_under_a_running_dispatcher(stack: Stack) -> None:
     """The next submission right after the deletion: a queue declared again within ~20 ms
     kept the dispatcher's consumer attached to it, delivered to in the broker's eyes and
@@ -102,29 +122,45 @@ def test_tasks_lost_with_a_deleted_in_are_published_again_when_another_gateway_d
     reconnected, or a replica that had not seen the service yet) declared `-in` again at
     once: the next publish and every queue check then found it there, and the tasks whose
     messages went with it stayed PENDING until their time to live. Found by CI, where every
-    gateway of the suite shares one database and subscribes every test's services.
+    gateway of the suite shares one database and subscribes every test's services. Nothing
+    is submitted after the deletion."""
+    with _lost_under_a_first_gateway(database_url, amqp_url, procs, sleeper_url) as lost:
+        url, stack, queued = lost
+        in_queue = topology.in_queue(stack.service.queue_name)
+        GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-second")
+        wait_until(lambda: message_count(amqp_url, in_queue) is not None, what="declared")
+        stack.dispatcher("pod-a")
 
-    A database of its own (no other gateway subscribes this service), the queue check on
-    neither gateway, nothing submitted after the deletion."""
-    with scratch_database(database_url) as url:
-        platform = Platform(url)
-        svc = platform.service()
-        try:
-            first = GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-first")
-            wait_for_queues(amqp_url, queues_of(svc.queue_name))
-            stack = Stack(procs, first, sleeper_url, amqp_url, svc)
-            queued = _queued_then_lost(stack, platform)
-            in_queue = topology.in_queue(svc.queue_name)
-            GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-second")
-            wait_until(lambda: message_count(amqp_url, in_queue) is not None, what="declared")
-            stack.dispatcher("pod-a")
+        for task_id in queued:
+            final = stack.finish(task_id, timeout=30)
+            assert final["status"] == "SUCCESS", (task_id, final)
 
-            for task_id in queued:
-                final = stack.finish(task_id, timeout=30)
-                assert final["status"] == "SUCCESS", (task_id, final)
-        finally:
-            procs.stop_all()
-            remove_service(platform, amqp_url, svc)
+
+async def _replace_by_a_classic_queue(url: str, name: str) -> None:
+    """The queue replaced by one declared by other hands (a classic queue): declaring it as
+    the gateway would is refused, PRECONDITION_FAILED."""
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(name)
+        await channel.declare_queue(name, durable=True)
+
+
+@pytest.mark.timeout(150)
+def test_tasks_lost_with_a_deleted_in_are_published_again_when_declaring_it_again_fails(
+    database_url: str, amqp_url: str, procs: Processes, sleeper_url: str
+) -> None:
+    """The gateway's declaration of a lost `-in` made `-in` (the service's queues are declared
+    one by one), then was refused on the next queue: the restore counted as failed and gave
+    no task back, and the queue now there hid the loss from everything else. Whatever the
+    declaration's outcome, a lost queue's tasks are given back to the relay now."""
+    with _lost_under_a_first_gateway(database_url, amqp_url, procs, sleeper_url) as lost:
+        url, stack, _ = lost
+        queue_name = stack.service.queue_name
+        run_sync(_replace_by_a_classic_queue(amqp_url, topology.out_queue(queue_name)))
+        GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-second")
+        in_queue = topology.in_queue(queue_name)
+        wait_until(lambda: message_count(amqp_url, in_queue) == 3, 30, what="published again")
 
 
 @pytest.mark.timeout(150)

@@ -165,7 +165,9 @@ class QueueProbe:
     channel ever opened there, and the gateway's queue check and service figures and an idle
     dispatcher ask every few seconds. One question at a time: the NOT_FOUND that answers one
     closes the channel under every other in flight, which then failed or read "no such
-    queue" for a queue that exists."""
+    queue" for a queue that exists. And a caller that gives up (its timeout) leaves its
+    question to end: aiormq closes the channel of an RPC cancelled halfway, and the next
+    question failed on it."""
 
     def __init__(self) -> None:
         self._channel: aio_pika.abc.AbstractChannel | None = None
@@ -174,6 +176,9 @@ class QueueProbe:
     async def ready_messages(
         self, connection: aio_pika.abc.AbstractConnection, name: str
     ) -> int | None:
+        return await asyncio.shield(self._ask(connection, name))
+
+    async def _ask(self, connection: aio_pika.abc.AbstractConnection, name: str) -> int | None:
         async with self._asking:
             if self._channel is None or self._channel.is_closed:
                 self._channel = await connection.channel(publisher_confirms=False)

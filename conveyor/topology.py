@@ -165,24 +165,52 @@ class QueueProbe:
     channel ever opened there, and the gateway's queue check and service figures and an idle
     dispatcher ask every few seconds. One question at a time: the NOT_FOUND that answers one
     closes the channel under every other in flight, which then failed or read "no such
-    queue" for a queue that exists. And a caller that gives up (its timeout) leaves its
-    question to end: aiormq closes the channel of an RPC cancelled halfway, and the next
-    question failed on it."""
+    queue" for a queue that exists."""
 
     def __init__(self) -> None:
         self._channel: aio_pika.abc.AbstractChannel | None = None
         self._asking = asyncio.Lock()
+        self._abandoned: set[asyncio.Future[Any]] = set()
 
     async def ready_messages(
         self, connection: aio_pika.abc.AbstractConnection, name: str
     ) -> int | None:
-        return await asyncio.shield(self._ask(connection, name))
-
-    async def _ask(self, connection: aio_pika.abc.AbstractConnection, name: str) -> int | None:
         async with self._asking:
             if self._channel is None or self._channel.is_closed:
                 self._channel = await connection.channel(publisher_confirms=False)
-            return await ready_messages(self._channel, name)
+            channel = self._channel
+            question = asyncio.ensure_future(ready_messages(channel, name))
+            try:
+                return await asyncio.shield(question)
+            except asyncio.CancelledError:
+                self._abandon(channel, question)
+                raise
+
+    def _abandon(
+        self, channel: aio_pika.abc.AbstractChannel, question: asyncio.Future[int | None]
+    ) -> None:
+        """A question its caller gave up on (a timeout) is left to end on its channel, then
+        the channel is closed; the next question opens another. Cancelled halfway, aiormq
+        closed the channel under the next question, which failed; and a question that does
+        not end (a frozen node) would hold every later one for as long as it lasts."""
+        if self._channel is channel:
+            self._channel = None
+        self._abandoned.add(question)
+
+        def ended(_: asyncio.Future[int | None]) -> None:
+            self._abandoned.discard(question)
+            if not question.cancelled():
+                question.exception()  # whatever it was, nobody waits for it
+            closing = asyncio.ensure_future(channel.close())
+            self._abandoned.add(closing)
+            closing.add_done_callback(self._closed)
+
+        question.add_done_callback(ended)
+
+    def _closed(self, closing: asyncio.Future[Any]) -> None:
+        self._abandoned.discard(closing)
+        if not closing.cancelled():
+            closing.exception()  # the connection may be gone already: so is the channel
 
 
 async def declare_control(channel: aio_pika.abc.AbstractChannel, queue_name: str) -> Any:

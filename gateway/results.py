@@ -101,6 +101,11 @@ MAX_RETURNS = 3
 _LOCK_WAIT = "SELECT set_config('lock_timeout', %(ms)s || 'ms', true)"
 TOGETHER_LOCK_WAIT_MS = 2000
 ALONE_LOCK_WAIT_MS = 200
+# The rows of the tasks a transaction is about to change, locked first, in one order. Each
+# statement after it reads them as another replica's transaction left them: a statement that
+# waited for a row another replica held judged it by what it had read before the wait, and
+# an attempt handed back there while its `started` waited was recorded nowhere.
+_LOCK_TASKS = "SELECT 1 FROM tasks WHERE task_id = ANY(%(ids)s) ORDER BY task_id FOR UPDATE"
 
 
 def lock_waits(use_timeout: float) -> tuple[int, int]:
@@ -665,6 +670,7 @@ class ResultConsumer:
         sent: list[tuple[lifecycle.Transition, psycopg.AsyncCursor[Any], str]] = []
         async with self.pool.batch() as conn:
             await conn.execute(_LOCK_WAIT, {"ms": lock_waits(self.pool.use_timeout)[0]})
+            await conn.execute(_LOCK_TASKS, {"ids": sorted({c.task_id for c in changes})})
             for delivery, plan in zip(batch, planned, strict=True):
                 if plan.aside is not None:
                     await _set_aside(conn, delivery, plan.aside)
@@ -707,6 +713,7 @@ class ResultConsumer:
                 await _set_aside(conn, delivery, plan.aside)
             if plan.change is None:
                 return False
+            await conn.execute(_LOCK_TASKS, {"ids": [plan.change.task_id]})
             outcome = await lifecycle.apply(conn, plan.change)
         self._note(plan.change, outcome)
         return _counted(plan.kind, outcome)

@@ -1387,6 +1387,39 @@ def test_a_hand_back_read_before_its_own_started_leaves_the_task_pending(
     ]
 
 
+@pytest.mark.timeout(60)
+def test_a_hand_back_committed_while_its_started_waits_for_the_row_is_still_recorded(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by CI: two replicas applying a task's `requeued` and its own `started` at the
+    same moment. The `started` waited for the row the `requeued` held, then judged the row by
+    what it had read before: the hand-back it now carried was not seen, and the attempt was
+    recorded nowhere. The results' statements now lock their tasks' rows first, and read
+    them after."""
+    import psycopg
+
+    from gateway.database_url import libpq
+
+    task_id = _submit(gateway, svc, {"n": 1})
+    first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    with psycopg.connect(libpq(platform.database_url)) as other:  # another replica's batch
+        other.execute(
+            "UPDATE tasks SET handed_back_attempt = 'a', handed_back_at = %(at)s"
+            " WHERE task_id = %(t)s",
+            {"t": task_id, "at": first + timedelta(seconds=1)},
+        )
+        _publish_events(
+            amqp_url,
+            svc,
+            _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=first),
+        )
+        time.sleep(0.8)  # the gateway's `started` now waits for the row (for up to 2 s)
+        other.commit()
+    history = partial(_history, platform, task_id, "worker_host, outcome, end_date > start_date")
+    wait_until(lambda: history() == [("a", "pod-a", "requeued", True)], what="a handed back")
+    assert _poll(gateway, svc, task_id)["status"] == "PENDING"
+
+
 def _handed_back_then_next(svc: Service, task_id: str, first: datetime) -> list[WireMessage]:
     """Attempt a (started at `first`) handed back a second later, and attempt b started on
     another pod a second after that: what a SIGTERM's requeue and the next delivery send."""

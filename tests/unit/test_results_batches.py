@@ -58,6 +58,11 @@ class Cursor:
         return (1, 0)
 
 
+def _locks(sql: str) -> bool:
+    """How long a transaction waits for a row lock, or its tasks' rows locked: not a write."""
+    return "lock_timeout" in sql or "FOR UPDATE" in sql
+
+
 class Database:
     """Refuses any batch of several statements (as for a value it cannot store), then is
     unreachable for the first `outage` single statements."""
@@ -86,7 +91,7 @@ class Database:
         yield
 
     async def execute(self, sql: str, params: dict[str, Any]) -> Cursor:
-        if "lock_timeout" in sql:  # how long a transaction waits for a row lock: not a write
+        if _locks(sql):
             return Cursor()
         if self._pipelined:
             raise psycopg.errors.DataError("refused as a batch")
@@ -163,7 +168,7 @@ async def test_the_watchdog_is_told_while_results_cannot_be_written() -> None:
 
     class Outage(Database):
         async def execute(self, sql: str, params: dict[str, Any]) -> Cursor:
-            if self.outage == 1 and "lock_timeout" not in sql:  # the second failure
+            if self.outage == 1 and not _locks(sql):  # the second failure
                 seen_while_retrying.append(hearing.since())
             return await super().execute(sql, params)
 

@@ -101,10 +101,11 @@ MAX_RETURNS = 3
 _LOCK_WAIT = "SELECT set_config('lock_timeout', %(ms)s || 'ms', true)"
 TOGETHER_LOCK_WAIT_MS = 2000
 ALONE_LOCK_WAIT_MS = 200
-# The rows of the tasks a transaction is about to change, locked first, in one order. Each
-# statement after it reads them as another replica's transaction left them: a statement that
-# waited for a row another replica held judged it by what it had read before the wait, and
-# an attempt handed back there while its `started` waited was recorded nowhere.
+# The rows of the tasks a transaction is about to change, locked first, in one order (the
+# ORDER BY's: the ids come in any order). Each statement after it reads them as another
+# replica's transaction left them: a statement that waited for a row another replica held
+# judged it by what it had read before the wait, and an attempt handed back there while its
+# `started` waited was recorded nowhere.
 _LOCK_TASKS = "SELECT 1 FROM tasks WHERE task_id = ANY(%(ids)s) ORDER BY task_id FOR UPDATE"
 
 
@@ -670,7 +671,7 @@ class ResultConsumer:
         sent: list[tuple[lifecycle.Transition, psycopg.AsyncCursor[Any], str]] = []
         async with self.pool.batch() as conn:
             await conn.execute(_LOCK_WAIT, {"ms": lock_waits(self.pool.use_timeout)[0]})
-            await conn.execute(_LOCK_TASKS, {"ids": sorted({c.task_id for c in changes})})
+            await conn.execute(_LOCK_TASKS, {"ids": list({c.task_id for c in changes})})
             for delivery, plan in zip(batch, planned, strict=True):
                 if plan.aside is not None:
                     await _set_aside(conn, delivery, plan.aside)

@@ -2,8 +2,8 @@
 
 Service definitions change rarely (`conveyor admin apply`) but are read on
 every request, so a request costs at most one indexed lookup (`gateway.access_cache` keeps
-its answer) and never recompiles a schema: validators are cached by (service,
-updated_at). Both queries run on raw psycopg connections (`gateway.pgpool`).
+its answer); `gateway.body_schema` compiles their schemas. The queries run on raw psycopg
+connections (`gateway.pgpool`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import jsonschema
 import psycopg
 
 from conveyor.events import MessageFormat
@@ -89,28 +88,3 @@ async def moved_queues(conn: psycopg.AsyncConnection[Any]) -> set[str]:
 async def forget_moved(conn: psycopg.AsyncConnection[Any], queue_name: str) -> None:
     """The queues a service left are gone: nothing will report there again."""
     await conn.execute("DELETE FROM moved_queues WHERE queue_name = %(q)s", {"q": queue_name})
-
-
-class SchemaCache:
-    def __init__(self) -> None:
-        self._validators: dict[tuple[str, datetime], jsonschema.protocols.Validator] = {}
-
-    def errors(self, service: Service, body: Any) -> list[dict[str, str]]:
-        if not service.json_schema:
-            return []
-        validator = self._validator(service)
-        found = sorted(validator.iter_errors(body), key=lambda e: list(e.absolute_path))
-        return [
-            {"path": "body" + "".join(f"/{p}" for p in e.absolute_path), "message": e.message[:500]}
-            for e in found[:20]
-        ]
-
-    def _validator(self, service: Service) -> jsonschema.protocols.Validator:
-        key = (service.name, service.updated_at)
-        validator = self._validators.get(key)
-        if validator is None:
-            cls = jsonschema.validators.validator_for(service.json_schema)
-            validator = cls(service.json_schema, format_checker=cls.FORMAT_CHECKER)
-            self._validators = {k: v for k, v in self._validators.items() if k[0] != service.name}
-            self._validators[key] = validator
-        return validator

@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 from typing import Any, TypeVar
 
-import jsonschema
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conveyor.events import MessageFormat
 from conveyor.topology import check_name
+from gateway import body_schema
 
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -73,9 +73,9 @@ class ServiceSpec(BaseModel):
     def _schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
             try:
-                jsonschema.validators.validator_for(value).check_schema(value)
-            except jsonschema.SchemaError as exc:
-                raise ValueError(f"invalid JSON Schema: {exc.message}") from None
+                body_schema.check(value)
+            except body_schema.SchemaRefused as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     @property

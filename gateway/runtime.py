@@ -18,10 +18,10 @@ from conveyor.settings import GatewaySettings
 from gateway import schema
 from gateway.access_cache import AccessCache
 from gateway.auth import Authenticator
+from gateway.body_schema import SchemaCache
 from gateway.broker import Broker
 from gateway.callbacks import CallbackPolicy, close_resolver
 from gateway.cancel import tell_ended
-from gateway.catalog import SchemaCache
 from gateway.credentials import Credentials
 from gateway.hearing import Hearing
 from gateway.housekeeping import reaper_loop

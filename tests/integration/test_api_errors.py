@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
+import socket
 import uuid
 
 import httpx
 import pytest
 
+from tests.support.amqp import wait_until
 from tests.support.gateway import GatewayProcess, Platform
 
 DATE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -381,3 +384,40 @@ def test_the_docs_page_loads_its_files_from_where_it_was_served(gateway: Gateway
         assert "script-src 'self'" in page.headers["content-security-policy"]
         for source in sources:
             assert http.get(source).status_code == 200, source
+
+
+def test_a_schema_referring_to_a_server_fetches_nothing(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """A schema that `apply` would refuse, written by plain SQL, refers to a server that takes
+    connections and never answers: the gateway fetched it on its event loop, without a
+    timeout, and every request of every service waited behind it. The body is refused now
+    (400001, saying why), and the server hears nothing."""
+    svc = platform.service(jsonSchema={"type": "object"})
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.setblocking(False)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/h.json"
+        platform.sql(
+            "UPDATE services SET json_schema = %(s)s::jsonb, updated_at = now() WHERE name = %(n)s",
+            {
+                "s": json.dumps({"type": "object", "properties": {"x": {"$ref": url}}}),
+                "n": svc.name,
+            },
+        )
+        answers: list[httpx.Response] = []
+        with gateway.http(svc.clients[0]) as http:
+
+            def refused() -> bool:
+                answers.append(http.post(gateway.tasks_url(svc.name), json={"body": {"x": 5}}))
+                return answers[-1].status_code == 400
+
+            wait_until(refused, 20, what="the stored schema in force")
+        with pytest.raises(BlockingIOError):
+            silent.accept()
+    assert error_of(answers[-1]) == (400, 400001)
+    assert answers[-1].json()["error"]["errors"] == [
+        {
+            "path": "body",
+            "message": f"the service's JSON Schema cannot be applied: Unresolvable: {url}",
+        }
+    ]

@@ -300,10 +300,13 @@ async def create(service: str, request: Request) -> Json:
             new = await _new_task(
                 rt, client_id, access, payload, key, trace, fingerprint=fingerprint
             )
-        except errors.ApiError:
+        except errors.ApiError as refusal:
             if key is None:
                 raise
-            found = await store.earlier_request(rt.pool, client_id, access, key, fingerprint)
+            try:
+                found = await store.earlier_request(rt.pool, client_id, access, key, fingerprint)
+            except store.KeyReused:
+                raise refusal from None
             if found is None:
                 raise
             accepted = found[0]
@@ -368,9 +371,12 @@ async def _create_batch(service: str, request: Request, rt: Runtime, trace: str 
     )
     refused = [c for c in checked if isinstance(c, errors.ApiError)]
     if refused:
-        found = key and await store.earlier_request(
-            rt.pool, client_id, access, key, fingerprint, batch_size=len(items)
-        )
+        try:
+            found = key and await store.earlier_request(
+                rt.pool, client_id, access, key, fingerprint, batch_size=len(items)
+            )
+        except store.KeyReused:
+            found = None  # the request's own errors come first
         if not found:
             raise _all_refusals(refused)
         tasks = [{"taskId": str(a.task_id), "taskPosition": a.position} for a in found]

@@ -42,6 +42,13 @@ class SchemaRefused(ValueError):
 def check(schema: dict[str, Any]) -> None:
     """Raise SchemaRefused unless `schema` is a valid JSON Schema whose every reference
     resolves without fetching anything."""
+    try:
+        _check(schema)
+    except RecursionError:
+        raise SchemaRefused("invalid JSON Schema: nested too deep") from None
+
+
+def _check(schema: dict[str, Any]) -> None:
     cls = jsonschema.validators.validator_for(schema)
     try:
         cls.check_schema(schema)

@@ -139,3 +139,13 @@ def test_unique_items_of_a_large_array_of_objects_are_checked_at_all() -> None:
     body = {"tags": [{"a": i} for i in range(50_000)] + [{"a": 7}]}
     errors = _checked_within(60, body, UNIQUE)
     assert errors[0]["path"] == "body/tags"
+
+
+def test_a_schema_nested_past_the_stack_is_refused_not_a_crash() -> None:
+    schema: dict[str, Any] = {}
+    inner = schema
+    for _ in range(5_000):
+        inner["properties"] = {"a": {}}
+        inner = inner["properties"]["a"]
+    with pytest.raises(SchemaRefused, match="nested too deep"):
+        check(schema)

@@ -113,6 +113,9 @@ class DispatcherSettings:
     # The longest answer read from the function: a longer one fails its task (RabbitMQ's own
     # limit on a message, 128 MiB by default, must never be reached: it closes the channel).
     max_response_bytes: int = _bounded(8 * 1024 * 1024, ge=1024)
+    # The most items (objects, arrays, values) a JSON answer may hold: each is a Python object
+    # once read (8 MiB of `[{},…]`: 200 MB); a crowded answer fails its task.
+    max_response_items: int = _bounded(1_000_000, ge=1)
     function_wait_timeout: float = _bounded(300.0, ge=0)
     # How long a cancelled task's id is remembered (SPEC §11.1): its message may still be
     # queued, or requeued by another dispatcher, meanwhile.

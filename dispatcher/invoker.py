@@ -20,6 +20,7 @@ kept, and only the deadline bounds a call (aiohttp's own timeouts are off).
 | answer that is not valid HTTP        |                                  |
 | no whole answer by the deadline      | Failure, retryable (time allowing)|
 | an answer over MAX_RESPONSE_BYTES    | Failure, final                   |
+| 2xx JSON of over MAX_RESPONSE_ITEMS  | Failure, final                   |
 
 Nothing a function answers may crash the dispatcher or the gateway downstream:
 the deadline bounds the whole call (a trickled answer included), the body is
@@ -33,6 +34,7 @@ import asyncio
 import codecs
 import functools
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -51,6 +53,9 @@ from conveyor.storable import truncate
 RETRYABLE_STATUS = frozenset({408, 429})
 _ERROR_FIELDS = ("errorMessage", "error", "detail")
 MAX_DEPTH = 128  # deeper answers are refused, as the gateway refuses deeper requests
+MAX_ITEMS = 1_000_000  # MAX_RESPONSE_ITEMS' default: see `json_items`
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OPENS_CONTAINER = re.compile(rb"[ \t\r\n]*[\[{]")
 
 
 class Unparseable(ValueError):
@@ -133,15 +138,32 @@ def rfc3339(moment: datetime) -> str:
 # answer -> outcome (pure)
 
 
-def classify(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Outcome:
-    """SPEC §7 table. `headers` only matters for Retry-After, Location and the charset."""
+_NOT_HTTP = "The function's answer was not valid HTTP"
+
+
+def classify(
+    status: int,
+    body: bytes,
+    headers: Mapping[str, str] | None = None,
+    max_items: int = MAX_ITEMS,
+) -> Outcome:
+    """SPEC §7 table. `headers` only matters for Retry-After, Location and the charset;
+    `max_items`: see `too_many_items`."""
+    if status < 100:
+        # aiohttp's parser takes a three-digit 000 to 099 that its C parser refuses as 0 to 99:
+        # not HTTP either way (docs/functions.md), so retried as a cut answer is, not final.
+        return Failure(f"{_NOT_HTTP}: status {status} is below 100", retryable=True)
     charset = declared_charset(headers or {})
+    crowded = too_many_items(body, max_items)
     if 200 <= status < 300:
+        if crowded:
+            message = f"The function's answer holds more than {max_items} JSON items."
+            return Failure(message, retryable=False)
         try:
             return Success(response_value(body, charset))
         except Unparseable as exc:
             return Failure(f"The function's answer could not be parsed: {exc}.", retryable=False)
-    message = error_message(body, charset)
+    message = _text(body, charset).strip() if crowded else error_message(body, charset)
     if 400 <= status < 500 and status not in RETRYABLE_STATUS:
         # The function's own refusal: its message is the task's errorMessage (SPEC §7).
         return Failure(truncate(message or f"HTTP {status}"), retryable=False)
@@ -162,11 +184,11 @@ def classify(status: int, body: bytes, headers: Mapping[str, str] | None = None)
 def network_failure(exc: aiohttp.ClientError) -> Failure:
     """Connection refused or reset, a malformed answer: the function may come back."""
     if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError):
-        detail = f"The function's answer was not valid HTTP: {_parse_error(exc)}"
+        detail = f"{_NOT_HTTP}: {_parse_error(exc)}"
         return Failure(truncate(detail), retryable=True)
     if isinstance(exc, aiohttp.ServerDisconnectedError) and not isinstance(exc.message, str):
         # aiohttp hands over the half-parsed answer (its repr holds the function's headers)
-        detail = "The function's answer was not valid HTTP: the connection closed before its"
+        detail = f"{_NOT_HTTP}: the connection closed before its"
         return Failure(f"{detail} headers ended", retryable=True)
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, aiohttp.ClientConnectorError):
@@ -186,6 +208,19 @@ def _parse_error(exc: aiohttp.ClientError) -> str:
         text = str(exc)
     lines = (line.strip() for line in text.splitlines())
     return " ".join(line for line in lines if line.strip("^"))
+
+
+def too_many_items(body: bytes, max_items: int) -> bool:
+    """Whether a JSON object or array would hold more than `max_items` items once read: each
+    object, array and value (counted by its brackets and commas, strings' contents aside).
+    Read, a JSON value is a Python object: 8 MiB of `[{},…]` made 2.8 million dicts, 200 MB
+    (and twice that while a copy was made), where the sidecar's container allows 512 MiB for
+    CONCURRENCY answers: such an answer fails its task, as one over MAX_RESPONSE_BYTES does.
+    A body that opens no object or array holds one item, or is not JSON (text with commas)."""
+    if len(body) <= max_items or not _OPENS_CONTAINER.match(body):
+        return False
+    bare = _JSON_STRING.sub(b'""', body)
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1 > max_items
 
 
 def response_value(body: bytes, charset: str | None = None) -> Any:
@@ -228,11 +263,13 @@ def _strict_json(body: bytes) -> Any:
         raise Unparseable(f"nested deeper than {MAX_DEPTH} levels") from None
     # JSON in UTF-16 or UTF-32 spells a NUL otherwise: its copy is always checked.
     suspect = storable.suspect(body) or json.detect_encoding(body) != "utf-8"
-    if suspect or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
-        try:
+    try:
+        if suspect:
             value = storable.storable(value, MAX_DEPTH)
-        except storable.TooDeep as exc:
-            raise Unparseable(str(exc)) from None
+        elif body.count(b"[") + body.count(b"{") > MAX_DEPTH:
+            storable.check_depth(value, MAX_DEPTH)
+    except storable.TooDeep as exc:
+        raise Unparseable(str(exc)) from None
     return value
 
 
@@ -295,11 +332,16 @@ class Invoker:
     """Calls FUNCTION_URL; one shared keep-alive session for the whole process."""
 
     def __init__(
-        self, function_url: str, concurrency: int, max_response_bytes: int = 8 * 1024 * 1024
+        self,
+        function_url: str,
+        concurrency: int,
+        max_response_bytes: int = 8 * 1024 * 1024,
+        max_response_items: int = MAX_ITEMS,
     ) -> None:
         self.url = URL(function_url)  # parsed once
         self.concurrency = concurrency
         self.max_response_bytes = max_response_bytes
+        self.max_response_items = max_response_items
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -342,7 +384,7 @@ class Invoker:
             # aiohttp refuses a header value with control characters (a message put on `-in`
             # by hand, with a CR LF in its ce-source): no retry can send it.
             return Failure(truncate(f"The task could not be sent to the function: {exc}"), False)
-        return classify(answer.status, body, answer.headers)
+        return classify(answer.status, body, answer.headers, self.max_response_items)
 
     async def _read(self, answer: aiohttp.ClientResponse) -> bytes:
         """The body up to the cap; leaving early closes the connection (aiohttp does not

@@ -102,7 +102,10 @@ class Dispatcher:
         )
         self.probe = FunctionProbe(settings.function_url, settings.function_ready_url)
         self.invoker = Invoker(
-            settings.function_url, settings.concurrency, settings.max_response_bytes
+            settings.function_url,
+            settings.concurrency,
+            settings.max_response_bytes,
+            settings.max_response_items,
         )
         self.endpoints = Endpoints(
             self.board, self.metrics, self.readiness, self.settings.request_read_timeout

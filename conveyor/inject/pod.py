@@ -325,7 +325,8 @@ def upsert_dispatcher(pod: Doc, wiring: Wiring, function_url: str, port: int) ->
         "resources",
         {
             "requests": {"cpu": "50m", "memory": "64Mi"},
-            "limits": {"cpu": "500m", "memory": "128Mi"},
+            # CONCURRENCY answers of up to MAX_RESPONSE_BYTES at once (~180 MB at 4 × 8 MiB)
+            "limits": {"cpu": "500m", "memory": "256Mi"},
         },
     )
     container.setdefault("securityContext", container_security_context())

@@ -14,7 +14,7 @@ every scenario of a test:
      "progressPause": 0.1,
      "response": {...},             # 2xx JSON body (default: {"echo": <body>})
      "rawResponse": "text",         # 2xx raw body instead
-     "hostile": "deep" | "trickle" | "huge" | "twice" | "garbage" | "latin1-location"
+     "hostile": "deep" | "trickle" | "huge" | "crowded" | "twice" | "garbage" | "latin1-location"
                 | "cut-headers",
      "size": 1000000}               # bytes of a huge answer
 
@@ -132,7 +132,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _hostile(self, spec: dict[str, Any]) -> None:
         """Answers no dispatcher should trust: 100,000-deep JSON, a body trickled one byte
-        a second, a body of `size` bytes, (twice) a second, stray answer written on the
+        a second, a body of `size` bytes, (crowded) an array of `count` empty objects, (twice) a second, stray answer written on the
         idle keep-alive connection 50 ms after the real one, logged as `"phase": "stray"`,
         (garbage) a status line that is not HTTP, (latin1-location) a 302 whose Location
         header holds bytes that are not UTF-8, or (cut-headers) a connection closed in the
@@ -141,6 +141,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if kind == "deep":
                 self._answer(200, b"[" * 100_000 + b"]" * 100_000, {})
+            elif kind == "crowded":  # `count` empty objects: cheap bytes, dear once read
+                self._answer(200, b"[" + b"{}," * (int(spec["count"]) - 1) + b"{}]", {})
             elif kind == "huge":
                 self._answer(200, b'"' + b"x" * int(spec.get("size", 1_000_000)) + b'"', {})
             elif kind == "garbage":

@@ -66,6 +66,38 @@ async def test_an_answer_over_the_cap_fails_its_task_only(
         assert (finished.kind, finished.response) == (EventKind.SUCCEEDED, {"n": i})
 
 
+def _peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/<pid>/status")
+async def test_an_answer_of_millions_of_objects_fails_its_task_within_the_sidecars_memory(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """8 MiB of `[{},…]`, within MAX_RESPONSE_BYTES: read, 2.8 million dicts, and copied once
+    more to check its depth, the sidecar peaked at 620 MB, OOM-killed again and again under
+    its container's limit, each time with the tasks beside it, until all were dead-lettered
+    (found by a black-box test). Past MAX_RESPONSE_ITEMS the task fails; the rest go on."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    crowded = await rabbit.submit({"hostile": "crowded", "count": 2_796_202})
+    others = [await rabbit.submit({"sleep": 0.5, "response": {"n": i}}) for i in range(3)]
+
+    done = await rabbit.wait_terminal(crowded)
+
+    assert done.kind is EventKind.FAILED
+    assert done.error_message == "The function's answer holds more than 1000000 JSON items."
+    for i, other in enumerate(others):
+        finished = await rabbit.wait_terminal(other)
+        assert (finished.kind, finished.response) == (EventKind.SUCCEEDED, {"n": i})
+    peak = _peak_rss_kib(dispatcher.proc.pid)
+    assert peak < 160 * 1024, peak  # idle ~50 MB; the answer's bytes, a few times over
+    assert len(function.calls(crowded)) == 1
+
+
 async def test_nul_bytes_are_replaced_so_the_result_can_be_stored(
     rabbit: Rabbit, function: FakeFunction, launch: Launch
 ) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import tracemalloc
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
@@ -11,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp.http_exceptions import ContentLengthError
 
+from conveyor import strict_json
 from conveyor.storable import ERROR_LIMIT, truncate
 from dispatcher.api import parse_progress
 from dispatcher.cancels import RECALL_OVERLAP, recall_since
@@ -20,6 +23,7 @@ from dispatcher.invoker import (
     Success,
     classify,
     network_failure,
+    response_value,
 )
 from dispatcher.progress import ProgressBoard, ProgressReporter
 from dispatcher.retry import Budget, RetryPolicy, call_with_retries, parse_retry_after
@@ -132,7 +136,6 @@ def test_redirects_are_final_failures() -> None:
             {},
             "HTTP 300 (redirects are not followed): pick one",
         ),
-        (99, b"below", {}, "HTTP 99: below"),
         (199, b"", {}, "HTTP 199"),
     ],
 )
@@ -142,6 +145,53 @@ def test_other_final_answers_give_their_status(
     """A 3xx ended with its body alone ("<html>moved</html>"), like a function's own
     4xx errorMessage: the status and why it was not followed were lost."""
     assert classify(status, body, headers) == Failure(error, retryable=False)
+
+
+@pytest.mark.parametrize("status", [0, 50, 99])
+def test_a_status_below_100_is_no_http_and_is_retried(status: int) -> None:
+    """docs/functions.md: a status below 100 is an answer that is not valid HTTP, retried like
+    a 5xx. aiohttp's parser reads `000` to `099` as a status (its C parser refuses `0` and
+    `42`): such a task ended FAILURE `HTTP 0` at its first call (found by a black-box test)."""
+    assert classify(status, b"{}") == Failure(
+        f"The function's answer was not valid HTTP: status {status} is below 100", retryable=True
+    )
+
+
+def test_an_answer_of_more_json_items_than_allowed_fails_its_task() -> None:
+    """MAX_RESPONSE_ITEMS: read, every JSON item is a Python object (8 MiB of `[{},…]`, legal
+    within MAX_RESPONSE_BYTES, took the sidecar to 620 MB, killed over and over under its
+    container's limit, and the tasks beside it were dead-lettered: found by a black-box test).
+    Counted outside strings; text that is no JSON object or array is not counted."""
+    crowded = b"[" + b"{}," * 10 + b"{}]"
+    assert classify(200, crowded, max_items=20) == Failure(
+        "The function's answer holds more than 20 JSON items.", retryable=False
+    )
+    assert classify(500, crowded, max_items=20) == Failure(
+        f"HTTP 500: {crowded.decode()}", retryable=True
+    )
+    assert classify(200, crowded, max_items=30) == Success([{}] * 11)
+    quoted = b'["' + b",{[" * 20 + b'"]'
+    assert classify(200, quoted, max_items=20) == Success([",{[" * 20])
+    text = b"a,b,c\n" * 10
+    assert classify(200, text, max_items=20) == Success(text.decode())
+
+
+def test_an_answer_of_many_objects_is_read_without_a_copy() -> None:
+    """Past 128 brackets the depth was checked by a copy of the whole answer, with a stack entry
+    per value: 8 MiB of `[{},…]` peaked at 540 MB where reading it takes 200 MB. Measured
+    against reading the same bytes, in the same process."""
+    body = b"[" + b"{}," * 200_000 + b"{}]"
+
+    def peak(read: Callable[[], object]) -> int:
+        tracemalloc.start()
+        try:
+            read()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    bare = peak(lambda: strict_json.loads(body))
+    assert peak(lambda: response_value(body)) < 1.3 * bare
 
 
 def test_a_cut_answer_says_what_is_missing_without_aiohttps_fake_400() -> None:

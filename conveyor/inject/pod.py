@@ -325,7 +325,7 @@ def upsert_dispatcher(pod: Doc, wiring: Wiring, function_url: str, port: int) ->
         "resources",
         {
             "requests": {"cpu": "50m", "memory": "64Mi"},
-            # CONCURRENCY answers of up to MAX_RESPONSE_BYTES at once (~180 MB at 4 × 8 MiB)
+            # CONCURRENCY answers of up to MAX_RESPONSE_BYTES at once (~180 MB for 4 answers of 8 MiB)
             "limits": {"cpu": "500m", "memory": "256Mi"},
         },
     )

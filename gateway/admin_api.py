@@ -212,7 +212,8 @@ def _hex(value: bytes | None) -> str | None:
 def _limit(raw: str | None) -> int:
     if raw is None:
         return DEFAULT_LIMIT
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+    # ASCII digits only: str.isdigit() takes '²' and '①', which int() refuses (a 500)
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIMIT:
         raise errors.invalid("limit", f"an integer from 1 to {MAX_LIMIT}")
     return int(raw)
 

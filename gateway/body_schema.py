@@ -70,7 +70,7 @@ def _resolve_references(resolver: Any, resource: Any) -> None:
             if not isinstance(reference, str):
                 continue
             try:
-                resolver.lookup(reference)
+                _follow(resolver, reference, contents)
             except referencing.exceptions.Unresolvable:
                 raise SchemaRefused(
                     f"invalid JSON Schema: {keyword} {reference[:200]!r} does not resolve within "
@@ -78,6 +78,23 @@ def _resolve_references(resolver: Any, resource: Any) -> None:
                 ) from None
     for subresource in resource.subresources():
         _resolve_references(resolver.in_subresource(subresource), subresource)
+
+
+def _follow(resolver: Any, reference: str, start: dict[str, Any]) -> None:
+    """Follows a chain of `$ref`s to a schema that is no `$ref` alone; SchemaRefused if the
+    chain comes back on itself (`{"$ref": "#"}`): every body's check would recurse for ever."""
+    seen = {id(start)}
+    while True:
+        resolved = resolver.lookup(reference)
+        target = resolved.contents
+        if id(target) in seen:
+            raise SchemaRefused(
+                f"invalid JSON Schema: $ref {reference[:200]!r} refers back to itself"
+            )
+        seen.add(id(target))
+        if not isinstance(target, dict) or not isinstance(target.get("$ref"), str):
+            return
+        resolver, reference = resolved.resolver, target["$ref"]
 
 
 def _json_key(value: Any) -> Any:
@@ -127,6 +144,9 @@ class SchemaCache:
         except referencing.exceptions.Unresolvable as exc:
             message = f"the service's JSON Schema cannot be applied: {exc}"
             return [{"path": "body", "message": message[:MAX_MESSAGE]}]
+        except RecursionError:  # references that loop without `check` seeing it (`allOf`)
+            message = "the service's JSON Schema cannot be applied: its references loop"
+            return [{"path": "body", "message": message}]
         return [
             {
                 "path": "body" + "".join(f"/{p}" for p in e.absolute_path),

@@ -256,9 +256,13 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 def load(text: str) -> PlatformSpec:
     try:
-        data = yaml.load(text, Loader=_Loader) or {}  # _Loader is a SafeLoader
+        data = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.YAMLError as exc:
         raise PlatformError(f"not valid YAML: {_yaml_problem(exc)}") from None
+    except RecursionError:  # PyYAML's constructor recurses: a file nested ~1,000 deep
+        raise PlatformError("not valid YAML: nested too deep") from None
+    if data is None:  # an empty file (or only comments); `false`, `0` or `""` are no file
+        data = {}
     if not isinstance(data, dict):
         raise PlatformError(
             "the platform file must be a mapping with services, clients and operators"

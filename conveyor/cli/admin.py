@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -113,7 +114,8 @@ async def _declare(specs: Sequence[ServiceSpec], before: dict[str, MessageFormat
 
     RabbitMQ declarations are not transactional, so the services that have queues already,
     the only ones the broker can refuse, go first: when one is refused, no new service of
-    the same file has had its queues made yet.
+    the same file has had its queues made yet, and the queues the refused one's declaration
+    made before the refusal (its `-dlq`, when someone else's `-in` is refused) are deleted.
     """
     from conveyor import topology
     from conveyor.connection import connect
@@ -132,7 +134,7 @@ async def _declare(specs: Sequence[ServiceSpec], before: dict[str, MessageFormat
             " (--no-declare applies without declaring)"
         ) from None
     async with connection:
-        present = {spec.name: await _has_queues(connection, spec.queue) for spec in specs}
+        present = {spec.name: await _queues_present(connection, spec.queue) for spec in specs}
         channel = await connection.channel()
         for spec in sorted(specs, key=lambda spec: not present[spec.name]):
             try:
@@ -140,29 +142,52 @@ async def _declare(specs: Sequence[ServiceSpec], before: dict[str, MessageFormat
                     channel, spec.queue, spec.messageFormat, settings.delivery_limit
                 )
             except Exception as exc:
+                await _delete_made(connection, spec.queue, present[spec.name])
                 raise PlatformError(_refused(spec, before.get(spec.name), exc)) from None
 
 
-async def _has_queues(connection: AbstractConnection, queue_name: str) -> bool:
-    """Whether any queue of `queue_name` exists: passive declares, each miss closing its
-    channel (RabbitMQ answers NOT_FOUND by closing it)."""
-    import aiormq.exceptions
-
+def _queue_names(queue_name: str) -> tuple[str, str, str]:
     from conveyor import topology
 
-    for name in (
+    return (
         topology.dead_letter_queue(queue_name),
         topology.in_queue(queue_name),
         topology.out_queue(queue_name),
-    ):
+    )
+
+
+async def _queues_present(connection: AbstractConnection, queue_name: str) -> set[str]:
+    """Which queues of `queue_name` exist: passive declares, each miss closing its channel
+    (RabbitMQ answers NOT_FOUND by closing it)."""
+    import aiormq.exceptions
+
+    present = set()
+    for name in _queue_names(queue_name):
         channel = await connection.channel()
         try:
             await channel.declare_queue(name, passive=True)
         except aiormq.exceptions.ChannelNotFoundEntity:
             continue
+        present.add(name)
         await channel.close()
-        return True
-    return False
+    return present
+
+
+async def _delete_made(connection: AbstractConnection, queue_name: str, present: set[str]) -> None:
+    """Deletes the queues of `queue_name` that were not there before this declaration, if
+    still empty and unused (asked first: quorum queues refuse `if-unused` and `if-empty`,
+    closing the connection): "nothing was applied" is then true of the broker too."""
+    for name in _queue_names(queue_name):
+        if name in present:
+            continue
+        with contextlib.suppress(Exception):  # absent (not made), or the broker said no: kept
+            channel = await connection.channel()
+            queue = await channel.declare_queue(name, passive=True)
+            if queue.declaration_result.message_count == 0 and not (
+                queue.declaration_result.consumer_count
+            ):
+                await channel.queue_delete(name)
+            await channel.close()
 
 
 def _refused(spec: ServiceSpec, before: MessageFormat | None, exc: Exception) -> str:
@@ -245,6 +270,8 @@ def service_create(
         body_schema = json.loads(schema.read_text()) if schema else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         _fail(str(exc))
+    except RecursionError:
+        _fail(f"{schema}: nested too deep")
     given = {
         "queueName": queue,
         "capacity": capacity,

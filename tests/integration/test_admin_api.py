@@ -140,6 +140,9 @@ def test_pages_go_newest_first_with_a_cursor_and_a_status_filter(
         {"limit": "0"},
         {"limit": "201"},
         {"limit": "x"},
+        {"limit": "\u00b2"},  # a digit to str.isdigit(), not to int(): it was a 500
+        {"limit": "\u2460"},
+        {"limit": "\u0661\u0660"},  # Arabic-Indic ten: not read as 10
         {"status": "DONE"},
         {"cursor": "bm9wZQ"},
         # Given twice, a filter is ambiguous: neither value is served.

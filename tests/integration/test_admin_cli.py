@@ -292,6 +292,25 @@ def test_a_service_whose_in_queue_an_older_version_declared_is_told_to_migrate(
     assert "conveyor admin migrate-queues" in done.stderr and "--no-declare" in done.stderr
 
 
+def test_a_refused_declaration_leaves_no_queue_it_made(
+    cli: Any, tmp_path: Path, platform: Platform, amqp_url: str, names: list[str]
+) -> None:
+    """Someone else's `-in` refuses this version's arguments: `apply` said "nothing was
+    applied", and the service's `-dlq`, declared before `-in`, stayed, belonging to no
+    service (found by a black-box test). What the declaration made is deleted; what was
+    there before is kept."""
+    service = _unique("adm-taken-in")
+    names.append(service)
+    in_queue, out, dlq = queues_of(service)
+    run_sync(_declare(amqp_url, in_queue, {"x-max-length": 7}))
+
+    done = cli("apply", "-f", str(_write(tmp_path, {"services": [{"name": service}]})), check=False)
+
+    assert done.returncode == 1 and "nothing was applied" in done.stderr, done.stderr
+    assert platform.sql("SELECT 1 FROM services WHERE name = %(n)s", {"n": service}) == []
+    assert [message_count(amqp_url, q) for q in (dlq, in_queue, out)] == [None, 0, None]
+
+
 @pytest.mark.timeout(90)
 def test_service_create_refused_by_rabbitmq_keeps_the_old_row(
     cli: Any, platform: Platform, names: list[str]

@@ -149,3 +149,33 @@ def test_a_schema_nested_past_the_stack_is_refused_not_a_crash() -> None:
         inner = inner["properties"]["a"]
     with pytest.raises(SchemaRefused, match="nested too deep"):
         check(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},
+        {"$ref": "#/definitions/x", "definitions": {"x": {"$ref": "#/definitions/x"}}},
+        {"properties": {"a": {"$ref": "#/properties/a"}}},
+        {
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+            "properties": {"x": {"$ref": "#/$defs/a"}},
+        },
+    ],
+)
+def test_references_that_loop_are_refused_when_applied(schema: dict[str, Any]) -> None:
+    """Each body's check recursed until Python's limit: `apply` took these, and every
+    submission to the service was 500 (found by a black-box test)."""
+    with pytest.raises(SchemaRefused, match="refers back to itself"):
+        check(schema)
+
+
+def test_a_stored_schema_whose_references_loop_refuses_the_body_saying_so() -> None:
+    """A loop `check` cannot see (through `allOf`), or a schema stored by other means."""
+    for schema in ({"allOf": [{"$ref": "#"}]}, {"$ref": "#"}):
+        assert SchemaCache().errors(_service(schema), {}) == [
+            {
+                "path": "body",
+                "message": "the service's JSON Schema cannot be applied: its references loop",
+            }
+        ]

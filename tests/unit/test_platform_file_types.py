@@ -69,3 +69,23 @@ def test_stored_settings_and_the_command_lines_strings_still_validate() -> None:
     stored = {"capacity": 3, "messageFormat": "cloudevents", "taskTimeout": 30, "retention": 60}
     spec = validate(ServiceSpec, {**stored, "retention": "2h", "name": "s", "maxAttempts": 4})
     assert (spec.capacity, spec.retention, spec.maxAttempts) == (3, 7200, 4)
+
+
+@pytest.mark.parametrize("text", ["false", "0", '""', "[]", "'0'"])
+def test_a_file_that_is_no_mapping_is_refused_even_when_falsy(text: str) -> None:
+    """`false`, `0` or `""` read as an empty file and applied nothing, exit 0 (found by a
+    black-box test); only a file with nothing in it (or comments) is empty."""
+    with pytest.raises(PlatformError, match="must be a mapping"):
+        load(text)
+    assert load("# nothing yet\n") == load("")
+
+
+@pytest.mark.parametrize(("opening", "closing"), [("{a: ", "}"), ("[", "]")])
+def test_a_file_nested_past_the_stack_is_refused_not_a_traceback(
+    opening: str, closing: str
+) -> None:
+    """PyYAML's constructor recurses: 5,000 levels ended in a RecursionError traceback of
+    3,000 lines (found by a black-box test)."""
+    nested = opening * 5000 + "1" + closing * 5000
+    with pytest.raises(PlatformError, match="nested too deep"):
+        load("services:\n  - name: s\n    jsonSchema: " + nested)

@@ -53,7 +53,7 @@ from conveyor.storable import truncate
 RETRYABLE_STATUS = frozenset({408, 429})
 _ERROR_FIELDS = ("errorMessage", "error", "detail")
 MAX_DEPTH = 128  # deeper answers are refused, as the gateway refuses deeper requests
-MAX_ITEMS = 1_000_000  # MAX_RESPONSE_ITEMS' default: see `json_items`
+MAX_ITEMS = 1_000_000  # MAX_RESPONSE_ITEMS' default: see `too_many_items`
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _OPENS_CONTAINER = re.compile(rb"[ \t\r\n]*[\[{]")
 
@@ -214,7 +214,7 @@ def too_many_items(body: bytes, max_items: int) -> bool:
     """Whether a JSON object or array would hold more than `max_items` items once read: each
     object, array and value (counted by its brackets and commas, strings' contents aside).
     Read, a JSON value is a Python object: 8 MiB of `[{},…]` made 2.8 million dicts, 200 MB
-    (and twice that while a copy was made), where the sidecar's container allows 512 MiB for
+    (and twice that while a copy was made), where the sidecar's container allows 256 MiB for
     CONCURRENCY answers: such an answer fails its task, as one over MAX_RESPONSE_BYTES does.
     A body that opens no object or array holds one item, or is not JSON (text with commas)."""
     if len(body) <= max_items or not _OPENS_CONTAINER.match(body):

@@ -1,6 +1,6 @@
 """A service's JSON Schema for task bodies: checked when it is written, applied to every body.
 
-Two things a schema must never do to the gateway, whose event loop serves every service:
+What a schema must never do to the gateway, whose event loop serves every service:
 
 * **fetch**. jsonschema resolves a `$ref` it does not hold by downloading it (`urlopen`, on the
   loop, without a timeout): a schema referring to a URL froze the gateway for as long as the URL
@@ -12,6 +12,11 @@ Two things a schema must never do to the gateway, whose event loop serves every 
   not sort (objects), by comparing every pair: 6,000 objects, 77 KB, held the loop 22 s. Items
   are compared here by a hashable key with JSON Schema's equality (1 and 1.0 equal, true and 1
   not, objects whatever their keys' order), in one pass.
+* **recurse for ever**. A `$ref` chain that comes back on itself (`{"$ref": "#"}`) is refused
+  by `check`; a loop it cannot see (through `allOf`) refuses its bodies when Python's stack ends.
+
+A `pattern` is still Python's `re`, on the loop: one that backtracks without end holds it (the
+README's known gaps).
 
 Validators are compiled once per (service, updated_at): service definitions change rarely
 (`conveyor admin apply`), bodies arrive at every request.

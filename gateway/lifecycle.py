@@ -39,7 +39,7 @@ import enum
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -178,7 +178,10 @@ _PROGRESS = f"""
 _FINISH = f"""
     WITH task AS (
         UPDATE tasks
-           SET status = CAST(%(status)s AS text), end_date = %(time)s, updated_at = now(),
+           SET status = CAST(%(status)s AS text), updated_at = now(),
+               -- never before its start (a worker's clock behind the one that started it)
+               end_date = GREATEST(CAST(%(time)s AS timestamptz),
+                                   COALESCE(CAST(%(started)s AS timestamptz), start_date)),
                -- a worker's answer means it ran; the platform's own FAILURE (cancelled,
                -- dead-lettered) of a task never started gives it no start
                start_date = COALESCE(CAST(%(started)s AS timestamptz), start_date,
@@ -249,7 +252,8 @@ _FINISH_MANY = f"""
                     by_worker, queue)
     ), task AS (
         UPDATE tasks t
-           SET status = i.status, end_date = i.time, updated_at = now(),
+           SET status = i.status, end_date = GREATEST(i.time, COALESCE(i.started, t.start_date)),
+               updated_at = now(),
                start_date = COALESCE(i.started, t.start_date,
                                      CASE WHEN i.by_worker THEN i.time END),
                worker_host = CASE WHEN i.started IS NULL THEN t.worker_host ELSE i.host END,
@@ -350,12 +354,19 @@ def _seconds(value: float | None) -> float | None:
     return None if value is None else max(0.0, float(value))
 
 
+CLOCK_AHEAD = timedelta(minutes=1)
+
+
 def transition(event: TaskEvent, queue: str | None = None) -> Transition:
     """The statement that applies `event`, whatever the task's current state. Read from
     `queue`'s `-out` (a queue name), it applies only to a task of a service that has that queue
     name, or had it (`moved_queues`): a worker cannot end another service's task."""
     task_id = uuid.UUID(event.task_id)
-    time = event.time or now()
+    # The worker's clock: one far ahead of the database's dated a task's end (or its start) in
+    # the year 9999, `startDate` past `endDate` and the service's run times in years. An event
+    # is dated no later than CLOCK_AHEAD after its reading (clocks differ by a little).
+    received = now()
+    time = min(event.time or received, received + CLOCK_AHEAD)
     match event.kind:
         case EventKind.STARTED:
             params = {
@@ -410,6 +421,8 @@ def _finish(
     queue: str | None = None,
 ) -> Transition:
     started = None if event is None else event.started
+    if started is not None:
+        started = min(started, time)  # no attempt starts after it ended
     if event is not None and started is not None and not attempt:
         attempt = event.event_id  # a stand-in attempt needs an id: a producer sent none
     params = {

@@ -850,6 +850,88 @@ def test_poison_of_every_shape_ends_its_task_and_holds_back_nothing(
     assert not any("\x00" in reason or "\\u0000" in headers for reason, headers in reasons)
 
 
+def test_a_workers_unreadable_clock_or_byte_array_headers_fail_no_task(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a black-box test: a `succeeded` whose `ce-time` the CloudEvents binding could
+    not read ("garbage", a date alone) FAILed its successful task, saying "invalid
+    CloudEvent: invalid literal for int() with base 10: b'garb'"; `time` is optional, and
+    the event is now dated when read. A header sent as a byte array (some AMQP clients send
+    strings so) was stored as its repr, `bytearray(b'pod-1')`."""
+    out = topology.out_queue(svc.queue_name)
+    garbage, date_only, byte_host = (_submit(gateway, svc, {}) for _ in range(3))
+    started = {"ce-conveyorstarted": "2026-11-30T14:00:00Z"}
+    publish(
+        amqp_url,
+        out,
+        [
+            WireMessage(b'{"response":1}', _ce(garbage, **{"ce-time": "garbage"})),
+            WireMessage(b'{"response":2}', _ce(date_only, **{"ce-time": "2026-11-30"})),
+            WireMessage(
+                b'{"response":3}',
+                _ce(byte_host, **started, **{"ce-conveyorhost": bytearray(b"pod-1")}),
+            ),
+        ],
+    )
+
+    for task_id, response in ((garbage, 1), (date_only, 2), (byte_host, 3)):
+        assert _poll_until(gateway, svc, task_id, status="SUCCESS")["response"] == response
+    assert _column(platform, byte_host, "worker_host") == "pod-1"
+
+
+def test_a_workers_clock_ahead_dates_nothing_in_the_future_nor_a_start_after_the_end(
+    gateway: GatewayProcess, svc: Service, amqp_url: str
+) -> None:
+    """Found by a black-box test: a `succeeded` carrying `ce-conveyorstarted: 9999-12-31…`
+    was stored with `startDate` in 9999, after its `endDate`, and the service's queue-wait
+    histogram took 1.26e12 s. An event is dated no later than a minute after it is read, and
+    an attempt starts no later than it ends (nor ends before it started: an end dated 1999 by
+    a clock behind the one that started it)."""
+    out = topology.out_queue(svc.queue_name)
+    ahead, both_ahead, behind = (_submit(gateway, svc, {}) for _ in range(3))
+    host = {"ce-conveyorhost": "pod-1"}
+    publish(amqp_url, out, [_event(svc, EventKind.STARTED, behind, host="h", attempt="a")])
+    _poll_until(gateway, svc, behind, status="IN_PROGRESS")
+    publish(
+        amqp_url,
+        out,
+        [
+            WireMessage(
+                b'{"response":1}',
+                _ce(
+                    ahead,
+                    **host,
+                    **{
+                        "ce-time": "2026-11-30T12:00:00Z",
+                        "ce-conveyorstarted": "9999-12-31T23:59:59Z",
+                    },
+                ),
+            ),
+            WireMessage(
+                b'{"response":2}',
+                _ce(
+                    both_ahead,
+                    **host,
+                    **{
+                        "ce-time": "9999-12-31T23:59:59Z",
+                        "ce-conveyorstarted": "9999-12-31T23:59:58Z",
+                    },
+                ),
+            ),
+            # ended by a worker whose clock is behind the one that started it
+            WireMessage(
+                b'{"response":3}',
+                _ce(behind, **{"ce-time": "1999-01-01T00:00:00Z", "ce-conveyorattempt": "a"}),
+            ),
+        ],
+    )
+
+    for task_id in (ahead, both_ahead, behind):
+        task = _poll_until(gateway, svc, task_id, status="SUCCESS")
+        assert task["startDate"] <= task["endDate"] < "9999", task
+    assert _poll(gateway, svc, ahead)["endDate"] == "2026-11-30T12:00:00.000Z"
+
+
 # -- dead letters ----------------------------------------------------------------
 
 

@@ -421,3 +421,23 @@ def test_a_schema_referring_to_a_server_fetches_nothing(
             "message": f"the service's JSON Schema cannot be applied: Unresolvable: {url}",
         }
     ]
+
+
+def test_a_pattern_that_backtracks_without_end_holds_the_gateway_for_its_budget_only(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """`^(a+)+$` takes twice as long with each character: a body of 40 was hours of the
+    gateway's event loop, every service waiting (found by a black-box test: 27 characters held
+    /healthz 3 s). A body's check has CHECK_BUDGET (2 s); past it the body is refused."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}}}
+    svc = platform.service(jsonSchema=schema)
+    with gateway.http(svc.clients[0]) as http:
+        refused = http.post(gateway.tasks_url(svc.name), json={"body": {"a": "a" * 40 + "!"}})
+        healthy = http.get("/healthz")
+        fine = http.post(gateway.tasks_url(svc.name), json={"body": {"a": "aaaa"}})
+    assert error_of(refused) == (400, 400001)
+    assert refused.json()["error"]["errors"] == [
+        {"path": "body", "message": "not checked against the service's JSON Schema within 2 s"}
+    ]
+    assert healthy.status_code == 200
+    assert fine.status_code == 201, fine.text

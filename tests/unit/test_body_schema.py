@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 from datetime import UTC, datetime
@@ -179,3 +180,21 @@ def test_a_stored_schema_whose_references_loop_refuses_the_body_saying_so() -> N
                 "message": "the service's JSON Schema cannot be applied: its references loop",
             }
         ]
+
+
+def test_a_check_that_outruns_its_budget_refuses_the_body_and_leaves_no_timer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `pattern` that backtracks (`^(a+)+$`: twice as long per character) is cut by the
+    budget's SIGALRM, which `re` hears mid-match; the signal's handler and any timer running
+    before (a test runner's) are given back; the next check is not cut by a late alarm."""
+    monkeypatch.setattr("gateway.body_schema.CHECK_BUDGET", 0.2)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}}}
+    cache = SchemaCache()
+    handler, (timer, _) = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
+    assert cache.errors(_service(schema), {"a": "a" * 40 + "!"}) == [
+        {"path": "body", "message": "not checked against the service's JSON Schema within 0.2 s"}
+    ]
+    assert signal.getsignal(signal.SIGALRM) == handler  # pytest-timeout's, if it runs one
+    assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (timer > 0)
+    assert cache.errors(_service(schema), {"a": "aaaa"}) == []

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from conveyor import storable
 from conveyor.events import MAX_TIMEOUT
 from conveyor.logs import LogFormat
 from conveyor.topology import check_name
@@ -114,8 +115,9 @@ class DispatcherSettings:
     # limit on a message, 128 MiB by default, must never be reached: it closes the channel).
     max_response_bytes: int = _bounded(8 * 1024 * 1024, ge=1024)
     # The most items (objects, arrays, values) a JSON answer may hold: each is a Python object
-    # once read (8 MiB of `[{},…]`: 200 MB); a crowded answer fails its task.
-    max_response_items: int = _bounded(1_000_000, ge=1)
+    # once read (8 MiB of `[{},…]`: 200 MB); a crowded answer fails its task. No more than the
+    # gateway reads in a result (`storable.MAX_ITEMS`), or the task would fail there instead.
+    max_response_items: int = _bounded(storable.MAX_ITEMS, ge=1, le=storable.MAX_ITEMS)
     function_wait_timeout: float = _bounded(300.0, ge=0)
     # How long a cancelled task's id is remembered (SPEC §11.1): its message may still be
     # queued, or requeued by another dispatcher, meanwhile.

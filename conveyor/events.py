@@ -514,7 +514,10 @@ def encode_event(
 
 
 def decode_event(message: WireMessage) -> TaskEvent:
-    """Reads a CloudEvent (told apart by `ce-specversion`) or a legacy message."""
+    """Reads a CloudEvent (told apart by `ce-specversion`) or a legacy message. One holding
+    more JSON items than a dispatcher lets through is not read (`storable.too_many_items`)."""
+    if storable.too_many_items(message.body):
+        raise WireError(f"the event holds more than {storable.MAX_ITEMS} JSON items")
     if is_cloudevent(message.headers):
         return _decode_ce_event(message)
     return _decode_legacy_event(message)

@@ -23,6 +23,27 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 _ESCAPED = re.compile(rb"\\u0000|\\u[dD][89a-fA-F]")
 
 
+# The most items (objects, arrays, values) of a function's or a worker's JSON result that is
+# read: a dispatcher's MAX_RESPONSE_ITEMS at most, and what the gateway reads off `-out`.
+MAX_ITEMS = 1_000_000
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OPENS_CONTAINER = re.compile(rb"[ \t\r\n]*[\[{]")
+
+
+def too_many_items(body: bytes, max_items: int = MAX_ITEMS) -> bool:
+    """Whether a JSON object or array would hold more than `max_items` items once read: each
+    object, array and value (counted by its brackets and commas, strings' contents aside).
+    Read, a JSON value is a Python object: 8 MiB of `[{},…]` made 2.8 million dicts, 200 MB
+    in a dispatcher (whose container allows 256 MiB for CONCURRENCY answers), ~400 MB in the
+    gateway (512 MiB), which reads it again after a crash. Such a result fails its task, as
+    one over MAX_RESPONSE_BYTES does. A body that opens no object or array holds one item,
+    or is not JSON (text with commas)."""
+    if len(body) <= max_items or not _OPENS_CONTAINER.match(body):
+        return False
+    bare = _JSON_STRING.sub(b'""', body)
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1 > max_items
+
+
 def suspect(serialized: bytes) -> bool:
     """Whether JSON text may hold what PostgreSQL refuses (else no walk is needed)."""
     return b"\\u" in serialized and _ESCAPED.search(serialized) is not None

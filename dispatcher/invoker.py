@@ -34,7 +34,6 @@ import asyncio
 import codecs
 import functools
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -53,9 +52,6 @@ from conveyor.storable import truncate
 RETRYABLE_STATUS = frozenset({408, 429})
 _ERROR_FIELDS = ("errorMessage", "error", "detail")
 MAX_DEPTH = 128  # deeper answers are refused, as the gateway refuses deeper requests
-MAX_ITEMS = 1_000_000  # MAX_RESPONSE_ITEMS' default: see `too_many_items`
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_OPENS_CONTAINER = re.compile(rb"[ \t\r\n]*[\[{]")
 
 
 class Unparseable(ValueError):
@@ -145,16 +141,16 @@ def classify(
     status: int,
     body: bytes,
     headers: Mapping[str, str] | None = None,
-    max_items: int = MAX_ITEMS,
+    max_items: int = storable.MAX_ITEMS,
 ) -> Outcome:
     """SPEC §7 table. `headers` only matters for Retry-After, Location and the charset;
-    `max_items`: see `too_many_items`."""
+    `max_items`: see `storable.too_many_items`."""
     if status < 100:
         # aiohttp's parser takes a three-digit 000 to 099 that its C parser refuses as 0 to 99:
         # not HTTP either way (docs/functions.md), so retried as a cut answer is, not final.
         return Failure(f"{_NOT_HTTP}: status {status} is below 100", retryable=True)
     charset = declared_charset(headers or {})
-    crowded = too_many_items(body, max_items)
+    crowded = storable.too_many_items(body, max_items)
     if 200 <= status < 300:
         if crowded:
             message = f"The function's answer holds more than {max_items} JSON items."
@@ -208,19 +204,6 @@ def _parse_error(exc: aiohttp.ClientError) -> str:
         text = str(exc)
     lines = (line.strip() for line in text.splitlines())
     return " ".join(line for line in lines if line.strip("^"))
-
-
-def too_many_items(body: bytes, max_items: int) -> bool:
-    """Whether a JSON object or array would hold more than `max_items` items once read: each
-    object, array and value (counted by its brackets and commas, strings' contents aside).
-    Read, a JSON value is a Python object: 8 MiB of `[{},…]` made 2.8 million dicts, 200 MB
-    (and twice that while a copy was made), where the sidecar's container allows 256 MiB for
-    CONCURRENCY answers: such an answer fails its task, as one over MAX_RESPONSE_BYTES does.
-    A body that opens no object or array holds one item, or is not JSON (text with commas)."""
-    if len(body) <= max_items or not _OPENS_CONTAINER.match(body):
-        return False
-    bare = _JSON_STRING.sub(b'""', body)
-    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1 > max_items
 
 
 def response_value(body: bytes, charset: str | None = None) -> Any:
@@ -336,7 +319,7 @@ class Invoker:
         function_url: str,
         concurrency: int,
         max_response_bytes: int = 8 * 1024 * 1024,
-        max_response_items: int = MAX_ITEMS,
+        max_response_items: int = storable.MAX_ITEMS,
     ) -> None:
         self.url = URL(function_url)  # parsed once
         self.concurrency = concurrency

@@ -1329,6 +1329,33 @@ def test_a_terminal_event_too_deep_to_read_fails_its_task(
     assert _poll(gateway, svc, ce_task)["progress"] == 0.0
 
 
+@pytest.mark.timeout(90)
+def test_a_terminal_event_of_millions_of_items_fails_its_task_unread(
+    gateway: GatewayProcess, svc: Service, legacy_svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a black-box test: a legacy or third-party worker's `success` holding millions
+    of small values (3.6 MB of `[{},…]`, 1.2 million dicts once read) was read whole by the
+    gateway, ~50 MB per MiB, and stored: 8 MiB took ~400 MB, against the gateway's 512Mi
+    limit, and an event that kills its reader is read again by the next. Past
+    `storable.MAX_ITEMS`, as a dispatcher fails such an answer, the task fails unread."""
+    crowded = b"[" + b"{}," * 1_200_000 + b"{}]"
+    ce_task = _submit(gateway, svc, {"n": 1})
+    legacy_task = _submit(gateway, legacy_svc, {"n": 2})
+    succeeded = _event(svc, EventKind.SUCCEEDED, ce_task, response=None)
+    body = b'{"response": ' + crowded + b"}"
+    _publish_events(amqp_url, svc, WireMessage(body, succeeded.headers, "application/json"))
+    legacy = f'{{"taskId": "{legacy_task}", "data": {{"messageType": "success", "response": '
+    publish(
+        amqp_url,
+        topology.out_queue(legacy_svc.queue_name),
+        [raw_json(legacy.encode() + crowded + b"}}")],
+    )
+    for service, task_id in ((svc, ce_task), (legacy_svc, legacy_task)):
+        data = _poll_until(gateway, service, task_id, timeout=30, status="FAILURE")
+        assert "result could not be stored" in data["errorMessage"], data
+        assert "more than 1000000 JSON items" in data["errorMessage"], data
+
+
 def test_an_error_message_with_nul_is_stored_readably(
     gateway: GatewayProcess, legacy_svc: Service, amqp_url: str
 ) -> None:

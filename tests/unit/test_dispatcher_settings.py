@@ -189,6 +189,8 @@ def test_types_and_names() -> None:
         *(("DISPATCHER_PORT", v) for v in ("70000", "0", "-1")),
         *(("PROGRESS_PORT", v) for v in ("65536", "-1")),
         ("METRICS_PORT", "99999"),
+        # more than the gateway reads in a result: the task would fail there instead
+        *(("MAX_RESPONSE_ITEMS", v) for v in ("1000001", "0")),
     ],
 )
 def test_values_the_dispatcher_cannot_run_with_are_refused(variable: str, value: str) -> None:
@@ -207,9 +209,11 @@ def test_the_largest_values_that_work_are_accepted() -> None:
             "PROGRESS_PORT": "0",  # 0: no progress port, as before
             "FUNCTION_URL": "http://[::1]:8080/run?x=1",
             "FUNCTION_READY_URL": "https://fn.example/ready",
+            "MAX_RESPONSE_ITEMS": "1000000",
         }
     )
     assert (settings.task_timeout, settings.dispatcher_port) == (2**31 - 1, 65535)
+    assert settings.max_response_items == 1_000_000
 
 
 @pytest.mark.parametrize("variable", ["FUNCTION_URL", "FUNCTION_READY_URL"])

@@ -20,6 +20,10 @@ from conveyor.inject.wiring import Wiring
 from conveyor.topology import in_queue
 
 MANAGEMENT_URL_KEY = "management-url"  # http://user:pass@rabbitmq:15672/vhost, for KEDA
+# KEDA puts a ScaledObject's or ScaledJob's name in label values (`scaledobject.keda.sh/name`,
+# `scaledjob.keda.sh/name`, the HPA's `app.kubernetes.io/part-of`) and names the HPA
+# `keda-hpa-<name>`: its admission webhook refuses names over 54 characters.
+SCALED_NAME_LIMIT = 54
 
 
 @dataclass
@@ -54,9 +58,17 @@ def dispatcher_selector(name: str) -> Doc:
     return {key: labels[key] for key in ("app.kubernetes.io/name", "app.kubernetes.io/component")}
 
 
+def scaled_name(target: str) -> str:
+    """The name of the ScaledObject or ScaledJob of workload ``target``: its own, shortened with
+    a hash past what KEDA takes (the same every time, so that re-injection finds it)."""
+    return fitted(target, SCALED_NAME_LIMIT)
+
+
 def auth_name(name: str) -> str:
-    """The TriggerAuthentication of workload ``name``'s KEDA objects."""
-    return fitted(f"{name}-rabbitmq", NAME_LIMIT)
+    """The TriggerAuthentication of workload ``name``'s KEDA objects: named after the
+    ScaledObject or ScaledJob, so that a switch of mode and the ScaledJob's re-injection
+    (whose name it is then) find the same one."""
+    return fitted(f"{scaled_name(name)}-rabbitmq", NAME_LIMIT)
 
 
 def object_metadata(name: str, namespace: str | None, labels: Doc) -> Doc:
@@ -128,7 +140,9 @@ def _scaled_object(
     fresh = {
         "apiVersion": KEDA_API,
         "kind": "ScaledObject",
-        "metadata": object_metadata(target, namespace, dispatcher_labels(name, "autoscaling")),
+        "metadata": object_metadata(
+            scaled_name(target), namespace, dispatcher_labels(name, "autoscaling")
+        ),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target},
             "pollingInterval": 5,
@@ -146,7 +160,7 @@ def keda_objects(
 ) -> list[Doc]:
     """TriggerAuthentication + ScaledObject for a Deployment named ``target``."""
     auth = companions.take("TriggerAuthentication", namespace, auth_name(name))
-    scaled = companions.take("ScaledObject", namespace, target)
+    scaled = companions.take("ScaledObject", namespace, scaled_name(target))
     refuse_other_scalers(companions, namespace, target)
     return [
         trigger_authentication(name, namespace, wiring, auth),
@@ -180,7 +194,7 @@ def drop_own_scaled_object(companions: Companions, namespace: str | None, name: 
     """Job mode replaces the Deployment that a sidecar-mode injection scaled: the ScaledObject
     that injection wrote (its name and dispatcher-for label) goes, or it and the ScaledJob
     would both start consumers of the queue."""
-    found = companions.found.get(("ScaledObject", namespace or "", name))
+    found = companions.found.get(("ScaledObject", namespace or "", scaled_name(name)))
     labels = ((found or {}).get("metadata") or {}).get("labels") or {}
     if labels.get(DISPATCHER_FOR_LABEL) == fitted(name, LABEL_VALUE_LIMIT):
-        companions.take("ScaledObject", namespace, name)
+        companions.take("ScaledObject", namespace, scaled_name(name))

@@ -31,6 +31,7 @@ from conveyor.inject.keda import (
     object_metadata,
     rabbitmq_trigger,
     refuse_other_scalers,
+    scaled_name,
     trigger_authentication,
 )
 from conveyor.inject.pod import (
@@ -175,14 +176,30 @@ def _as_deployment(doc: Doc, name: str) -> Doc:
     }
 
 
+# What the Job controller puts in a Job's pod template from the Job's uid and name: a Job
+# exported from a cluster (`kubectl get job -o yaml`) carries them, and the API server refuses
+# any other Job whose template has them, so none of KEDA's Jobs could be created.
+JOB_CONTROLLER_LABELS = (
+    "batch.kubernetes.io/controller-uid",
+    "batch.kubernetes.io/job-name",
+    "controller-uid",
+    "job-name",
+)
+
+
 def _job_spec_from(doc: Doc) -> Doc:
-    """A Job's spec (or a Deployment's pod template) as a ScaledJob's jobTargetRef."""
+    """A Job's spec (or a Deployment's pod template) as a ScaledJob's jobTargetRef: without
+    what ties it to one Job (its selector, the controller's labels)."""
     spec = copy.deepcopy(doc.get("spec") or {})
     if doc["kind"] == "Deployment":
         spec = {"template": spec.get("template")}
     for key in ("selector", "manualSelector", "replicas", "strategy"):
         spec.pop(key, None)
     template = spec.get("template")
+    labels = ((template or {}).get("metadata") or {}).get("labels")
+    if isinstance(labels, dict):
+        for key in JOB_CONTROLLER_LABELS:
+            labels.pop(key, None)
     if isinstance(template, dict) and isinstance(template.get("spec"), dict):
         template["spec"].setdefault("restartPolicy", "Never")
         if template["spec"]["restartPolicy"] == "Always":
@@ -208,6 +225,9 @@ def _inject_job(
 ) -> list[Doc]:
     owner = name_of(doc)
     scaled_job = _as_scaled_job(doc)
+    # KEDA's limit on the name; the rest is named after it, as when the ScaledJob is re-injected.
+    scaled = scaled_name(name)
+    scaled_job["metadata"]["name"] = scaled
     spec = scaled_job.setdefault("spec", {})
     target = spec.get("jobTargetRef")
     if not isinstance(target, dict):
@@ -221,13 +241,13 @@ def _inject_job(
     # Jobs hold are in the queue length: the default strategy (queue length minus
     # running Jobs) starts one Job per ready message.
     spec.setdefault("scalingStrategy", {"strategy": "default"})
-    spec["triggers"] = [rabbitmq_trigger(wiring, auth_name(name))]
+    spec["triggers"] = [rabbitmq_trigger(wiring, auth_name(scaled))]
     namespace = (scaled_job.get("metadata") or {}).get("namespace")
     if doc["kind"] == "Deployment":  # the Deployment is gone: so is its autoscaler
         drop_own_scaled_object(companions, namespace, name)
         refuse_other_scalers(companions, namespace, name)
-    auth = companions.take("TriggerAuthentication", namespace, auth_name(name))
-    return [scaled_job, trigger_authentication(name, namespace, wiring, auth)]
+    auth = companions.take("TriggerAuthentication", namespace, auth_name(scaled))
+    return [scaled_job, trigger_authentication(scaled, namespace, wiring, auth)]
 
 
 def _knative_pod_spec(ksvc: Doc) -> Doc:

@@ -98,7 +98,16 @@ def _runs_dispatcher(container: Doc) -> bool:
 
 def _refuse_other_dispatchers(pod: Doc, owner: str) -> None:
     """A dispatcher under another name would be kept beside inject's: two of them on one
-    port, both consuming. Inject updates its own, found by its name."""
+    port, both consuming. Inject updates its own, found by its name among the containers; an
+    init container of that name would be a second container of it, which the API server
+    refuses."""
+    for container in pod.get("initContainers") or []:
+        if container.get("name") == DISPATCHER_CONTAINER:
+            raise InjectError(
+                f"{owner}: init container {DISPATCHER_CONTAINER!r} has the name of the "
+                "dispatcher inject adds, and a pod's containers need names of their own: "
+                "rename it"
+            )
     for container in (pod.get("containers") or []) + (pod.get("initContainers") or []):
         if container.get("name") != DISPATCHER_CONTAINER and _runs_dispatcher(container):
             raise InjectError(
@@ -130,13 +139,19 @@ def _native_sidecars(pod: Doc) -> list[Doc]:
 def _select_function(pod: Doc, template: Doc, requested: str | None, owner: str) -> Doc:
     containers = [c for c in pod.get("containers") or [] if isinstance(c, dict)]
     everything = containers + _native_sidecars(pod)
-    if not [c for c in everything if c.get("name") != DISPATCHER_CONTAINER]:
+    if not everything:
         raise InjectError(f"{owner} has no containers: nothing to inject the dispatcher next to")
     annotations = (template.get("metadata") or {}).get("annotations") or {}
     wanted = requested or annotations.get(FUNCTION_ANNOTATION)
+    others = [c for c in everything if c.get("name") != DISPATCHER_CONTAINER]
+    if wanted == DISPATCHER_CONTAINER or not others:
+        raise InjectError(
+            f"{owner}: the function's container is named {DISPATCHER_CONTAINER!r}, the "
+            "dispatcher's name: inject would take it for its dispatcher; rename it"
+        )
     if wanted:
         for container in everything:
-            if container.get("name") == wanted and wanted != DISPATCHER_CONTAINER:
+            if container.get("name") == wanted:
                 return container
         names = ", ".join(str(c.get("name")) for c in everything)
         raise InjectError(f"{owner} has no container named {wanted!r} (containers: {names})")
@@ -261,7 +276,7 @@ def _dispatcher_env(wiring: Wiring, function_url: str, port: int) -> list[Doc]:
         {"name": FUNCTION_URL, "value": function_url},
         {"name": CONCURRENCY, "value": str(wiring.concurrency)},
     ]
-    if wiring.prefetch_buffer:  # 0, the default, is left out
+    if wiring.mode is not Mode.JOB:  # written at 0 too: an envFrom's would change the prefetch
         env.append({"name": PREFETCH_BUFFER, "value": str(wiring.prefetch_buffer)})
     env += [
         {"name": SHUTDOWN_MODE, "value": str(wiring.shutdown_mode)},

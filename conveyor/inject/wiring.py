@@ -14,19 +14,23 @@ from conveyor.dispatcher_settings import PREFIX, ShutdownMode, dispatcher_variab
 from conveyor.inject.documents import Doc, InjectError
 
 # The dispatcher's variables, named by its settings (dispatcher_settings), never re-spelled.
+# Each one inject writes is spelled as the dispatcher reads it first, CONVEYOR_<NAME>: an env
+# entry beats an envFrom key of its name, so a ConfigMap or Secret the dispatcher takes with
+# envFrom adds settings but overrides none that the KEDA trigger, the grace period, the probes
+# or the NetworkPolicy were computed from.
 QUEUE = dispatcher_variable("queue", prefixed=True)
 AMQP_URL = dispatcher_variable("amqp_url", prefixed=True)
-FUNCTION_URL = dispatcher_variable("function_url")
-CONCURRENCY = dispatcher_variable("concurrency")
-PREFETCH_BUFFER = dispatcher_variable("prefetch_buffer")
-SHUTDOWN_MODE = dispatcher_variable("shutdown_mode")
-DRAIN_TIMEOUT = dispatcher_variable("drain_timeout")
-DISPATCHER_PORT = dispatcher_variable("dispatcher_port")
-ONE_SHOT = dispatcher_variable("one_shot")
-IDLE_EXIT_SECONDS = dispatcher_variable("idle_exit_seconds")
-HOSTNAME = dispatcher_variable("hostname")
-PROGRESS_PORT = dispatcher_variable("progress_port")
-POD_IP = dispatcher_variable("pod_ip")
+FUNCTION_URL = dispatcher_variable("function_url", prefixed=True)
+CONCURRENCY = dispatcher_variable("concurrency", prefixed=True)
+PREFETCH_BUFFER = dispatcher_variable("prefetch_buffer", prefixed=True)
+SHUTDOWN_MODE = dispatcher_variable("shutdown_mode", prefixed=True)
+DRAIN_TIMEOUT = dispatcher_variable("drain_timeout", prefixed=True)
+DISPATCHER_PORT = dispatcher_variable("dispatcher_port", prefixed=True)
+ONE_SHOT = dispatcher_variable("one_shot", prefixed=True)
+IDLE_EXIT_SECONDS = dispatcher_variable("idle_exit_seconds", prefixed=True)
+HOSTNAME = dispatcher_variable("hostname", prefixed=True)
+PROGRESS_PORT = dispatcher_variable("progress_port", prefixed=True)
+POD_IP = dispatcher_variable("pod_ip", prefixed=True)
 # Not managed: an operator sets it to serve /healthz, /readyz and /metrics on all interfaces.
 METRICS_PORT = dispatcher_variable("metrics_port")
 

@@ -206,6 +206,24 @@ class Dispatcher:
     def env(self) -> dict[str, Any]:
         return env(self.container)
 
+    def setting(self, name: str, default: Any = None) -> Any:
+        """The value (or valueFrom) the dispatcher takes ``name`` from: CONVEYOR_<NAME> first,
+        then <NAME>, as DispatcherSettings.from_env reads them."""
+        e = self.env
+        return e.get(f"CONVEYOR_{name}", e.get(name, default))
+
+
+def set_env(container: Doc, entries: list[Doc]) -> None:
+    """Sets ``entries`` as a user editing the manifest would: each in place of the container's
+    entries of the same dispatcher setting, whatever their spelling."""
+    edited = {_setting(e["name"]) for e in entries}
+    kept = [e for e in container.get("env") or [] if _setting(e["name"]) not in edited]
+    container["env"] = kept + entries
+
+
+def _setting(name: str) -> str:
+    return name.upper().removeprefix("CONVEYOR_")
+
 
 def dispatchers(docs: list[Doc]) -> list[Dispatcher]:
     return [
@@ -223,12 +241,12 @@ def check_dispatcher(d: Dispatcher) -> None:
     assert (isinstance(amqp, dict) and amqp["secretKeyRef"]["key"] == "amqp-url") or (
         isinstance(amqp, str) and amqp.startswith("amqp")
     ), where
-    assert int(e["CONCURRENCY"]) >= 1, where
-    assert e["SHUTDOWN_MODE"] in {"requeue", "drain"}, where
-    assert e["ONE_SHOT"] in {"0", "1"}, where
-    assert e["HOSTNAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}, where
+    assert int(d.setting("CONCURRENCY")) >= 1, where
+    assert d.setting("SHUTDOWN_MODE") in {"requeue", "drain"}, where
+    assert d.setting("ONE_SHOT") in {"0", "1"}, where
+    assert d.setting("HOSTNAME") == {"fieldRef": {"fieldPath": "metadata.name"}}, where
     assert d.container["command"] == ["conveyor", "dispatcher"], where
-    port = e["DISPATCHER_PORT"]
+    port = d.setting("DISPATCHER_PORT")
     metrics = e.get("CONVEYOR_METRICS_PORT", e.get("METRICS_PORT"))
     named = {p.get("name"): p["containerPort"] for p in d.container.get("ports") or []}
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
@@ -244,7 +262,7 @@ def check_dispatcher(d: Dispatcher) -> None:
             command = d.container[probe]["exec"]["command"]
             assert f"http://127.0.0.1:{port}{path}" in command[-1], (where, probe)
     grace = d.pod.spec.get("terminationGracePeriodSeconds", 30)
-    assert grace > int(e["DRAIN_TIMEOUT"]), f"{where}: grace {grace} <= DRAIN_TIMEOUT"
+    assert grace > int(d.setting("DRAIN_TIMEOUT")), f"{where}: grace {grace} <= DRAIN_TIMEOUT"
     if d.pod.owner["kind"] == "Deployment":
         assert grace < DEPLOYMENT_GRACE_LIMIT, f"{where}: grace {grace} >= 2 min"
     mounts = {m["mountPath"] for m in d.container.get("volumeMounts") or []}
@@ -267,13 +285,13 @@ def function_container(d: Dispatcher) -> Doc:
 
 def check_same_pod(d: Dispatcher) -> None:
     fn = function_container(d)
-    url = d.env["FUNCTION_URL"]
+    url = d.setting("FUNCTION_URL")
     match = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/", url)
     assert match, f"{d.pod.name}: FUNCTION_URL {url} is not the pod's loopback"
     ports = {p["containerPort"] for p in fn.get("ports") or []}
     port_env = env(fn).get("PORT")
     assert int(match.group(1)) in ports | ({int(port_env)} if port_env else set())
-    assert int(d.env["DISPATCHER_PORT"]) not in ports
+    assert int(d.setting("DISPATCHER_PORT")) not in ports
 
 
 # ------------------------------------------------------------------ KEDA
@@ -292,7 +310,7 @@ def check_trigger(trigger: Doc, d: Dispatcher, auths: dict[str, Doc]) -> None:
     assert meta["mode"] == "QueueLength", where
     assert meta["activationValue"] == "0", where
     # A replica holds CONCURRENCY calls plus PREFETCH_BUFFER waiting messages (SPEC §7).
-    held = int(d.env["CONCURRENCY"]) + int(d.env.get("PREFETCH_BUFFER", "0"))
+    held = int(d.setting("CONCURRENCY")) + int(d.setting("PREFETCH_BUFFER", "0"))
     assert meta["value"] == str(held), f"{where}: trigger value != CONCURRENCY + PREFETCH_BUFFER"
     assert meta["queueName"] == d.env["CONVEYOR_QUEUE"] + "-in", f"{where}: queue mismatch"
     assert "host" not in meta, f"{where}: credentials belong in a TriggerAuthentication"
@@ -315,12 +333,12 @@ def check_scaling(docs: list[Doc]) -> int:
     for d in ds:
         check_dispatcher(d)
         if d.pod.owner["kind"] == "ScaledJob":
-            assert d.env["ONE_SHOT"] == "1", f"{d.pod.name}: a Job's dispatcher is one-shot"
+            assert d.setting("ONE_SHOT") == "1", f"{d.pod.name}: a Job's dispatcher is one-shot"
             assert d.pod.spec.get("restartPolicy") in {"Never", "OnFailure"}
             check_same_pod(d)
             triggers = d.pod.owner["spec"]["triggers"]
         else:
-            assert d.env["ONE_SHOT"] == "0", d.pod.name
+            assert d.setting("ONE_SHOT") == "0", d.pod.name
             name = d.pod.owner["metadata"]["name"]
             targeting = [
                 so
@@ -353,10 +371,10 @@ def check_knative(docs: list[Doc]) -> None:
         feeding = [
             d
             for d in dispatchers(docs)
-            if d.env["FUNCTION_URL"] == f"http://{name}.$(POD_NAMESPACE).svc.cluster.local/"
+            if d.setting("FUNCTION_URL") == f"http://{name}.$(POD_NAMESPACE).svc.cluster.local/"
         ]
         assert len(feeding) == 1, f"{name}: {len(feeding)} dispatchers post to it"
-        names = [e["name"] for e in feeding[0].container["env"]]
+        names = [e["name"].removeprefix("CONVEYOR_") for e in feeding[0].container["env"]]
         assert names.index("POD_NAMESPACE") < names.index("FUNCTION_URL")
         assert feeding[0].env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 

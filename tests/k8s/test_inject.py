@@ -235,8 +235,8 @@ def test_options_reach_the_dispatcher_and_the_trigger() -> None:
     docs = load_documents(done.stdout)
     (d,) = checks.dispatchers(docs)
     assert d.container["image"] == "reg.example/d:2"
-    assert (d.env["CONVEYOR_QUEUE"], d.env["CONCURRENCY"]) == ("naps", "8")
-    assert (d.env["SHUTDOWN_MODE"], d.env["DRAIN_TIMEOUT"]) == ("drain", "60")
+    assert (d.env["CONVEYOR_QUEUE"], d.env["CONVEYOR_CONCURRENCY"]) == ("naps", "8")
+    assert (d.env["CONVEYOR_SHUTDOWN_MODE"], d.env["CONVEYOR_DRAIN_TIMEOUT"]) == ("drain", "60")
     assert d.env["CONVEYOR_AMQP_URL"]["secretKeyRef"] == {"name": "mq", "key": "amqp-url"}
     meta = one(docs, "ScaledObject")["spec"]["triggers"][0]["metadata"]
     assert (meta["queueName"], meta["value"]) == ("naps-in", "8")
@@ -258,10 +258,10 @@ def test_sidecar_layout() -> None:
     assert fn["name"] == "sleeper" and fn["restartPolicy"] == "Always"
     assert fn["startupProbe"]["tcpSocket"] == {"port": 8080}
     (d,) = checks.dispatchers(docs)
-    assert d.env["FUNCTION_URL"] == "http://127.0.0.1:8080/"
+    assert d.env["CONVEYOR_FUNCTION_URL"] == "http://127.0.0.1:8080/"
     assert d.env["CONVEYOR_QUEUE"] == "sleeper"
-    assert d.env["CONCURRENCY"] == "4" and d.env["SHUTDOWN_MODE"] == "requeue"
-    assert pod["terminationGracePeriodSeconds"] > int(d.env["DRAIN_TIMEOUT"])
+    assert d.env["CONVEYOR_CONCURRENCY"] == "4" and d.env["CONVEYOR_SHUTDOWN_MODE"] == "requeue"
+    assert pod["terminationGracePeriodSeconds"] > int(d.env["CONVEYOR_DRAIN_TIMEOUT"])
 
 
 def test_job_mode_writes_a_one_shot_scaled_job() -> None:
@@ -271,9 +271,13 @@ def test_job_mode_writes_a_one_shot_scaled_job() -> None:
     target = scaled_job["spec"]["jobTargetRef"]
     assert (target["parallelism"], target["completions"], target["backoffLimit"]) == (1, 1, 1)
     (d,) = checks.dispatchers(docs)
-    assert (d.env["ONE_SHOT"], d.env["CONCURRENCY"], d.env["SHUTDOWN_MODE"]) == ("1", "1", "drain")
-    assert d.env["IDLE_EXIT_SECONDS"] == "60"
-    assert d.env["FUNCTION_URL"] == "http://127.0.0.1:9000/"
+    assert (
+        d.env["CONVEYOR_ONE_SHOT"],
+        d.env["CONVEYOR_CONCURRENCY"],
+        d.env["CONVEYOR_SHUTDOWN_MODE"],
+    ) == ("1", "1", "drain")
+    assert d.env["CONVEYOR_IDLE_EXIT_SECONDS"] == "60"
+    assert d.env["CONVEYOR_FUNCTION_URL"] == "http://127.0.0.1:9000/"
     assert scaled_job["spec"]["triggers"][0]["metadata"]["value"] == "1"
 
 
@@ -304,11 +308,11 @@ def test_knative_mode_feeds_the_service_from_a_dispatcher_deployment() -> None:
     so = one(docs, "ScaledObject")
     assert so["spec"]["scaleTargetRef"]["name"] == "echo-dispatcher"
     (d,) = checks.dispatchers(docs)
-    assert d.env["FUNCTION_URL"] == "http://echo.$(POD_NAMESPACE).svc.cluster.local/"
+    assert d.env["CONVEYOR_FUNCTION_URL"] == "http://echo.$(POD_NAMESPACE).svc.cluster.local/"
     # Progress from the function's pods (SPEC §11.5): the pod IP and a port of its own, open
     # to the function's pods only.
-    assert d.env["PROGRESS_PORT"] == "8082"
-    assert d.env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert d.env["CONVEYOR_PROGRESS_PORT"] == "8082"
+    assert d.env["CONVEYOR_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert {"name": "progress", "containerPort": 8082} in d.container["ports"]
     policy = one(docs, "NetworkPolicy")
     assert (
@@ -373,7 +377,7 @@ def test_multi_container_round_trip_preserves_everything_else() -> None:
     for generated in docs[2:]:
         assert generated["metadata"]["namespace"] == "media"
     (d,) = checks.dispatchers(docs)
-    assert d.env["FUNCTION_URL"] == "http://127.0.0.1:8000/"
+    assert d.env["CONVEYOR_FUNCTION_URL"] == "http://127.0.0.1:8000/"
     checks.check_same_pod(d)
     checks.validate_all(docs, crd_dir=None)
 
@@ -390,10 +394,10 @@ def test_reinjection_keeps_settings_and_applies_new_ones() -> None:
     once, _ = inject_yaml(DEPLOYMENT, InjectOptions(concurrency=8, queue="naps"))
     kept = load_documents(inject_yaml(once, InjectOptions())[0])
     (d,) = checks.dispatchers(kept)
-    assert (d.env["CONCURRENCY"], d.env["CONVEYOR_QUEUE"]) == ("8", "naps")
+    assert (d.env["CONVEYOR_CONCURRENCY"], d.env["CONVEYOR_QUEUE"]) == ("8", "naps")
     changed = load_documents(inject_yaml(once, InjectOptions(concurrency=2))[0])
     (d,) = checks.dispatchers(changed)
-    assert d.env["CONCURRENCY"] == "2"
+    assert d.env["CONVEYOR_CONCURRENCY"] == "2"
     assert one(changed, "ScaledObject")["spec"]["triggers"][0]["metadata"]["value"] == "2"
     assert len(changed) == 3, "re-injection must update the KEDA objects, not add more"
 
@@ -409,8 +413,8 @@ def test_dispatcher_port_moves_off_the_functions_port() -> None:
     text = DEPLOYMENT.replace('value: "8080"', 'value: "8081"').replace("port: 8080", "port: 8081")
     docs = inject(text)
     (d,) = checks.dispatchers(docs)
-    assert d.env["FUNCTION_URL"] == "http://127.0.0.1:8081/"
-    assert d.env["DISPATCHER_PORT"] == "8082"
+    assert d.env["CONVEYOR_FUNCTION_URL"] == "http://127.0.0.1:8081/"
+    assert d.env["CONVEYOR_DISPATCHER_PORT"] == "8082"
     checks.check_dispatcher(d)
 
 

@@ -5,6 +5,7 @@ must agree with what inject derived from it (KEDA's `value`, the grace period)."
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -37,9 +38,10 @@ def dispatcher(docs: list[dict]) -> checks.Dispatcher:
 
 
 def reinject_with(text: str, env: list[dict]) -> tuple[list[dict], list[str]]:
-    """Injects, adds ``env`` to the dispatcher as a user would, and injects again."""
+    """Injects, sets ``env`` on the dispatcher as a user would (in place of inject's entry of
+    the same setting), and injects again."""
     docs, _ = inject(text)
-    dispatcher(docs).container["env"] += env
+    checks.set_env(dispatcher(docs).container, env)
     return inject(dump_documents(docs))
 
 
@@ -58,13 +60,17 @@ def service_links(name: str, ip: str, port: int) -> dict[str, str]:
     }
 
 
-def process_env(d: checks.Dispatcher, services: tuple[str, ...] = ()) -> dict[str, str]:
+def process_env(
+    d: checks.Dispatcher, services: tuple[str, ...] = (), env_from: dict[str, str] | None = None
+) -> dict[str, str]:
     """The dispatcher process's environment: Service links (unless the pod turns them off),
-    then the container's env over them, in order, `$(VAR)` expanded."""
+    then the keys of its envFrom sources (``env_from``), then the container's env over them,
+    in order, `$(VAR)` expanded."""
     env: dict[str, str] = {}
     if d.pod.spec.get("enableServiceLinks", True) is not False:
         for name in services:
             env |= service_links(name, "10.96.0.12", 9090)
+    env |= env_from or {}
     for entry in d.container.get("env") or []:
         source = entry.get("valueFrom") or {}
         if "fieldRef" in source:
@@ -131,7 +137,7 @@ def test_prefixed_drain_settings_set_the_grace_period(prefix: str) -> None:
     assert (run.shutdown_mode, run.drain_timeout) == (ShutdownMode.DRAIN, 300)
     assert d.pod.spec["terminationGracePeriodSeconds"] > run.drain_timeout
     assert any("job mode" in w for w in warnings)  # 300 s in a Deployment is still warned of
-    assert (d.env["SHUTDOWN_MODE"], d.env["DRAIN_TIMEOUT"]) == ("drain", "300")
+    assert (d.env["CONVEYOR_SHUTDOWN_MODE"], d.env["CONVEYOR_DRAIN_TIMEOUT"]) == ("drain", "300")
 
 
 def test_prefixed_concurrency_sets_the_keda_value() -> None:
@@ -144,13 +150,14 @@ def test_prefixed_concurrency_sets_the_keda_value() -> None:
     checks.check_scaling(docs)
 
 
-# A copy in the other spelling of a variable inject writes, with what it would change.
+# A copy in the other spelling of a variable inject writes (it writes CONVEYOR_<NAME>, which
+# the dispatcher reads first), with what it would change.
 OTHER_SPELLINGS = {
-    "CONVEYOR_ONE_SHOT": "1",
-    "CONVEYOR_FUNCTION_URL": "http://127.0.0.1:9999/",
-    "CONVEYOR_HOSTNAME": "fixed-name",
-    "CONVEYOR_DISPATCHER_PORT": "8080",  # the function's own port
-    "QUEUE": "elsewhere",  # inject writes CONVEYOR_QUEUE, which the dispatcher reads first
+    "ONE_SHOT": "1",
+    "FUNCTION_URL": "http://127.0.0.1:9999/",
+    "HOSTNAME": "fixed-name",
+    "DISPATCHER_PORT": "8080",  # the function's own port
+    "QUEUE": "elsewhere",
 }
 
 
@@ -158,9 +165,9 @@ OTHER_SPELLINGS = {
 def test_one_variable_per_setting(variable: str) -> None:
     """Found by a review: a user's copy of a variable in the other spelling was kept beside
     inject's, and the prefixed one won in the dispatcher. Now each setting is written once."""
-    docs, _ = reinject_with(
-        BARE_DEPLOYMENT, [{"name": variable, "value": OTHER_SPELLINGS[variable]}]
-    )
+    docs, _ = inject(BARE_DEPLOYMENT)
+    dispatcher(docs).container["env"] += [{"name": variable, "value": OTHER_SPELLINGS[variable]}]
+    docs, _ = inject(dump_documents(docs))
     d = dispatcher(docs)
     fields = [e["name"].upper().removeprefix("CONVEYOR_") for e in d.container["env"]]
     assert len(fields) == len(set(fields)), fields
@@ -184,7 +191,7 @@ def test_service_links_cannot_reach_the_dispatcher(mode: str, service: str) -> N
     docs, _ = inject(BARE[mode])
     d = dispatcher(docs)
     run = settings(d, services=(service,))
-    assert run.dispatcher_port == int(d.env["DISPATCHER_PORT"])
+    assert run.dispatcher_port == int(d.env["CONVEYOR_DISPATCHER_PORT"])
     assert d.pod.spec["enableServiceLinks"] is False
 
 
@@ -219,7 +226,7 @@ def test_a_fraction_of_a_second_is_kept_as_written(mode: str, variable: str, val
     docs, _ = reinject_with(BARE[mode], [{"name": variable, "value": value}])
     d = dispatcher(docs)
     run = settings(d)
-    assert d.env[variable] == value
+    assert d.env[f"CONVEYOR_{variable}"] == value
     assert getattr(run, variable.lower()) == float(value)
     assert d.pod.spec["terminationGracePeriodSeconds"] > run.drain_timeout
     assert inject(dump_documents(docs))[0] == docs
@@ -252,7 +259,7 @@ def test_idle_exit_seconds_of_zero_is_refused_in_job_mode() -> None:
 def test_an_integer_is_read_as_the_dispatcher_reads_it() -> None:
     """`4.0` is an integer to the dispatcher: inject takes it too (and writes 4)."""
     docs, _ = reinject_with(BARE_DEPLOYMENT, [{"name": "CONCURRENCY", "value": "4.0"}])
-    assert dispatcher(docs).env["CONCURRENCY"] == "4" and trigger_value(docs) == 4
+    assert dispatcher(docs).env["CONVEYOR_CONCURRENCY"] == "4" and trigger_value(docs) == 4
 
 
 def test_a_function_url_that_is_no_url_gets_inject_s_own() -> None:
@@ -273,7 +280,7 @@ def test_the_functions_path_is_kept(mode: str) -> None:
         BARE[mode], [{"name": "FUNCTION_URL", "value": "http://127.0.0.1:8080/invoke?v=2"}]
     )
     d = dispatcher(docs)
-    assert d.env["FUNCTION_URL"].endswith("/invoke?v=2"), d.env["FUNCTION_URL"]
+    assert d.env["CONVEYOR_FUNCTION_URL"].endswith("/invoke?v=2"), d.env["CONVEYOR_FUNCTION_URL"]
     run = settings(d)
     assert run.function_url.endswith("/invoke?v=2")
     assert inject(dump_documents(docs))[0] == docs
@@ -298,7 +305,7 @@ def test_a_setting_from_a_config_map_is_not_replaced_without_a_word(
     it; given by its option, the option's value is written."""
     reference = {"configMapKeyRef": {"name": "fn-settings", "key": variable.lower()}}
     docs, _ = inject(BARE_DEPLOYMENT)
-    dispatcher(docs).container["env"] += [{"name": variable, "valueFrom": reference}]
+    checks.set_env(dispatcher(docs).container, [{"name": variable, "valueFrom": reference}])
     text = dump_documents(docs)
     with pytest.raises(InjectError, match=f"{variable} from valueFrom"):
         inject(text)
@@ -313,3 +320,49 @@ def test_a_setting_from_a_config_map_is_not_replaced_without_a_word(
     if variable == "CONVEYOR_QUEUE":
         assert dispatcher(again).env["CONVEYOR_QUEUE"] == "jobs"
     checks.check_scaling(again)
+
+
+# ------------------------------------------------------- envFrom on the dispatcher
+
+# A ConfigMap (or Secret) of the dispatcher's settings, as an operator writes one: each
+# setting inject writes, in the spelling the dispatcher reads first, and one it does not.
+SETTINGS_CONFIG_MAP = {
+    "CONVEYOR_QUEUE": "elsewhere",
+    "CONVEYOR_FUNCTION_URL": "http://127.0.0.1:9999/",
+    "CONVEYOR_CONCURRENCY": "16",
+    "CONVEYOR_PREFETCH_BUFFER": "8",
+    "CONVEYOR_SHUTDOWN_MODE": "drain",
+    "CONVEYOR_DRAIN_TIMEOUT": "100",
+    "CONVEYOR_DISPATCHER_PORT": "7000",
+    "CONVEYOR_ONE_SHOT": "1",
+    "CONVEYOR_IDLE_EXIT_SECONDS": "5",
+    "CONVEYOR_PROGRESS_PORT": "7001",
+    "CONVEYOR_POD_IP": "10.0.0.99",
+    "CONVEYOR_HOSTNAME": "fixed-name",
+    "CONVEYOR_LOG_FORMAT": "json",
+}
+
+
+@pytest.mark.parametrize("mode", sorted(BARE))
+def test_env_from_on_the_dispatcher_overrides_nothing_inject_wrote(mode: str) -> None:
+    """Found by a black-box sweep: an envFrom ConfigMap with CONVEYOR_CONCURRENCY=16 and
+    CONVEYOR_DRAIN_TIMEOUT=100 made the dispatcher run 16 calls under a KEDA value of 4, and
+    drain 100 s in a 45 s grace period (inject wrote CONCURRENCY, which the dispatcher reads
+    after CONVEYOR_CONCURRENCY). An env entry beats an envFrom key of its name: what inject
+    writes wins whatever the source holds; the source still sets what inject does not."""
+    docs, _ = inject(BARE[mode])
+    dispatcher(docs).container["envFrom"] = [{"configMapRef": {"name": "dispatcher-settings"}}]
+    docs, _ = inject(dump_documents(docs))
+    d = dispatcher(docs)
+    assert d.container["envFrom"] == [{"configMapRef": {"name": "dispatcher-settings"}}]
+    run = DispatcherSettings.from_env(process_env(d, env_from=SETTINGS_CONFIG_MAP))
+    fields = {f.name for f in dataclasses.fields(DispatcherSettings)}
+    written = {e["name"].upper().removeprefix("CONVEYOR_").lower() for e in d.container["env"]}
+    for field in sorted(written & fields):
+        assert getattr(run, field) == getattr(settings(d), field), field
+    assert run.log_format == "json"
+    held = 1 if run.one_shot else run.concurrency + run.prefetch_buffer  # its prefetch
+    assert trigger_value(docs) == held
+    assert d.pod.spec["terminationGracePeriodSeconds"] > run.drain_timeout
+    checks.check_scaling(docs)
+    assert inject(dump_documents(docs))[0] == docs

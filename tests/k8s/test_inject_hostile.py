@@ -29,10 +29,11 @@ def refused(args: list[str], text: str, *says: str) -> str:
 
 
 def with_dispatcher_env(text: str, env: list[dict], mode: Mode | None = None) -> str:
-    """Injects, then adds ``env`` to the dispatcher as a user would."""
+    """Injects, then sets ``env`` on the dispatcher as a user would (in place of inject's entry
+    of the same setting)."""
     docs = inject(text, mode=mode)
     (d,) = checks.dispatchers(docs)
-    d.container["env"] += env
+    checks.set_env(d.container, env)
     return dump_documents(docs)
 
 
@@ -71,7 +72,7 @@ def test_a_switch_of_mode_keeps_what_the_user_chose() -> None:
         mode=Mode.JOB,
     )
     (d,) = checks.dispatchers(docs)
-    assert (d.env["DRAIN_TIMEOUT"], d.env["SHUTDOWN_MODE"]) == ("45", "drain")
+    assert (d.env["CONVEYOR_DRAIN_TIMEOUT"], d.env["CONVEYOR_SHUTDOWN_MODE"]) == ("45", "drain")
     assert d.pod.spec["terminationGracePeriodSeconds"] == 900
 
 
@@ -125,7 +126,7 @@ def test_a_metrics_port_taken_in_the_pod_is_refused(text: str, port: str) -> Non
 def test_a_metrics_port_on_the_dispatcher_port_moves_the_dispatcher_port() -> None:
     text = with_dispatcher_env(BARE_DEPLOYMENT, [{"name": "METRICS_PORT", "value": "8081"}])
     (d,) = checks.dispatchers(inject(text))
-    assert (d.env["METRICS_PORT"], d.env["DISPATCHER_PORT"]) == ("8081", "8082")
+    assert (d.env["METRICS_PORT"], d.env["CONVEYOR_DISPATCHER_PORT"]) == ("8081", "8082")
 
 
 # ------------------------------------------- 3. another ScaledObject of the same workload
@@ -287,3 +288,96 @@ def test_job_mode_beside_a_native_sidecar_is_accepted() -> None:
     )
     docs = inject(text)
     assert one(docs, "ScaledJob")["spec"]["jobTargetRef"]["template"]["spec"]["containers"]
+
+
+# ------------------------------------------- 10. a long name and KEDA's own names
+
+SCALED_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+LONG_DEPLOYMENT = BARE_DEPLOYMENT.replace("{name: fn}", "{name: " + "a" * 70 + "}")
+LONG_JOB = BARE_JOB.replace("{name: batch}", "{name: " + "b" * 70 + "}")
+LONG_KSVC = BARE_KSVC.replace("{name: echo}", "{name: " + "k" * 55 + "}")
+
+
+@pytest.mark.parametrize(
+    ("text", "args", "kind", "target"),
+    [
+        (LONG_DEPLOYMENT, [], "ScaledObject", "a" * 70),
+        (LONG_DEPLOYMENT, ["--mode", "job"], "ScaledJob", None),
+        (LONG_JOB, [], "ScaledJob", None),
+        (LONG_KSVC, [], "ScaledObject", "k" * 55 + "-dispatcher"),
+    ],
+    ids=["sidecar", "job-from-deployment", "job", "knative"],
+)
+def test_a_long_name_gives_keda_objects_names_keda_takes(
+    text: str, args: list[str], kind: str, target: str | None
+) -> None:
+    """Found by a black-box sweep: a 70-character Deployment got a ScaledObject of that name,
+    a 55-character Knative Service `<name>-dispatcher` (66). KEDA puts the name in label values
+    (`scaledobject.keda.sh/name`, `scaledjob.keda.sh/name`; 63 at most) and names the HPA
+    `keda-hpa-<name>`: its webhook refuses names over 54. Shortened with a hash, the object
+    still scales the workload of the full name, and re-injection changes nothing."""
+    done = run_cli(*args, "--queue", "fn", stdin=text)
+    assert done.returncode == 0, done.stderr
+    docs = load_documents(done.stdout)
+    name = one(docs, kind)["metadata"]["name"]
+    assert len(name) <= 54 and SCALED_NAME.fullmatch(name), (len(name), name)
+    if target is not None:
+        assert one(docs, kind)["spec"]["scaleTargetRef"]["name"] == target
+    checks.check_scaling(docs)
+    assert run_cli(*args, stdin=done.stdout).stdout == done.stdout
+
+
+# ------------------------------------ 11. a container named like the dispatcher
+
+NAMED_DISPATCHER_INIT = {
+    "plain": "{name: conveyor-dispatcher, image: busybox, command: [sh, -c, 'sleep 1']}",
+    "native-sidecar": "{name: conveyor-dispatcher, restartPolicy: Always, image: busybox}",
+}
+
+
+@pytest.mark.parametrize("how", sorted(NAMED_DISPATCHER_INIT))
+def test_an_init_container_named_like_the_dispatcher_is_refused(how: str) -> None:
+    """Found by a black-box sweep: inject added its dispatcher beside an init container of the
+    same name, and the API server refuses a pod whose containers share a name."""
+    text = BARE_DEPLOYMENT + f"      initContainers:\n        - {NAMED_DISPATCHER_INIT[how]}\n"
+    refused([], text, "init container", "'conveyor-dispatcher'")
+
+
+@pytest.mark.parametrize("args", [[], ["--container", "conveyor-dispatcher"]])
+def test_a_function_named_like_the_dispatcher_is_told_so(args: list[str]) -> None:
+    """Found by a black-box sweep: the pod was said to have no containers at all."""
+    text = BARE_DEPLOYMENT.replace("- name: fn\n", "- name: conveyor-dispatcher\n")
+    said = refused(args, text, "'conveyor-dispatcher'", "dispatcher's name")
+    assert "no container" not in said, said
+
+
+# ------------------------------------------------ 12. a Job exported from a cluster
+
+EXPORTED_JOB = """\
+apiVersion: batch/v1
+kind: Job
+metadata: {name: fnjob, uid: 0b0c7f1e-4f3a-4b8e-9f7e-1234567890ab}
+spec:
+  selector: {matchLabels: {batch.kubernetes.io/controller-uid: 0b0c7f1e-4f3a-4b8e-9f7e-1234567890ab}}
+  template:
+    metadata:
+      labels:
+        app: fnjob
+        batch.kubernetes.io/controller-uid: 0b0c7f1e-4f3a-4b8e-9f7e-1234567890ab
+        batch.kubernetes.io/job-name: fnjob
+        controller-uid: 0b0c7f1e-4f3a-4b8e-9f7e-1234567890ab
+        job-name: fnjob
+    spec:
+      restartPolicy: Never
+      containers: [{name: fn, image: example/fn:1, ports: [{containerPort: 8080}]}]
+"""
+
+
+def test_an_exported_job_s_controller_labels_are_dropped() -> None:
+    """Found by a black-box sweep: `kubectl get job -o yaml` keeps the labels the Job controller
+    set from the Job's uid and name; the API server requires them to match each new Job's, so
+    KEDA could create none. They go with the selector; the author's labels stay."""
+    docs = inject(EXPORTED_JOB)
+    template = one(docs, "ScaledJob")["spec"]["jobTargetRef"]["template"]
+    assert template["metadata"]["labels"] == {"app": "fnjob"}
+    assert inject(dump_documents(docs)) == docs

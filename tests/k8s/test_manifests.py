@@ -74,22 +74,25 @@ def test_sidecar_and_job_share_the_pod(render: Render) -> None:
 
 def test_job_mode_is_one_shot_and_drains(render: Render) -> None:
     (dispatcher,) = checks.dispatchers(render(REPO_ROOT / "keda/sleeper-job"))
-    assert dispatcher.env["ONE_SHOT"] == "1"
-    assert dispatcher.env["CONCURRENCY"] == "1"
-    assert dispatcher.env["SHUTDOWN_MODE"] == "drain"
+    assert dispatcher.env["CONVEYOR_ONE_SHOT"] == "1"
+    assert dispatcher.env["CONVEYOR_CONCURRENCY"] == "1"
+    assert dispatcher.env["CONVEYOR_SHUTDOWN_MODE"] == "drain"
     grace = dispatcher.pod.spec["terminationGracePeriodSeconds"]
-    assert grace > int(dispatcher.env["DRAIN_TIMEOUT"])
+    assert grace > int(dispatcher.env["CONVEYOR_DRAIN_TIMEOUT"])
 
 
 def test_knative_dispatcher_posts_to_the_cluster_local_service(render: Render) -> None:
     docs = render(REPO_ROOT / "knative/sleeper")
     (dispatcher,) = checks.dispatchers(docs)
     assert dispatcher.pod.owner["kind"] == "Deployment"
-    assert dispatcher.env["FUNCTION_URL"] == "http://sleeper.$(POD_NAMESPACE).svc.cluster.local/"
+    assert (
+        dispatcher.env["CONVEYOR_FUNCTION_URL"]
+        == "http://sleeper.$(POD_NAMESPACE).svc.cluster.local/"
+    )
     (ksvc,) = [d for d in docs if d["apiVersion"] == "serving.knative.dev/v1"]
     assert ksvc["spec"]["template"]["spec"]["timeoutSeconds"] >= 300  # sleeper's taskTimeout
     # Progress from the function's pods (SPEC §11.5), on a port only they may reach.
-    port = int(dispatcher.env["PROGRESS_PORT"])
+    port = int(dispatcher.env["CONVEYOR_PROGRESS_PORT"])
     assert {"name": "progress", "containerPort": port} in dispatcher.container["ports"]
     (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
     labels = dispatcher.pod.template["metadata"]["labels"]
@@ -140,7 +143,9 @@ def test_pre_129_fallback_is_valid_on_old_clusters(render: Render) -> None:
     (dispatcher,) = checks.dispatchers(docs)
     sleep = int(pod["containers"][1]["lifecycle"]["preStop"]["exec"]["command"][1])
     # The function outlives the drain, and the pod's grace period outlives both.
-    assert int(dispatcher.env["DRAIN_TIMEOUT"]) < sleep < pod["terminationGracePeriodSeconds"]
+    assert (
+        int(dispatcher.env["CONVEYOR_DRAIN_TIMEOUT"]) < sleep < pod["terminationGracePeriodSeconds"]
+    )
 
 
 def _gateway_docs(render: Render) -> dict[str, dict]:

@@ -54,6 +54,10 @@ class Program:
     stop_first: bool = False
 
 
+class PortError(ValueError):
+    """A CONVEYOR_UP_*_PORT setting that is no port number."""
+
+
 @dataclass(frozen=True)
 class Ports:
     gateway: int = 8000
@@ -62,8 +66,15 @@ class Ports:
 
     @classmethod
     def from_env(cls) -> Ports:
+        """PortError naming the setting for anything but a port number (`abc` was int()'s
+        traceback, 70000 bind()'s)."""
+
         def port(name: str, default: int) -> int:
-            return int(os.environ.get(f"CONVEYOR_UP_{name}_PORT") or default)
+            setting = f"CONVEYOR_UP_{name}_PORT"
+            value = os.environ.get(setting) or str(default)
+            if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 65535):
+                raise PortError(f"{setting} must be a port number from 1 to 65535, not {value!r}")
+            return int(value)
 
         return cls(port("GATEWAY", 8000), port("FUNCTION", 8080), port("DISPATCHER", 8081))
 
@@ -410,7 +421,12 @@ async def up(ports: Ports, console: Console) -> int:
 
 
 def main() -> int:
-    return asyncio.run(up(Ports.from_env(), Console()))
+    try:
+        ports = Ports.from_env()
+    except PortError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return asyncio.run(up(ports, Console()))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -133,6 +135,21 @@ def test_ports_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         8080,
         "http://127.0.0.1:18000",
     )
+
+
+@pytest.mark.parametrize("value", ["abc", "70000", "-5", "0", "\uff18\uff10\uff10\uff10"])
+def test_a_port_setting_that_is_no_port_is_named_in_one_line(value: str) -> None:
+    """Found by a black-box sweep: `abc` ended `make up` in a traceback about int(), 70000 or
+    -5 in bind()'s OverflowError, neither naming the setting."""
+    env = {**os.environ, "CONVEYOR_UP_FUNCTION_PORT": value}
+    done = subprocess.run(
+        [PYTHON, "-m", "scripts.up"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr + done.stdout
+    said = (done.stderr + done.stdout).strip()
+    assert said.startswith("error: CONVEYOR_UP_FUNCTION_PORT"), said
+    assert "1 to 65535" in said
 
 
 async def test_a_child_that_cannot_start_stops_everything_instead_of_looping() -> None:

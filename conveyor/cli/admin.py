@@ -336,7 +336,14 @@ async def _tell_dispatchers(deleted: DeletedService) -> bool:
     settings = GatewaySettings()
     broker = Broker(settings.amqp_url, heartbeat=settings.amqp_heartbeat)
     try:
+        # Connected first: `tell_dispatchers` declares the `-cancels` streams only on a
+        # connected broker (a gateway's outage is the publish's to report), and a cancel sent
+        # to a `-control` exchange bound to no stream reaches no dispatcher started later.
+        async with asyncio.timeout(settings.publish_timeout):
+            await broker.connect()
         return await tell_dispatchers(broker, deleted.queue_names, deleted.ended)
+    except Exception:  # unreachable, refused: the caller warns that cancels may be missing
+        return False
     finally:
         await broker.close()
 

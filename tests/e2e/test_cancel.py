@@ -191,6 +191,40 @@ def test_tasks_a_service_delete_ended_are_not_run_afterwards(
     assert len(calls_of(call_log, running)) == 1
 
 
+def test_tasks_a_service_delete_ended_while_no_dispatcher_ran_are_not_run_by_a_later_one(
+    stack: Stack, platform: Platform, call_log: Path, database_url: str
+) -> None:
+    """Found by a black-box sweep: with no dispatcher running (scaled to zero), the CLI's
+    broker was not connected yet when it declared the service's `-cancels` stream, so it
+    declared nothing, and the cancels went to a `-control` exchange no queue was bound to:
+    the dispatcher KEDA then started for the messages left in `-in` called the function for
+    every task the delete had ended."""
+    waiting = [stack.submit({"sleep": 0}) for _ in range(3)]
+    env = {
+        **os.environ,
+        "CONVEYOR_DATABASE_URL": database_url,
+        "CONVEYOR_AMQP_URL": stack.amqp_url,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "admin", "service", "delete", stack.service.name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "3 unfinished tasks" in done.stdout
+    assert "warning" not in done.stderr, done.stderr
+    platform.apply(
+        {"services": [{"name": stack.service.name, "queueName": stack.service.queue_name}]}
+    )
+    stack.dispatcher("pod-b")
+    assert wait_until(lambda: _in_queue_empty(stack), 15)
+    time.sleep(1.0)
+    assert [calls_of(call_log, task_id) for task_id in waiting] == [[], [], []]
+
+
 def test_a_task_its_function_failed_with_the_cancel_message_is_not_taken_for_cancelled(
     stack: Stack, platform: Platform
 ) -> None:

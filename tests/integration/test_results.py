@@ -32,6 +32,7 @@ import httpx
 import psycopg
 import pytest
 
+from conveyor import headers as h
 from conveyor import topology
 from conveyor.events import (
     EventKind,
@@ -522,6 +523,42 @@ def test_submissions_in_a_moved_queue_move_once_when_only_the_gateways_declare_t
         time.sleep(2.0)  # a republish comes after the 1 s a restored queue is left to settle
         taken = take_all(amqp_url, new_in)
         assert sorted(decode_submission(m, svc.name).task_id for m in taken) == sorted(waiting)
+    finally:
+        remove_service(platform, amqp_url, moved)
+
+
+@pytest.mark.timeout(90)
+def test_a_service_moved_back_to_a_queue_it_left_takes_its_submissions_there_once(
+    replicas: list[GatewayProcess], svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a black-box sweep: a service moved back to the queue name it had left was
+    still consumed there as a left-behind `-in` until the next refresh, and each new
+    submission was "moved" into the very queue it was in, taken again, moved again: 136 times
+    in 2.4 s for one task, and the copies the refresh handed back counted as crashes. The
+    first gateway to move one into the queue it came from stops consuming that queue as one
+    left behind: a gateway that took a copy before its own consumer there ended moves it once
+    more, none twice."""
+    gateway = replicas[0]
+    old_in = topology.in_queue(svc.queue_name)
+    moved = Service(svc.name, f"{svc.queue_name}-moved", svc.clients)
+    platform.apply({"services": [{"name": svc.name, "queueName": moved.queue_name}]})
+    _declare_as_admin_apply(amqp_url, moved.queue_name, MessageFormat.CLOUDEVENTS)
+    try:
+        wait_until(lambda: consumer_count(amqp_url, old_in) == len(replicas), what="retired")
+        platform.apply({"services": [{"name": svc.name, "queueName": svc.queue_name}]})
+        waiting = _submit_all(gateway, svc, [{"n": n} for n in range(5)])
+        wait_until(lambda: consumer_count(amqp_url, old_in) == 0, 20, what="no longer retired")
+        time.sleep(1.0)
+        taken = take_all(amqp_url, old_in)
+        task_ids = [decode_submission(m, svc.name).task_id for m in taken]
+        assert sorted(task_ids) == sorted(waiting)  # each once, none lost
+        assert [(h.REQUEUES in m.headers, h.CRASHES in m.headers) for m in taken] == [
+            (False, False)
+        ] * 5
+        logged = "".join(r.proc.log_path.read_text(errors="replace") for r in replicas)
+        moves = [line for line in logged.splitlines() if "submission moved" in line]
+        per_task = {t: sum(t in line for line in moves) for t in waiting}
+        assert max(per_task.values()) <= 1 + len(replicas), per_task
     finally:
         remove_service(platform, amqp_url, moved)
 

@@ -4,6 +4,12 @@
 "use strict";
 
 const REFRESH_MS = 2000;
+// A gateway that accepts connections but does not answer must not leave the page saying "live".
+const TIMEOUT_MS = 5000;
+// What the page shows of a request or a response: a client's 1 MiB of nested arrays pretty-prints
+// to 130 M characters, which froze the tab. Pretty only while small, and never more than SHOWN_CHARS.
+const PRETTY_CHARS = 20_000;
+const SHOWN_CHARS = 100_000;
 const KEY = "conveyor.operator";
 const STATUSES = ["PENDING", "IN_PROGRESS", "SUCCESS", "FAILURE"];
 const main = () => document.getElementById("main");
@@ -28,9 +34,18 @@ class Forbidden extends Error {}
 async function api(path) {
   const auth = sessionStorage.getItem(KEY);
   if (!auth) throw new Forbidden();
-  const answer = await fetch(path, { headers: { Authorization: "Basic " + auth } });
-  if (answer.status === 403) throw new Forbidden();
-  const body = await answer.json();
+  const abort = new AbortController();
+  const timeout = setTimeout(() => abort.abort(), TIMEOUT_MS);
+  let body;
+  try {
+    const answer = await fetch(path, { headers: { Authorization: "Basic " + auth }, signal: abort.signal });
+    if (answer.status === 403) throw new Forbidden();
+    body = await answer.json();
+  } catch (err) {
+    throw abort.signal.aborted ? new Error(`no answer within ${TIMEOUT_MS / 1000} s`) : err;
+  } finally {
+    clearTimeout(timeout);
+  }
   if (body.status !== "success") throw new Error(body.error ? body.error.description : "error");
   return body.data;
 }
@@ -171,6 +186,28 @@ function fields(pairs) {
   );
 }
 
+// The last block drawn per name ("request", "response"), with the compact JSON it shows: an
+// unchanged value keeps its node at each refresh instead of being rebuilt and laid out again.
+const jsonBlocks = new Map();
+
+function jsonBlock(name, value) {
+  const compact = JSON.stringify(value) ?? "null";
+  const kept = jsonBlocks.get(name);
+  if (kept && kept.compact === compact) return kept.node;
+  // Indentation multiplies deep JSON (2 spaces a level): pretty only while that stays small.
+  const pretty = compact.length <= PRETTY_CHARS ? JSON.stringify(value, null, 2) : compact;
+  const text = pretty.length <= PRETTY_CHARS * 4 ? pretty : compact;
+  const left = text.length - SHOWN_CHARS;
+  const node = el(
+    "div",
+    { id: name },
+    el("pre", { text: left > 0 ? text.slice(0, SHOWN_CHARS) : text }),
+    left > 0 ? el("p", { class: "muted omitted", text: `… ${left.toLocaleString("en")} more characters not shown` }) : null,
+  );
+  jsonBlocks.set(name, { compact, node });
+  return node;
+}
+
 async function task(id) {
   const t = await api("/v1/admin/tasks/" + encodeURIComponent(id));
   trail(
@@ -178,7 +215,6 @@ async function task(id) {
     el("a", { href: "/ui/services/" + encodeURIComponent(t.service), text: t.service }),
     el("span", { class: "mono", text: id }),
   );
-  const json = (v) => el("pre", { text: JSON.stringify(v, null, 2) });
   const attempts = t.attempts.map((a) =>
     el("tr", {},
       el("td", { class: "mono", text: a.attemptId }),
@@ -210,9 +246,9 @@ async function task(id) {
       ? table(["Attempt", "Worker", "Started", "Ended", "Outcome", "Error"], attempts, { id: "attempts" })
       : el("p", { class: "muted", text: "Not started." }),
     el("h2", { text: "Request" }),
-    json(t.request),
+    jsonBlock("request", t.request),
     t.status === "SUCCESS" ? el("h2", { text: "Response" }) : null,
-    t.status === "SUCCESS" ? json(t.response) : null,
+    t.status === "SUCCESS" ? jsonBlock("response", t.response) : null,
   ];
 }
 

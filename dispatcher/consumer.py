@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -152,6 +153,16 @@ class Delivery:
             log.warning("%s failed", what, extra={"delivery_tag": self.tag, "error": repr(exc)})
             return False
         return True
+
+
+# What AMQP (pamqp) takes in a queue name: the host name in the cancel queue's is only there to
+# be read in the broker's lists, so anything else becomes '_' (it refused the dispatcher's start).
+_NOT_IN_QUEUE_NAMES = re.compile(r"[^a-zA-Z0-9\-_.:@#,/+ ]")
+_HOST_IN_QUEUE_NAME = 100  # of the 255 bytes a queue name may have, beside the exchange's name
+
+
+def _queue_safe(hostname: str) -> str:
+    return _NOT_IN_QUEUE_NAMES.sub("_", hostname)[:_HOST_IN_QUEUE_NAME]
 
 
 class ControlQueue(aio_pika.RobustQueue):
@@ -399,7 +410,7 @@ class Broker:
         channel = await self.connection.channel(publisher_confirms=False)
         exchange = await declare_control(channel, queue_name)
         channel.QUEUE_CLASS = ControlQueue
-        name = ControlQueue.named(f"{control_exchange(queue_name)}.{hostname}")
+        name = ControlQueue.named(f"{control_exchange(queue_name)}.{_queue_safe(hostname)}")
         queue = await channel.declare_queue(name, exclusive=True, auto_delete=True)
         await queue.bind(exchange)
         await queue.consume(callback, no_ack=True)

@@ -248,3 +248,19 @@ async def test_started_delay_0_always_sends_started(
     assert rabbit.kinds(task_id) == [EventKind.STARTED, EventKind.SUCCEEDED]
     assert done.started is None
     assert await stop_and_count(dispatcher, rabbit) == 0
+
+
+async def test_a_host_name_no_queue_name_may_hold_still_runs_tasks_under_its_name(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a black-box sweep: HOSTNAME goes into the name of the dispatcher's cancel
+    queue, and one holding what AMQP queue names may not (`<`, a non-ASCII letter, 300
+    characters) ended the dispatcher at start in pamqp's `Invalid value for queue`. The
+    events still carry the name as it was given."""
+    host = "pod<1>-é" + "x" * 300
+    dispatcher = launch(function.url, hostname=host)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"response": {"ok": True}})
+    done = await rabbit.wait_terminal(task_id)
+    assert done.kind is EventKind.SUCCEEDED
+    assert done.host == host[:255]

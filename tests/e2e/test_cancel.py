@@ -155,6 +155,23 @@ def test_a_call_on_the_queue_its_service_left_is_aborted_too(
     assert _cancelled(stack.poll(task_id))
 
 
+def _delete_service(stack: Stack, database_url: str) -> subprocess.CompletedProcess[str]:
+    """`conveyor admin service delete` of the stack's service, as an operator runs it."""
+    env = {
+        **os.environ,
+        "CONVEYOR_DATABASE_URL": database_url,
+        "CONVEYOR_AMQP_URL": stack.amqp_url,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "conveyor", "admin", "service", "delete", stack.service.name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_tasks_a_service_delete_ended_are_not_run_afterwards(
     stack: Stack, platform: Platform, call_log: Path, database_url: str
 ) -> None:
@@ -165,19 +182,7 @@ def test_tasks_a_service_delete_ended_are_not_run_afterwards(
     running = stack.submit({"sleep": 30})
     stack.watch(running, lambda d: d["status"] == "IN_PROGRESS")
     waiting = [stack.submit({"sleep": 0}) for _ in range(3)]
-    env = {
-        **os.environ,
-        "CONVEYOR_DATABASE_URL": database_url,
-        "CONVEYOR_AMQP_URL": stack.amqp_url,
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "conveyor", "admin", "service", "delete", stack.service.name],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _delete_service(stack, database_url)
     assert done.returncode == 0, done.stderr
     assert "4 unfinished tasks" in done.stdout
     assert wait_until(lambda: ["aborted"] == [c[2] for c in calls_of(call_log, running)], 10)
@@ -200,19 +205,7 @@ def test_tasks_a_service_delete_ended_while_no_dispatcher_ran_are_not_run_by_a_l
     the dispatcher KEDA then started for the messages left in `-in` called the function for
     every task the delete had ended."""
     waiting = [stack.submit({"sleep": 0}) for _ in range(3)]
-    env = {
-        **os.environ,
-        "CONVEYOR_DATABASE_URL": database_url,
-        "CONVEYOR_AMQP_URL": stack.amqp_url,
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "conveyor", "admin", "service", "delete", stack.service.name],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _delete_service(stack, database_url)
     assert done.returncode == 0, done.stderr
     assert "3 unfinished tasks" in done.stdout
     assert "warning" not in done.stderr, done.stderr

@@ -23,8 +23,10 @@ lock went on, and the COMMIT queued behind it in a batch committed a submission 
 (whose retry then made a second task). So the server gives up first: each statement of a lent
 connection ends at `server_timeout` (a little before the pool's deadline), as does a
 transaction left idle longer than a lending may last, which a process frozen mid-transaction
-(SIGSTOP) would otherwise hold, with its locks, for as long as it is frozen. A frozen server
-stays the one case where a 503 may hide a commit: an Idempotency-Key makes its retry safe.
+(SIGSTOP) would otherwise hold, with its locks, for as long as it is frozen. Two cases remain
+where a 503 may hide a commit, which an Idempotency-Key makes safe to retry: a server frozen
+when a request reaches it (committed at the thaw), and a COMMIT waiting for a synchronous
+standby that does not answer (written on the primary already: cut, it stays committed).
 """
 
 from __future__ import annotations

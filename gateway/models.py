@@ -25,6 +25,7 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
+    Sequence,
     Table,
     Text,
     UniqueConstraint,
@@ -256,3 +257,7 @@ poison_messages = Table(
     Column("body", LargeBinary),
     Column("body_size", Integer, nullable=False),
 )
+
+# What /readyz writes to (`SELECT setval(...)`): a commit that must reach a synchronous standby,
+# as a submission's must (migration 0017).
+readiness_writes = Sequence("readiness_writes", metadata=metadata)

@@ -91,6 +91,22 @@ async def _set_up(conn: psycopg.AsyncConnection[Any]) -> None:
     await conn.execute("SET jit = off")
 
 
+async def commits(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether a write commits now, for readiness: a read needs no synchronous standby, and
+    with one away /readyz said 200 while every submission waited DB_TIMEOUT for a 503. The
+    `setval` writes WAL in a transaction of its own (migration 0017), whose COMMIT waits for
+    the standby like a submission's; the caller's timeout cuts it (psycopg then cancels it,
+    and the connection stays usable). A role without the right to write it cannot tell: a
+    read answered is taken for an answer, as before."""
+    try:
+        await conn.execute("SELECT setval('readiness_writes', 1)")
+    except psycopg.errors.InsufficientPrivilege:
+        return True
+    except psycopg.Error:  # a read-only server (a standby not promoted yet), the schema older
+        return False
+    return True
+
+
 class Pool:
     def __init__(
         self,

@@ -29,7 +29,7 @@ from gateway.intake import Intake
 from gateway.listener import Listener
 from gateway.notifier import Notifier
 from gateway.outbox import Outbox
-from gateway.pgpool import Pool
+from gateway.pgpool import Pool, commits
 from gateway.planner_statistics import analyze_loop
 from gateway.results import ResultConsumer
 from gateway.service_stats import ServiceStats, register_gauges
@@ -38,6 +38,8 @@ from gateway.task_events import TaskEvents
 
 # How often a gateway waiting for `conveyor db upgrade` looks again.
 SCHEMA_RECHECK = 1.0
+# How long each of /readyz's questions to the database may take (a read, then a commit).
+READY_WAIT = 2.0
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -211,7 +213,7 @@ class Runtime:
         """Whether the database answered; `schema_problem` says what it lacks, if anything
         (also when a downgrade took it from under a running gateway)."""
         try:
-            async with asyncio.timeout(2), self.pool.connection() as conn:
+            async with asyncio.timeout(READY_WAIT), self.pool.connection() as conn:
                 problem = await schema.problem(conn)
         except Exception:
             return False
@@ -222,6 +224,12 @@ class Runtime:
 
     async def ready(self) -> dict[str, bool]:
         database = await self._check_schema()
+        if database and self.schema_problem is None:
+            try:
+                async with asyncio.timeout(READY_WAIT), self.pool.connection() as conn:
+                    database = await commits(conn)
+            except Exception:
+                database = False
         return {
             "database": database,
             "schema": self.schema_problem is None,

@@ -156,3 +156,38 @@ def test_a_frozen_database_is_answered_503_not_waited_for(
         assert _submit(http, tasks_url, timeout=30) is not None  # thawed: accepted again
     logs = gateway.proc.logs()
     assert "Exception in ASGI application" not in logs and "unexpected error" not in logs
+
+
+def _ready(http: httpx.Client) -> tuple[int, bool | None]:
+    answer = http.get("/readyz", timeout=10)
+    return answer.status_code, answer.json()["data"]["checks"]["database"]
+
+
+@pytest.mark.timeout(180)
+def test_readiness_says_a_synchronous_standby_is_missing(
+    pair: tuple[PostgresServer, PostgresServer], procs: Processes, amqp_url: str
+) -> None:
+    """Found by a black-box sweep: with the synchronous standby gone, every commit waits for
+    it (each submission answered 503 after DB_TIMEOUT) while a read does not, and /readyz
+    said 200 with `database: true` for the whole outage. It now says 503 `database: false`
+    until the standby is back."""
+    primary, standby = pair
+    url = f"postgresql://postgres@127.0.0.1:{primary.port}/conveyor?connect_timeout=3"
+    upgrade_database(url)
+    gateway = GatewayProcess(
+        procs, gateway_env(url, amqp_url, CONVEYOR_DB_TIMEOUT="3"), "gateway-standby-away"
+    )
+    with gateway.http() as http:
+        assert _ready(http) == (200, True)
+        standby.kill()
+        deadline = time.monotonic() + 30
+        while (seen := _ready(http)) != (503, False) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert seen == (503, False)
+        standby.start()
+        deadline = time.monotonic() + 60
+        while (seen := _ready(http)) != (200, True) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert seen == (200, True)
+    logs = gateway.proc.logs()
+    assert "Traceback" not in logs, logs[-3000:]

@@ -45,6 +45,7 @@ from gateway.store import (
     task_status,
     time_to_live,
 )
+from gateway.task_events import TERMINAL, has_the_end
 
 
 class DirectRoute(APIRoute):
@@ -575,16 +576,23 @@ async def cancel(service: str, task_id: str, request: Request) -> Json:
             "description": "`event: task`, increasing `id`, `data`: the poll's data; one event"
             " now, one per change of status or progress, then the end after a terminal state",
         },
+        204: {
+            "description": "the task has ended and the `Last-Event-ID` sent is its terminal"
+            " state's: nothing to send (an EventSource stops reconnecting)"
+        },
         **api_models.error_responses(403, 404, 431, 503),
     },
 )
 @router.get("/v1/services/{service}/tasks/{task_id}/events/", include_in_schema=False)
-async def events(service: str, task_id: str, request: Request) -> EventSourceResponse:
+async def events(service: str, task_id: str, request: Request) -> Response:
     """Errors before the stream starts are the poll's; then the stream (gateway.task_events)."""
     rt = runtime(request)
     client_id, _ = await _granted(request, rt, service)
     parsed = _task_uuid(task_id)
-    await task_status(rt.pool, client_id, service, parsed)  # 404002 before any stream
+    status = await task_status(rt.pool, client_id, service, parsed)  # 404002 before any stream
+    last_event_id = request.headers.get("last-event-id")
+    if status in TERMINAL and await has_the_end(rt.pool, str(parsed), last_event_id):
+        return Response(status_code=204)  # EventSource: stop reconnecting
 
     async def read() -> dict[str, Any]:
         # Asked again at every read this stream leads, for all the task's streams (one client,
@@ -607,7 +615,7 @@ async def events(service: str, task_id: str, request: Request) -> EventSourceRes
             check,
             stopping,
             rt.pool,
-            request.headers.get("last-event-id"),
+            last_event_id,
             recheck=rt.settings.stream_heartbeat,
         ),
         ping=rt.settings.stream_heartbeat,

@@ -337,6 +337,18 @@ class TaskEvents:
         return self._reads
 
 
+async def has_the_end(pool: Pool, task_id: str, last_event_id: str | None) -> bool:
+    """Whether a client reconnecting to a finished task with `last_event_id` has its terminal
+    state already (the test the stream makes first, read once). The route then answers 204,
+    which tells a browser's EventSource to stop: an empty 200 ended the stream, and the
+    EventSource reconnected every few seconds for as long as its page stayed open."""
+    seen = _last_event_id(last_event_id)
+    if seen is None:
+        return False
+    final = _id(await _version(pool, task_id), terminal=True)
+    return seen <= final + _AHEAD and _already_seen(final, seen)
+
+
 async def _version(pool: Pool, task_id: str) -> datetime | None:
     async with pool.connection() as conn:
         row = await (await conn.execute(_VERSION, {"task_id": task_id})).fetchone()

@@ -144,6 +144,9 @@ class GatewaySettings(CommonSettings):
     # plus this margin fails: its worker is gone, or its result was lost.
     silence_margin: SecondsOrNone = 300.0
     service_refresh_interval: Seconds = 5.0
+    # What the results a gateway has received and not applied yet may weigh, bytes (one result
+    # alone may weigh more): past it, a result queue waits (gateway/results.py).
+    results_memory: Count = 64 * 1024 * 1024
     # How often the gateway looks for the `-in` of each service with PENDING tasks: one deleted
     # (an operator, a node lost) is declared again and its tasks published again.
     queue_check_interval: Seconds = 10.0

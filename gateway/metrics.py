@@ -71,6 +71,10 @@ RESULTS_HELD = Counter(
     "conveyor_gateway_results_held_total",
     "Results put back to their queue because their task's row was locked by a transaction",
 )
+RESULTS_DEFERRED = Counter(
+    "conveyor_gateway_results_deferred_total",
+    "Results handed back to their queue unread: those held weighed CONVEYOR_RESULTS_MEMORY",
+)
 RESULTS_RELEASED = Counter(
     "conveyor_gateway_results_released_total",
     "Times the database refused results long enough that they were handed back to the broker",

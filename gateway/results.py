@@ -14,6 +14,11 @@ Every message ends, and no service can stop another's:
   deeper than a parser goes) while its task still can, fails that task with the
   reason, so the task ends and its callback goes out;
 * an unreachable database is waited for (the batch is retried, never dropped);
+* the results held in memory (received, not applied yet) weigh at most `memory` (one result
+  alone may weigh more): a queue whose next result would go past it is no longer consumed,
+  that result handed back unread, until half of it is free; then consumed again with a
+  prefetch its largest result fits in; a new consumer starts with a small prefetch, raised
+  once its results prove small (`_pace_queues`);
 * each service's queues are declared and consumed on their own: one whose
   queues were declared with other arguments is reported (`broken()`, /readyz,
   metrics) and its existing queues are still consumed;
@@ -41,6 +46,7 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractQueue,
     AbstractRobustChannel,
+    AbstractRobustQueue,
 )
 from psycopg.types.json import Jsonb
 from tenacity import (
@@ -74,6 +80,11 @@ log = logging.getLogger("conveyor.gateway.results")
 
 POISON_BODY_LIMIT = 64 * 1024
 BATCH_SIZE = 200
+PREFETCH = BATCH_SIZE * 2  # per consumer, once its results are known to be small enough
+# A result queue's new consumer (a start, a subscription, a reconnection) is given one result
+# until it is known how large they are: a gateway started on backlogs of many services takes
+# one result of each at first, not 400.
+START_PREFETCH = 1
 BATCH_WINDOW = 0.005
 # What a batch's messages may weigh together; a heavier message is applied alone. A dozen
 # answers of a few MiB (within the dispatcher's MAX_RESPONSE_BYTES) took the database longer
@@ -174,6 +185,20 @@ class Plan:
 Consumer = tuple[AbstractQueue, str]  # a queue, and the tag this gateway consumes it with
 
 
+@dataclass(slots=True)
+class _Pace:
+    """A service's result queue as this gateway consumes it: with which prefetch, what it
+    gave since (how many results, the largest), whether it waits for room."""
+
+    queue: AbstractQueue
+    tag: str
+    dead: bool
+    prefetch: int
+    seen: int = 0
+    largest: int = 0
+    paused: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class Subscription:
     """A service's result queues as consumed: declared for this queue name and format."""
@@ -218,6 +243,7 @@ class ResultConsumer:
         on_finished: Callable[[], None] = lambda: None,
         hearing: Hearing | None = None,
         on_missing_in: Callable[[dict[str, MessageFormat]], Awaitable[None]] | None = None,
+        memory: int = 64 * 1024 * 1024,
     ) -> None:
         self.pool = pool  # raw psycopg: events are applied pipelined
         self.hearing = hearing or Hearing(lambda: True)  # told when results cannot be written
@@ -246,6 +272,15 @@ class ResultConsumer:
         self._held: list[Delivery] = []  # the batch's results whose task row was locked
         # The tasks the batch being applied ended, with their traces (tracing on only).
         self._ended: list[tuple[uuid.UUID, lifecycle.Finished]] = []
+        # RabbitMQ limits a consumer's unacked messages by count only: 150 results of 4 MB
+        # queued while no gateway ran held 694 MB of the next one at once, over its 512Mi
+        # limit, and a gateway killed for it met the same backlog again (found by a black-box
+        # test). The bytes of the results received and not applied yet stay within `memory`.
+        self._memory = memory
+        self._holding = 0
+        self._pace: dict[str, _Pace] = {}  # each service's result queue as it is consumed
+        self._qos = asyncio.Lock()  # a prefetch set for one consumer is no one else's
+        self._pacing = asyncio.Lock()
 
     def broken(self) -> dict[str, str]:
         """Services whose queues could not be declared as this gateway would, and why."""
@@ -283,7 +318,7 @@ class ResultConsumer:
                 if self._releases != releases:
                     return  # the next refresh reads the database again first
                 # The broker's channels are robust (`connect_robust`).
-                fresh = await self.broker.channel(prefetch=BATCH_SIZE * 2)
+                fresh = await self.broker.channel(prefetch=START_PREFETCH)
                 await self._replace_channel(cast(AbstractRobustChannel, fresh))
                 if self._released:  # the database answered the catalog's read above
                     self._released = False
@@ -293,6 +328,7 @@ class ResultConsumer:
             del self._broken[name]
         if (channel := self._channel) is None:
             return  # released meanwhile: the next refresh opens one
+        await self._pace_queues()  # if the loop applying results could not (a reconnection)
         unsubscribed = [s for s in services.values() if s.name not in self._subscribed]
         await self._restore_lost(unsubscribed)
         for service in unsubscribed:
@@ -306,6 +342,7 @@ class ResultConsumer:
         old, self._channel = self._channel, fresh
         self._generation += 1
         self._subscribed.clear()
+        self._pace.clear()  # the fresh channel's subscriptions consume them again
         self._retired = {queue_name: [] for queue_name in self._retired}
         if old is not None:
             self._replaced.append(old)
@@ -344,7 +381,7 @@ class ResultConsumer:
             else:
                 arguments = specs[name].arguments or None
                 queue = await channel.declare_queue(name, durable=True, arguments=arguments)
-            tags.append((queue, await queue.consume(self._receiver(name, dead))))
+            tags.append(await self._consume(queue, dead, START_PREFETCH))
         if tags:
             self._subscribed[service.name] = Subscription(
                 service.queue_name, service.message_format, tags
@@ -381,7 +418,7 @@ class ResultConsumer:
                 if name not in consumed and await self.broker.queue_exists(name):
                     queue = await channel.declare_queue(name, passive=True, robust=False)
                     receiver = self._receiver(name, dead, left_behind)
-                    tag = await queue.consume(receiver, robust=False)
+                    tag = await self._consumed(queue, receiver, PREFETCH, robust=False)
                     consumers.append((queue, tag))
                     log.info("consuming a queue left by its service", extra={"queue": name})
             if consumers:
@@ -448,16 +485,115 @@ class ResultConsumer:
         channel = self._generation
 
         async def receive(message: AbstractIncomingMessage) -> None:
+            size = len(message.body)
+            if queue in self._pace:
+                pace = self._pace[queue]
+                pace.seen += 1
+                pace.largest = max(pace.largest, size)
+                if pace.paused or (self._holding and self._holding + size > self._memory):
+                    await self._make_room(queue, pace, message)
+                    return
+            self._holding += size
             await self._inbox.put(Delivery(queue, dead, message, left_behind, channel))
 
         return receive
+
+    async def _consume(self, queue: AbstractQueue, dead: bool, prefetch: int) -> Consumer:
+        """A service's result queue consumed with `prefetch`, paced from now on."""
+        tag = await self._consumed(queue, self._receiver(queue.name, dead), prefetch)
+        self._pace[queue.name] = _Pace(queue, tag, dead, prefetch)
+        return queue, tag
+
+    async def _consumed(
+        self,
+        queue: AbstractQueue,
+        receiver: Callable[[AbstractIncomingMessage], Any],
+        prefetch: int,
+        robust: bool = True,
+    ) -> str:
+        """`queue` consumed with a prefetch of its own (RabbitMQ gives a consumer the
+        channel's as it was when it began); the channel keeps START_PREFETCH, which a
+        reconnection gives the consumers it restores."""
+        channel = queue.channel
+        async with self._qos:
+            await channel.set_qos(prefetch_count=prefetch)
+            try:
+                if robust:
+                    return await queue.consume(receiver)
+                return await cast(AbstractRobustQueue, queue).consume(receiver, robust=False)
+            finally:
+                await channel.set_qos(prefetch_count=START_PREFETCH)
+
+    async def _make_room(self, name: str, pace: _Pace, message: AbstractIncomingMessage) -> None:
+        """`message` would take the results held past `memory`: handed back unread, and its
+        queue no longer consumed until `_pace_queues` finds room (the cancel first, so that
+        the broker has no consumer to give it straight back to)."""
+        if not pace.paused:
+            pace.paused = True
+            log.info(
+                "results held weigh CONVEYOR_RESULTS_MEMORY: a queue waits",
+                extra={"queue": name, "held_bytes": self._holding},
+            )
+            await self._cancel(pace)
+        await _settle(message.nack, requeue=True)
+        metrics.RESULTS_DEFERRED.inc()
+
+    async def _pace_queues(self) -> None:
+        """After each batch (and each refresh, should a reconnection have stopped it), each
+        service's result queue consumed with the prefetch its results fit in: half of `memory`
+        at the largest result it gave since it was last consumed. A paused queue is consumed
+        again once half of `memory` is free; one that gave as many results as its prefetch,
+        all small enough, with a larger prefetch (a new consumer starts low: its results'
+        size is not known yet)."""
+        channel = self._channel
+        if channel is None or channel.is_closed:
+            return  # a fresh channel (the next refresh) consumes every queue again
+        async with self._pacing:  # the loop applying results, or a refresh: one at a time
+            await self._pace_each()
+
+    async def _pace_each(self) -> None:
+        for pace in list(self._pace.values()):
+            fits = max(1, min(PREFETCH, (self._memory // 2) // max(1, pace.largest)))
+            if pace.paused:
+                if self._holding > self._memory // 2:
+                    continue
+            elif pace.seen < pace.prefetch or fits <= pace.prefetch:
+                continue
+            else:
+                await self._cancel(pace)
+            try:
+                consumer = await self._consume(pace.queue, pace.dead, fits)
+            except Exception as exc:  # the connection lost: the next batch or refresh tries
+                log.warning("a result queue not consumed yet", extra={"error": logs.describe(exc)})
+                return
+            for subscription in self._subscribed.values():
+                if (pace.queue, pace.tag) in subscription.consumers:
+                    subscription.consumers.remove((pace.queue, pace.tag))
+                    subscription.consumers.append(consumer)
+
+    def restored(self) -> None:
+        """A reconnection restored the consumers it found with the channel's prefetch, the
+        start one: paced from there again. Paused ones were cancelled: none restored."""
+        for pace in self._pace.values():
+            if not pace.paused:
+                pace.prefetch, pace.seen, pace.largest = START_PREFETCH, 0, 0
+
+    async def _cancel(self, pace: _Pace) -> None:
+        try:
+            await pace.queue.cancel(pace.tag)
+        except Exception as exc:  # a channel closed meanwhile took the consumer with it
+            log.debug("consumer not cancelled", extra={"error": logs.describe(exc)})
 
     # -- batches -----------------------------------------------------------
 
     async def apply_loop(self) -> None:
         while True:
             batch = await self._next_batch()
-            await self.process(batch)
+            try:
+                await self.process(batch)
+            finally:
+                self._holding -= sum(len(delivery.message.body) for delivery in batch)
+            await self._pace_queues()
 
     async def _next_batch(self) -> list[Delivery]:
         """What has arrived, after one short pause for stragglers when it is not much: up

@@ -36,6 +36,7 @@ HOSTILE = [
     ("MAX_BODY_BYTES", "0"),
     ("MAX_BATCH_ITEMS", "0"),
     ("PURGE_BATCH_SIZE", "0"),
+    ("RESULTS_MEMORY", "0"),
     ("SILENCE_MARGIN", "-5"),
     ("PENDING_TTL", "1e300"),
     ("DATABASE_URL", "garbage"),  # libpq reads neither a URL nor a conninfo in it

@@ -1,0 +1,85 @@
+"""What a gateway holds of the results it has received and not applied yet: CONVEYOR_RESULTS_MEMORY.
+
+RabbitMQ limits a consumer's unacked messages by count only. A backlog of large results (a
+gateway down for a while, its dispatchers still answering) came in 400 per queue at once: 150
+results of 4 MB held 694 MB of the next gateway, over its 512Mi limit, and a gateway killed for
+it met the same backlog again (found by a black-box test).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conveyor import topology
+from conveyor.events import EventKind, TaskEvent, encode_event
+from tests.support.amqp import delete_topologies, publish, scratch_database, wait_until
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.processes import Processes
+
+MIB = 1024 * 1024
+RESULTS = 40
+RESULT_BYTES = 4 * MIB
+MEMORY = 16 * MIB
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's largest resident set so far, bytes (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/<pid>/status")
+def test_a_backlog_of_large_results_is_applied_within_the_results_memory(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    with scratch_database(database_url) as url:  # no other gateway consumes its services
+        platform = Platform(url)
+        service = platform.service()
+        env = gateway_env(url, amqp_url, CONVEYOR_RESULTS_MEMORY=str(MEMORY))
+        first = GatewayProcess(procs, env, "gateway-before-the-backlog")
+        try:
+            with first.http(service.clients[0]) as http:
+                task_ids = [
+                    http.post(first.tasks_url(service.name), json={"body": {"n": n}}).json()[
+                        "data"
+                    ]["taskId"]
+                    for n in range(RESULTS)
+                ]
+            baseline = _peak_rss(first.proc.pid)
+            procs.stop(first.proc)
+            # Answers of 4 MiB each (within a dispatcher's MAX_RESPONSE_BYTES), queued while
+            # no gateway runs.
+            text = "x" * (RESULT_BYTES - 100)
+            publish(
+                amqp_url,
+                topology.out_queue(service.queue_name),
+                [
+                    encode_event(
+                        TaskEvent(EventKind.SUCCEEDED, task_id, response={"text": text}),
+                        service.name,
+                    )
+                    for task_id in task_ids
+                ],
+            )
+            second = GatewayProcess(procs, env, "gateway-after-the-backlog")
+
+            def finished() -> bool:
+                rows = platform.sql(
+                    "SELECT count(*) FROM tasks WHERE status = 'SUCCESS'"
+                    " AND task_id = ANY(%(ids)s::uuid[])",
+                    {"ids": task_ids},
+                )
+                return rows[0][0] == RESULTS
+
+            wait_until(finished, 180, what="every result applied")
+            grown = _peak_rss(second.proc.pid) - baseline
+            # Unbounded, the 160 MiB of results came in at once (a VmHWM ~250 MB above).
+            assert grown < 6 * MEMORY, f"peak {grown / MIB:.0f} MiB above a gateway's"
+        finally:
+            procs.stop_all()
+            delete_topologies(amqp_url, [service.queue_name])

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -25,17 +26,26 @@ from conveyor import logs
 from gateway import lifecycle, metrics, supervisor
 from gateway.hearing import Hearing
 from gateway.pgpool import MAINTENANCE_TIMEOUT, Pool
+from gateway.store import IDEMPOTENCY_WINDOW
 
 log = logging.getLogger("conveyor.gateway.housekeeping")
 
 DEFAULT_RETENTION = 7 * 86400
 
+# A finished task past its service's retention, unless something still needs its row (found
+# by a black-box sweep at a retention of seconds): its callback, not delivered yet (the task
+# purged first, it was never sent nor recorded), and a repeat of its request within the
+# Idempotency-Key's window (IDEMPOTENCY_WINDOW, 24 h: purged, a repeat made a second task;
+# a batch's rows, purged one by one, made its identical repeat "a different request").
+# PURGE_MAX_AGE (_PURGE_ANCIENT) deletes them all the same.
 _PURGE_FINISHED = """
     DELETE FROM tasks WHERE id IN (
         SELECT t.id FROM tasks t LEFT JOIN services s ON s.name = t.service
          WHERE t.status IN ('SUCCESS', 'FAILURE')
            AND t.end_date < now() - make_interval(
                  secs => COALESCE(s.retention_seconds,  %(default_retention)s))
+           AND t.notification_status IS DISTINCT FROM 'PENDING'
+           AND (t.idempotency_key IS NULL OR t.submission_date < %(keys_since)s)
          LIMIT %(batch)s)
     """
 _PURGE_ANCIENT = """
@@ -104,7 +114,12 @@ async def purge(
     conn: psycopg.AsyncConnection[Any], max_age: float, batch: int = 5000
 ) -> PurgeReport:
     """`conn` in autocommit mode: each batch is its own short transaction."""
-    params = {"default_retention": DEFAULT_RETENTION, "max_age": max_age, "batch": batch}
+    params = {
+        "default_retention": DEFAULT_RETENTION,
+        "max_age": max_age,
+        "batch": batch,
+        "keys_since": datetime.now(UTC) - IDEMPOTENCY_WINDOW,
+    }
     finished, n1 = await _delete_in_batches(conn, _PURGE_FINISHED, params, batch)
     ancient, n2 = await _delete_in_batches(conn, _PURGE_ANCIENT, params, batch)
     poison = (await conn.execute(_PURGE_POISON, params)).rowcount

@@ -336,3 +336,42 @@ async def _expire_reading_only_the_old(url: str) -> None:
 def test_the_reaper_reads_only_the_pending_tasks_old_enough_to_expire(database_url: str) -> None:
     with scratch_database(database_url) as url:
         asyncio.run(_expire_reading_only_the_old(url))
+
+
+def test_purge_keeps_a_finished_task_its_callback_or_idempotency_key_still_needs(
+    database_url: str,
+) -> None:
+    """Found by a black-box sweep at a retention of one second: the purge deleted finished
+    tasks whose callback was still to be sent (never sent, nor recorded anywhere), and tasks
+    whose Idempotency-Key was within its 24 h (a repeat made a second task; a batch purged in
+    part was refused as "a different request"). Kept until they are done with, or until
+    PURGE_MAX_AGE."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        platform.apply({"services": [{"name": "brief", "retention": "1s"}]})
+        rows = {
+            # label: (submitted h ago, notification, idempotency key, purged?)
+            "callback-due": (2, "PENDING", None, False),
+            "callback-sent": (2, "SENT", None, True),
+            "callback-failed": (2, "FAILED", None, True),
+            "key-fresh": (2, None, "k1", False),
+            "batch-fresh-0": (2, None, "b\n0", False),
+            "batch-fresh-1": (2, None, "b\n1", False),
+            "key-stale": (25, None, "k2", True),
+            "plain": (2, None, None, True),
+            "ancient-callback-due": (MAX_AGE_DAYS * 24 + 1, "PENDING", "k3", True),
+        }
+        for label, (hours, notification, key, _) in rows.items():
+            platform.sql(
+                "INSERT INTO tasks (task_id, client_id, service, status, request,"
+                " submission_date, end_date, notification_status, idempotency_key)"
+                " VALUES (gen_random_uuid(), 'c', 'brief', 'SUCCESS',"
+                " jsonb_build_object('label', %(label)s::text),"
+                " now() - make_interval(hours => %(hours)s), now() - interval '1 hour',"
+                " %(notification)s, %(key)s)",
+                {"label": label, "hours": hours, "notification": notification, "key": key},
+            )
+        done = _purge(url)
+        assert done.returncode == 0, done.stderr + done.stdout
+        kept = set(_counts(platform))
+        assert kept == {label for label, row in rows.items() if not row[3]}

@@ -37,8 +37,11 @@ ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_
 Kind = Literal["internal", "server", "client", "producer", "consumer"]
 Attributes = Mapping[str, str | int | float | bool]
 
-# version-traceid-parentid-flags; a later version may append fields (W3C Trace Context §3.2).
-_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[^\s]*)?")
+# version-traceid-parentid-flags (W3C Trace Context §3.2): version 00 is exactly that, a later
+# one may append fields (visible ASCII); version ff and all-zero ids are invalid. A malformed
+# one was passed on to the function as received while tracing was off (found by a sweep).
+_IDS = r"-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}"
+_TRACEPARENT = re.compile(rf"00{_IDS}|(?!00|ff)[0-9a-f]{{2}}{_IDS}(-[\x21-\x7e]*)?")
 _MAX_TRACEPARENT = 256
 _NO_SPAN: AbstractContextManager[None] = contextlib.nullcontext()
 

@@ -142,6 +142,12 @@ def test_a_database_error_is_exported_without_the_row_it_quotes(
         (f"00-{TRACE.upper()}-{PARENT}-01", False),
         (f"00-{TRACE}-{PARENT}-01 ", False),
         (f"00-{TRACE}-{PARENT}-01-" + "x" * 300, False),  # never stored oversized
+        # Found by a sweep: passed on as received while tracing was off.
+        (f"00-{'0' * 32}-{PARENT}-01", False),  # all-zero ids are invalid
+        (f"00-{TRACE}-{'0' * 16}-01", False),
+        (f"ff-{TRACE}-{PARENT}-01", False),  # version ff is invalid
+        (f"00-{TRACE}-{PARENT}-01-garbage/../<script>", False),  # version 00 has 4 fields
+        (f"01-{TRACE}-{PARENT}-01-caf\u00e9", False),  # headers are ASCII
     ],
 )
 def test_only_well_formed_traceparents_are_passed_on(value: str | None, kept: bool) -> None:

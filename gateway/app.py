@@ -232,6 +232,7 @@ def _add_operations(app: FastAPI) -> None:
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
+        metrics.forget_dead_workers()
         return Response(generate_latest(metrics.EXPOSED), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from conveyor import heap
 
@@ -28,6 +29,38 @@ def _exposed() -> CollectorRegistry:
 
 
 EXPOSED = _exposed()  # what /metrics renders; per-process collectors register here too
+
+# A live gauge's file of one worker: `gauge_livesum_<pid>.db` (prometheus_client's naming).
+_LIVE_GAUGES = re.compile(r"gauge_live[a-z]*_(\d+)\.db")
+
+
+def forget_dead_workers() -> None:
+    """The live gauges (streams open, slow callback targets) are the sum of each worker's file:
+    a worker killed, or ended by a SIGHUP, left its own, counted for good (found by a black-box
+    sweep: 20 streams counted, none open). Before each scrape, the files of processes that
+    no longer run go (prometheus_client's `mark_process_dead`, which gunicorn calls from a hook
+    uvicorn's supervisor does not have); counters keep every worker's counts."""
+    if not MULTIPROCESS:
+        return
+    folder = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        found = _LIVE_GAUGES.fullmatch(name)
+        if found and not _running(int(found[1])):
+            mark_process_dead(int(found[1]), folder)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @functools.cache

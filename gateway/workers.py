@@ -18,6 +18,7 @@ import logging
 import os
 
 from fastapi import FastAPI
+from uvicorn.supervisors import multiprocess
 
 from conveyor import logs
 from conveyor.settings import GatewaySettings
@@ -29,6 +30,25 @@ LOCK_ENV = "CONVEYOR_GATEWAY_LOOPS_LOCK"
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode
 _held: list[int] = []  # the lock's descriptor, open for the life of the process
 LOCK_RETRY = 1.0  # seconds between two tries of a worker that does not hold the lock
+
+
+class Worker(multiprocess.Process):
+    """uvicorn's worker, but the supervisor keeps no copy of the worker's end of their pipe.
+
+    The supervisor pings its workers one after the other through that pipe, and kept the child's
+    end open too: a worker that died while it was pinged was never seen gone, and the supervisor
+    waited out the whole health-check timeout (30 s), seeing no other worker meanwhile (found by
+    a black-box sweep: workers SIGKILLed, the port served nothing for 30 s). Closed once the
+    worker has its own, a worker's end closes the pipe and the ping fails at once."""
+
+    def start(self) -> None:
+        super().start()
+        self.child_conn.close()
+
+
+def see_dead_workers_at_once() -> None:
+    """The supervisor starts `Worker`s (it names its class in its own module)."""
+    multiprocess.Process = Worker  # type: ignore[misc]
 
 
 def takes_the_loops(path: str) -> bool:

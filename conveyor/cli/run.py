@@ -68,12 +68,13 @@ def gateway(
     if workers > 1:
         import tempfile
 
-        from gateway.workers import LOCK_ENV, METRICS_ENV
+        from gateway.workers import LOCK_ENV, METRICS_ENV, see_dead_workers_at_once
 
         with tempfile.TemporaryDirectory(prefix="conveyor-gateway-") as folder:
             os.environ[LOCK_ENV] = os.path.join(folder, "loops.lock")
             os.environ[METRICS_ENV] = os.path.join(folder, "metrics")
             os.mkdir(os.environ[METRICS_ENV])
+            see_dead_workers_at_once()
             uvicorn.run(
                 "gateway.workers:worker_app",
                 factory=True,

@@ -144,3 +144,53 @@ def test_a_worker_slow_to_start_still_replaces_the_old_one_on_sighup(
         time.sleep(0.5)
     assert not set(after) & before, (before, after)
     assert sorted(after.values()) == [False, True], after
+
+
+def _streams_counted(url: str) -> float:
+    scraped = httpx.get(f"{url}/metrics", timeout=5).text
+    name = "conveyor_gateway_event_streams "
+    return sum(float(line.split()[-1]) for line in scraped.splitlines() if line.startswith(name))
+
+
+def test_killed_workers_are_replaced_at_once_and_their_streams_no_longer_counted(
+    procs: Processes, database_url: str, amqp_url: str, platform: Platform
+) -> None:
+    """Found by a black-box sweep: a worker that died while uvicorn's supervisor pinged it was
+    seen gone only after the whole health-check timeout (30 s), the supervisor seeing no other
+    worker meanwhile (all killed: nothing served for 30 s); and the streams a killed worker
+    held open stayed counted in `conveyor_gateway_event_streams` for good."""
+    gateway = GatewayProcess(
+        procs, gateway_env(database_url, amqp_url), "gateway-workers-killed", "--workers", "2"
+    )
+    workers = _answering(gateway.url, want=2)
+    assert len(workers) == 2, workers
+    service = platform.service()
+    client = service.clients[0]
+    with gateway.http(client) as http:
+        answer = http.post(gateway.tasks_url(service.name), json={"body": {}})
+        task_id = answer.json()["data"]["taskId"]
+    path = f"{gateway.tasks_url(service.name)}/{task_id}/events"
+    lines = []  # each stream's lines, read as far as its first: closed, it would end it
+    with contextlib.ExitStack() as streams:
+        for _ in range(4):
+            reader = streams.enter_context(
+                httpx.Client(base_url=gateway.url, auth=client.auth, timeout=30)
+            )
+            response = streams.enter_context(reader.stream("GET", path))
+            lines.append(response.iter_lines())
+            assert next(lines[-1]).startswith(("id:", "event:", ":"))
+        deadline = time.monotonic() + 10
+        while _streams_counted(gateway.url) != 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _streams_counted(gateway.url) == 4
+        stalled, other = list(workers)
+        os.kill(stalled, signal.SIGSTOP)  # the supervisor's next ping of it waits
+        time.sleep(1.5)
+        for pid in (stalled, other):  # workers our gateway started: ended by their pids
+            os.kill(pid, signal.SIGKILL)
+    replaced = _answering(gateway.url, want=2, timeout=10)
+    assert len(replaced) == 2 and not set(replaced) & set(workers), replaced
+    deadline = time.monotonic() + 5
+    while _streams_counted(gateway.url) != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _streams_counted(gateway.url) == 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +20,7 @@ PARENT = "b7ad6b7169203331"
 
 _OFF = """
 import sys
+import time
 from conveyor import tracing
 
 assert tracing.configure("conveyor-test") is False
@@ -152,3 +155,42 @@ def test_a_database_error_is_exported_without_the_row_it_quotes(
 )
 def test_only_well_formed_traceparents_are_passed_on(value: str | None, kept: bool) -> None:
     assert tracing.checked(value) == (value if kept else None)
+
+
+_STOP = """
+import time
+from conveyor import tracing
+
+assert tracing.configure("conveyor-test")
+for n in range(2000):
+    with tracing.span("submit"):
+        pass
+started = time.monotonic()
+tracing.shutdown()
+print(round(time.monotonic() - started, 1))
+"""
+
+
+def test_a_collector_that_never_answers_holds_a_stop_a_bounded_time() -> None:
+    """Found by a black-box sweep: with a collector that takes connections and never answers,
+    the SDK's shutdown waited 30 s for its export thread (and again at exit), so a SIGTERM of
+    a dispatcher took 30 s, of a gateway 31 s. A stop waits SHUTDOWN_EXPORT_SECONDS (2 s)."""
+    with socket.socket() as silent:  # accepts connections (its backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{port}"
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", _STOP],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) <= tracing.SHUTDOWN_EXPORT_SECONDS + 1
+    assert took < 15, took  # the process ends too: no second wait at exit

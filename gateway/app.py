@@ -44,11 +44,13 @@ def create_app(
     background: bool = True,
     server: bool = False,
     loops_later: Callable[[], Awaitable[None]] | None = None,
+    api_routes: bool = True,
 ) -> FastAPI:
     """`server`: this app is its process's whole life (`conveyor gateway`), so what it loaded
     at start is frozen out of the cyclic collector (`conveyor.heap`); an app made in a test
     process is not. `loops_later`, without `background`: returns when this process is to
-    run the background loops after all (a worker of `--workers` that took them over)."""
+    run the background loops after all (a worker of `--workers` that took them over).
+    Without `api_routes` (`--only-background`), it answers the probes and /metrics only."""
     settings = settings or GatewaySettings()
 
     @asynccontextmanager
@@ -90,10 +92,11 @@ def create_app(
         openapi_url=None,  # gateway.api_docs too: a route of the table, counted as itself
         swagger_ui_oauth2_redirect_url=None,
     )
-    app.include_router(api_docs.router)
-    app.include_router(api.router)
-    app.include_router(admin_api.router)
-    app.include_router(dashboard.router)
+    if api_routes:
+        app.include_router(api_docs.router)
+        app.include_router(api.router)
+        app.include_router(admin_api.router)
+        app.include_router(dashboard.router)
     _add_operations(app)
     _add_error_handlers(app)
     app.add_middleware(_Measure)

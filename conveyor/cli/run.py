@@ -32,7 +32,9 @@ def gateway(
     ),
     no_background: bool = typer.Option(False, "--no-background", help="Serve the API only"),
     only_background: bool = typer.Option(
-        False, "--only-background", help="Run relay, result consumer, notifier and reaper only"
+        False,
+        "--only-background",
+        help="Run relay, result consumer, notifier and reaper only (and /healthz, /readyz, /metrics)",
     ),
 ) -> None:
     """The consumer API and its background loops."""
@@ -90,9 +92,11 @@ def gateway(
     from gateway.app import create_app
 
     _install_uvloop()
-    app = create_app(settings, background=not no_background, server=True)
-    if only_background:
-        serving["host"] = "127.0.0.1"  # health endpoints stay available to probes
+    # --only-background answers the probes and /metrics, on the --host given (it listened on
+    # 127.0.0.1 whatever was asked, so a kubelet's probes failed, and served the whole API).
+    app = create_app(
+        settings, background=not no_background, server=True, api_routes=not only_background
+    )
     uvicorn.run(app, **serving)
 
 

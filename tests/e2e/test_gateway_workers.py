@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.conftest import Stack
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
-from tests.support.processes import Processes
+from tests.support.processes import Processes, free_port, wait_http
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -194,3 +194,37 @@ def test_killed_workers_are_replaced_at_once_and_their_streams_no_longer_counted
     while _streams_counted(gateway.url) != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _streams_counted(gateway.url) == 0
+
+
+def test_only_background_answers_its_probes_on_the_host_asked_and_serves_no_api(
+    procs: Processes, database_url: str, amqp_url: str, platform: Platform
+) -> None:
+    """Found by a black-box sweep: `--only-background` listened on 127.0.0.1 whatever `--host`
+    said (a kubelet's probes on the pod's address failed) and served the whole API (a task
+    submitted to it was accepted). It answers the probes and /metrics, where it was asked."""
+    port = free_port()
+    url = f"http://127.0.0.2:{port}"  # loopback too, but not 127.0.0.1
+    proc = procs.conveyor(
+        "gateway-only-background",
+        "gateway",
+        "--only-background",
+        "--host",
+        "127.0.0.2",
+        "--port",
+        str(port),
+        env=gateway_env(database_url, amqp_url),
+    )
+    wait_http(f"{url}/healthz", timeout=30, proc=proc)
+    assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+    assert "conveyor_gateway" in httpx.get(f"{url}/metrics", timeout=10).text
+    service = platform.service()
+    answer = httpx.post(
+        f"{url}/v1/services/{service.name}/tasks",
+        json={"body": {}},
+        auth=service.clients[0].auth,
+        timeout=10,
+    )
+    assert answer.status_code == 404, answer.text
+    assert platform.sql(
+        "SELECT count(*) FROM tasks WHERE service = %(s)s", {"s": service.name}
+    ) == [(0,)]

@@ -154,6 +154,7 @@ class Outcomes(BaseModel):
 
 class QueueDepths(BaseModel):
     in_: int | None = Field(None, alias="in", description="Ready in -in; null: broker unknown")
+    out: int | None = Field(None, description="Results ready in -out, no gateway took them yet")
     dlq: int | None = None
 
 

@@ -147,7 +147,7 @@ class ServiceStats:
                     "oldestPendingAgeSeconds": (
                         None if oldest is None else max(0.0, (now - oldest).total_seconds())
                     ),
-                    "queues": depths.get(row.queue_name, {"in": None, "dlq": None}),
+                    "queues": depths.get(row.queue_name, {"in": None, "out": None, "dlq": None}),
                     "runTimeSeconds": {"p50": row.p50, "p95": row.p95},
                     "throughput": {"bucketSeconds": BUCKET_SECONDS, "buckets": buckets},
                 }
@@ -171,15 +171,19 @@ class ServiceStats:
         return {**self._settled, **fresh}
 
     async def _depths(self, queue_names: list[str]) -> dict[str, dict[str, int | None]]:
-        """Each service's ready messages in `-in` and `-dlq` (None: not declared yet), on the
-        broker's kept probe channel: a channel opened and closed at every pass left ~4.4 KB
-        on the connection each time (aio-pika 10.2), 25 MB a day at the default interval."""
+        """Each service's ready messages in `-in`, `-out` and `-dlq` (None: not declared yet),
+        on the broker's kept probe channel: a channel opened and closed at every pass left
+        ~4.4 KB on the connection each time (aio-pika 10.2), 25 MB a day at the default
+        interval. `-out` holds the results no gateway has taken: growing, no process runs the
+        background loops (found by a black-box sweep: with `--no-background` gateways alone,
+        tasks stayed PENDING while their results piled up there, and nothing said so)."""
         found: dict[str, dict[str, int | None]] = {}
         try:
             async with asyncio.timeout(QUEUE_TIMEOUT):
                 for name in queue_names:
                     found[name] = {
                         "in": await self._depth(topology.in_queue(name)),
+                        "out": await self._depth(topology.out_queue(name)),
                         "dlq": await self._depth(topology.dead_letter_queue(name)),
                     }
         except Exception as exc:  # the broker down or slow: depths unknown, figures still shown

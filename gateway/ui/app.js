@@ -115,13 +115,14 @@ async function overview() {
       ...["SUCCESS", "FAILURE"].map((st) => el("td", { class: "num", "data-count": st, text: fmt.n(s.finishedLastHour[st]) })),
       el("td", {}, chart(s.throughput)),
       el("td", { class: "num", text: fmt.n(s.queues.in) }),
+      el("td", { class: "num", text: fmt.n(s.queues.out) }),
       el("td", { class: "num", text: fmt.n(s.queues.dlq) }),
       el("td", { class: "num", text: fmt.s(s.oldestPendingAgeSeconds) }),
       el("td", { class: "num" }, `${fmt.s(s.runTimeSeconds.p50)} / ${fmt.s(s.runTimeSeconds.p95)}`),
     ),
   );
   const headers = [
-    "Service", "PENDING", "IN_PROGRESS", "SUCCESS (1 h)", "FAILURE (1 h)", "Throughput (1 h)", "-in", "-dlq", "Oldest pending", "Run p50 / p95",
+    "Service", "PENDING", "IN_PROGRESS", "SUCCESS (1 h)", "FAILURE (1 h)", "Throughput (1 h)", "-in", "-out", "-dlq", "Oldest pending", "Run p50 / p95",
   ];
   return [
     el("h1", { text: "Services" }),

@@ -10,13 +10,17 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import aio_pika
 import httpx
 import pytest
 
+from conveyor import topology
+from conveyor.events import EventKind, MessageFormat, TaskEvent, encode_event
 from gateway.models import tasks
 from gateway.store import iso
-from tests.support.amqp import wait_until
-from tests.support.gateway import Client, GatewayProcess, Platform
+from tests.support.amqp import delete_topologies, publish, scratch_database, wait_until
+from tests.support.gateway import Client, GatewayProcess, Platform, gateway_env, run_sync
+from tests.support.processes import Processes
 
 ADMIN = "/v1/admin"
 
@@ -404,3 +408,42 @@ def test_the_gauges_show_the_figures(
             assert line in http.get("/metrics").text
 
     _eventually(scraped)
+
+
+def test_results_no_process_takes_are_counted_on_out(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """Found by a black-box sweep: with `--no-background` gateways alone (no process running
+    the loops), tasks stayed PENDING while their results piled up on `-out`, and nothing said
+    so. The service's figures and `conveyor_service_queue_messages` count `-out` too."""
+    with scratch_database(database_url) as url:  # no other gateway takes its results
+        platform = Platform(url)
+        service = platform.service()
+        try:
+            run_sync(_declare(amqp_url, service.queue_name))
+            env = gateway_env(url, amqp_url, CONVEYOR_STATS_INTERVAL="1")
+            gateway = GatewayProcess(procs, env, "gateway-api-only", "--no-background")
+            started = [
+                encode_event(TaskEvent(EventKind.STARTED, str(uuid.uuid4())), service.name)
+                for _ in range(3)
+            ]
+            publish(amqp_url, topology.out_queue(service.queue_name), started)
+            line = f'conveyor_service_queue_messages{{queue="out",service="{service.name}"}} 3.0'
+
+            def counted() -> bool:
+                return line in httpx.get(f"{gateway.url}/metrics", timeout=5).text
+
+            wait_until(counted, 20, what="-out counted")
+            with gateway.http(platform.operator()) as http:
+                assert _figures(http, service.name)["queues"]["out"] == 3
+        finally:
+            procs.stop_all()
+            delete_topologies(amqp_url, [service.queue_name])
+
+
+async def _declare(amqp_url: str, queue_name: str) -> None:
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        await topology.declare_service(
+            await connection.channel(), queue_name, MessageFormat.CLOUDEVENTS, 5
+        )

@@ -188,10 +188,18 @@ def _key_headers(idempotency_key: str | None) -> dict[str, str]:
 
 def _json_ready(payload: dict[str, Any]) -> dict[str, Any]:
     """`payload`, or ValueError naming where a NaN or Infinity is: JSON has no such numbers
-    (httpx would refuse them with a bare "Out of range float values")."""
+    (httpx would refuse them with a bare "Out of range float values"); or ValueError for a
+    payload nested too deep for json.dumps (a RecursionError otherwise), or that holds itself
+    (the search for a NaN went round it for ever)."""
     try:
         json.dumps(payload, allow_nan=False)
-    except ValueError:
+    except RecursionError:
+        raise ValueError(
+            "the request cannot be sent as JSON: it is nested too deep for json.dumps"
+        ) from None
+    except ValueError as exc:
+        if "Out of range float" not in str(exc):  # a payload that holds itself, say
+            raise ValueError(f"the request cannot be sent as JSON: {exc}") from None
         path, number = _first_non_finite(payload)
         raise ValueError(
             f"the request cannot be sent as JSON: {path} is {number!r}, and NaN and Infinity"

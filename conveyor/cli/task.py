@@ -107,6 +107,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # A URL's userinfo (`user:password@`), up to the authority's last '@'.
 _USERINFO = re.compile(r"(?<=//)[^/?#]*@")
 MAX_SHOWN = 2000  # characters of a gateway's description (or error details) printed
+MAX_HIGHLIGHTED = 64 * 1024  # characters of JSON highlighted on a terminal; more is plain
 
 
 def shown_url(url: str) -> str:
@@ -187,18 +188,28 @@ def reported_errors(gateway: str) -> Iterator[None]:
 
 
 def _read_json(text: str, option: str) -> Any:
-    """JSON given inline, as `@file.json`, or `-` for stdin."""
-    if text == "-":
-        text = sys.stdin.read()
-    elif text.startswith("@"):
-        try:
+    """JSON given inline, as `@file.json`, or `-` for stdin; UTF-8 (as JSON is, RFC 8259).
+    Input that is not UTF-8 or is nested too deep for Python's json is a one-line usage error,
+    as NaN is, not a traceback."""
+    try:
+        if text == "-":
+            text = sys.stdin.read()
+        elif text.startswith("@"):
             text = Path(text[1:]).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise typer.BadParameter(str(exc), param_hint=option) from None
+        # A strict stdin raises UnicodeDecodeError; the command line and a surrogateescape
+        # stdin (POSIX) keep each byte that is not UTF-8 as a lone surrogate: encode refuses it.
+        text.encode("utf-8")
+    except OSError as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from None
+    except UnicodeError as exc:
+        where = f" (byte {exc.start})" if isinstance(exc, UnicodeDecodeError) else ""
+        fail(f"{option} is not UTF-8{where}: JSON is read as UTF-8", 2)
     try:
         return json.loads(text, parse_constant=_no_constant)
     except _NotANumber as exc:
         fail(f"{option} is not JSON: NaN/Infinity are not JSON numbers (found {exc})", 2)
+    except RecursionError:
+        fail(f"{option} is JSON nested too deep to read", 2)
     except ValueError as exc:
         raise typer.BadParameter(f"not valid JSON: {exc}", param_hint=option) from None
 
@@ -266,11 +277,23 @@ def status_detail(task: Task) -> str:
     return ""
 
 
+def print_json(value: Any, console: Console | None = None) -> None:
+    """JSON from the gateway on stdout (`console`'s file), as `get`, `cancel`, `watch` and
+    `submit --wait` print it: `json_text`, highlighted only on a terminal and up to
+    MAX_HIGHLIGHTED characters. Else written as it is: rich's highlighting and rendering take
+    seconds and gigabytes for a result of megabytes (30 s and 2.3 GB for 6.5 MB)."""
+    console = console or out
+    text = json_text(value)
+    if console.is_terminal and len(text) <= MAX_HIGHLIGHTED:
+        console.print(JSONHighlighter()(Text(text, no_wrap=True)), soft_wrap=True)
+    else:
+        typer.echo(text, file=console.file)
+
+
 def print_outcome(task: Task) -> None:
     if task.succeeded:
         out.print("[green]SUCCESS[/]", highlight=False)
-        shown = JSONHighlighter()(Text(json_text(task.response), no_wrap=True))
-        out.print(shown, soft_wrap=True)
+        print_json(task.response)
         return
     message = clean(task.error_message or "(no error message)")
     err.print(Text.assemble(("FAILURE", "red"), ": ", message), highlight=False, soft_wrap=True)
@@ -397,7 +420,7 @@ def cancel(
     creds = Credentials(gateway, client_id, client_secret)
     with reported_errors(gateway), creds.client() as client:
         task = client.cancel(service_name, task_id)
-    typer.echo(json_text(task.raw))
+    print_json(task.raw)
 
 
 @app.command()
@@ -413,7 +436,7 @@ def get(
     creds = Credentials(gateway, client_id, client_secret)
     with reported_errors(gateway), creds.client() as client:
         task = client.get(service_name, task_id)
-    typer.echo(json_text(task.raw))
+    print_json(task.raw)
 
 
 @app.command()

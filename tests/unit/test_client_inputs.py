@@ -218,3 +218,37 @@ def test_a_short_timeout_against_a_healthy_gateway_gives_up_waiting(
         with pytest.raises(TaskWaitTimeout) as raised:
             wait_on(flavour, healthy.url, timeout=timeout, interval=0.01)
         assert raised.value.task.status == "PENDING"
+
+
+# --- 6. a body nested too deep for JSON -------------------------------------------------------
+
+
+def nested(levels: int) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for _ in range(levels):
+        body = {"a": body}
+    return body
+
+
+@FLAVOURS
+@pytest.mark.parametrize("levels", [3_000, 100_000])
+def test_a_body_nested_too_deep_is_refused(flavour: str, levels: int) -> None:
+    """It was a RecursionError out of json.dumps, not the ValueError documented."""
+    message = refused(flavour, "submit", "sleeper", nested(levels))
+    assert "nested too deep" in message
+
+
+@FLAVOURS
+def test_a_batch_nested_too_deep_is_refused(flavour: str) -> None:
+    message = refused(flavour, "submit_batch", "sleeper", [{"body": nested(3_000)}])
+    assert "nested too deep" in message
+
+
+@FLAVOURS
+def test_a_body_that_holds_itself_is_refused(flavour: str) -> None:
+    """Found by a review: json.dumps refuses it ("Circular reference detected"), and the
+    search for the NaN it was taken for went round the loop for ever."""
+    body: dict[str, Any] = {}
+    body["self"] = body
+    message = refused(flavour, "submit", "sleeper", body)
+    assert "Circular reference" in message

@@ -187,3 +187,55 @@ def test_a_leap_second_is_read_as_the_gateway_reads_it() -> None:
     """Found by a black-box test: the gateway took `23:59:60Z` once fixed, the CLI did not
     (datetime has no second 60). Both read it with conveyor/rfc3339.py: the next second."""
     assert task_cli.parse_time("2030-06-30T23:59:60Z") == datetime(2030, 7, 1, tzinfo=UTC)
+
+
+# --- 8. a file that is not UTF-8, JSON nested too deep ---------------------------------------
+
+NOT_UTF8 = b'{"sleep": "caf\xe9"}'  # Latin-1
+DEEP = 60_000  # levels of a file: far past any recursion limit
+
+
+def deep_object(levels: int) -> str:
+    return '{"a": ' * levels + "1" + "}" * levels
+
+
+@pytest.mark.parametrize("source", ["--body", "--batch"])
+def test_a_file_that_is_not_utf8_is_refused_in_one_line(
+    gateway: Gateway, tmp_path: Path, source: str
+) -> None:
+    """It was a traceback: UnicodeDecodeError escaped the reading of the file."""
+    path = tmp_path / "latin1.json"
+    path.write_bytes(NOT_UTF8)
+    given = f"@{path}" if source == "--body" else str(path)
+    line = one_line(refused(gateway, "submit", "sleeper", source, given))
+    assert source in line and "not UTF-8" in line
+
+
+def test_a_body_on_stdin_that_is_not_utf8_is_refused_in_one_line(gateway: Gateway) -> None:
+    result = CliRunner().invoke(task_cli.app, ["submit", "sleeper", "--body", "-"], input=NOT_UTF8)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert gateway.requests == []
+    line = one_line(str(result.stderr))
+    assert "--body" in line and "not UTF-8" in line
+
+
+@pytest.mark.parametrize("source", ["--body", "--batch"])
+def test_a_file_of_json_nested_too_deep_is_refused_in_one_line(
+    gateway: Gateway, tmp_path: Path, source: str
+) -> None:
+    """It was a traceback: RecursionError escaped json.loads."""
+    path = tmp_path / "deep.json"
+    text = deep_object(DEEP)
+    path.write_text(text if source == "--body" else f'[{{"body": {text}}}]')
+    given = f"@{path}" if source == "--body" else str(path)
+    line = one_line(refused(gateway, "submit", "sleeper", source, given))
+    assert source in line and "nested too deep" in line
+
+
+@pytest.mark.parametrize("levels", [3_000, DEEP])
+def test_an_inline_body_nested_too_deep_is_refused_in_one_line(
+    gateway: Gateway, levels: int
+) -> None:
+    line = one_line(refused(gateway, "submit", "sleeper", "--body", deep_object(levels)))
+    assert "--body" in line and "nested too deep" in line

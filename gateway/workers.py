@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from uvicorn.supervisors import multiprocess
 
 from conveyor import logs
+from conveyor.lifeline import die_with_parent
 from conveyor.settings import GatewaySettings
 from gateway.app import create_app
 
@@ -28,6 +29,7 @@ log = logging.getLogger("conveyor.gateway.workers")
 
 LOCK_ENV = "CONVEYOR_GATEWAY_LOOPS_LOCK"
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode
+SUPERVISOR_ENV = "CONVEYOR_GATEWAY_SUPERVISOR"  # the pid of uvicorn's supervisor
 _held: list[int] = []  # the lock's descriptor, open for the life of the process
 LOCK_RETRY = 1.0  # seconds between two tries of a worker that does not hold the lock
 
@@ -87,6 +89,7 @@ async def _lock_taken(path: str) -> None:
 
 def worker_app() -> FastAPI:
     """The app of one worker (uvicorn's factory, called in each worker process)."""
+    die_with_parent(int(os.environ[SUPERVISOR_ENV]))  # no orphan keeps the port, or the loops
     settings = GatewaySettings()
     logs.configure(settings.log_level, settings.log_format)
     path = os.environ[LOCK_ENV]

@@ -32,6 +32,8 @@ import httpx
 from rich.console import Console
 from rich.text import Text
 
+from conveyor.lifeline import die_with_parent
+
 ROOT = Path(__file__).resolve().parent.parent
 PLATFORM_FILE = "functions/sleeper/platform.yaml"
 SHUTDOWN_GRACE_S = 10.0
@@ -150,17 +152,6 @@ async def sleep_unless(event: asyncio.Event, seconds: float) -> bool:
     return True
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if the supervisor dies without stopping it (e.g. killed
-    by SIGKILL, or by a closed terminal pipe), so no orphan keeps the ports."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 async def spawn(argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
     """Its own session, so that the terminal's Ctrl-C reaches only the supervisor."""
     return await asyncio.create_subprocess_exec(
@@ -172,7 +163,7 @@ async def spawn(argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Proc
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
         limit=LINE_LIMIT,
     )
 

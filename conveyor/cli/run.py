@@ -70,11 +70,17 @@ def gateway(
     if workers > 1:
         import tempfile
 
-        from gateway.workers import LOCK_ENV, METRICS_ENV, see_dead_workers_at_once
+        from gateway.workers import (
+            LOCK_ENV,
+            METRICS_ENV,
+            SUPERVISOR_ENV,
+            see_dead_workers_at_once,
+        )
 
         with tempfile.TemporaryDirectory(prefix="conveyor-gateway-") as folder:
             os.environ[LOCK_ENV] = os.path.join(folder, "loops.lock")
             os.environ[METRICS_ENV] = os.path.join(folder, "metrics")
+            os.environ[SUPERVISOR_ENV] = str(os.getpid())
             os.mkdir(os.environ[METRICS_ENV])
             see_dead_workers_at_once()
             uvicorn.run(

@@ -228,3 +228,34 @@ def test_only_background_answers_its_probes_on_the_host_asked_and_serves_no_api(
     assert platform.sql(
         "SELECT count(*) FROM tasks WHERE service = %(s)s", {"s": service.name}
     ) == [(0,)]
+
+
+def _gone(pid: int) -> bool:
+    """Ended (a zombie nobody reaped yet counts as ended)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] == "Z"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc/<pid>/stat")
+def test_workers_end_with_their_supervisor_killed(
+    procs: Processes, database_url: str, amqp_url: str
+) -> None:
+    """Found by a black-box sweep: with the supervisor SIGKILLed, its workers went on as
+    orphans, one still running the background loops, and the next gateway could not bind the
+    port (exit 3, address in use). They end with it now (Linux's parent-death signal)."""
+    gateway = GatewayProcess(
+        procs, gateway_env(database_url, amqp_url), "gateway-workers-orphans", "--workers", "2"
+    )
+    workers = _answering(gateway.url, want=2)
+    assert len(workers) == 2, workers
+    gateway.proc.kill()  # SIGKILL, by its pid
+    deadline = time.monotonic() + 20
+    while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in workers if not _gone(pid)]
+    for pid in left:  # the test's own processes, should the check fail: ended by their pids
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their supervisor"

@@ -27,6 +27,7 @@ from conveyor.cli import task as task_cli
 from conveyor.client import Task
 from tests.support.processes import REPO, free_port
 from tests.unit.test_client_following import TASK_ID, Gateway, Handler, event
+from tests.unit.test_task_cli_inputs import cli_gateway
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -171,15 +172,9 @@ def finished(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gateway]:
         else:
             h.envelope(200, {"status": "success", "data": done})
 
-    server = Gateway(script)
-    monkeypatch.setenv("CONVEYOR_GATEWAY_URL", server.url)
-    monkeypatch.setenv("CONVEYOR_CLIENT_ID", "u")
-    monkeypatch.setenv("CONVEYOR_CLIENT_SECRET", "p")
     monkeypatch.setattr(task_cli, "out", Console(force_terminal=True))  # stdout: CliRunner's
-    yield server
-    server.released.set()
-    server.shutdown()
-    server.server_close()
+    with cli_gateway(monkeypatch, script) as server:
+        yield server
 
 
 @pytest.mark.parametrize(

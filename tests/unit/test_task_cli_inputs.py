@@ -3,7 +3,8 @@ request made (the SDK's ValueErrors included), and a short --timeout that gives 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -28,15 +29,26 @@ def gateway(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gateway]:
         else:
             h.envelope(200, {"status": "success", "data": PENDING})
 
+    with cli_gateway(monkeypatch, script) as server:
+        yield server
+
+
+@contextmanager
+def cli_gateway(
+    monkeypatch: pytest.MonkeyPatch, script: Callable[[Handler], None]
+) -> Iterator[Gateway]:
+    """`script` served, and the CLI's environment pointed at it with credentials."""
     server = Gateway(script)
     monkeypatch.setenv("CONVEYOR_GATEWAY_URL", server.url)
     monkeypatch.setenv("CONVEYOR_CLIENT_ID", "u")
     monkeypatch.setenv("CONVEYOR_CLIENT_SECRET", "p")
     monkeypatch.delenv("CONVEYOR_SERVICE", raising=False)
-    yield server
-    server.released.set()
-    server.shutdown()
-    server.server_close()
+    try:
+        yield server
+    finally:
+        server.released.set()
+        server.shutdown()
+        server.server_close()
 
 
 def run(*args: str) -> Any:

@@ -310,21 +310,27 @@ async def run_step(argv: list[str], output: Output, stopping: asyncio.Event) -> 
     return waiting.result()
 
 
-async def wait_ready(url: str, output: Output, stopping: asyncio.Event) -> bool:
-    """Polls the gateway's /readyz until 200; False if stopped first."""
+async def wait_ready(urls: list[str], output: Output, stopping: asyncio.Event) -> bool:
+    """Polls each /readyz until it answers 200; False if stopped first. The dispatcher's
+    too: its 200 says the function answers, so the banner no longer shows a platform whose
+    function is still starting, or failing (the supervisor then stops everything)."""
     started = time.monotonic()
     warned = 0
+    waiting = list(urls)
     async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
         while not stopping.is_set():
-            try:
-                if (await http.get(url)).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
+            for url in list(waiting):
+                try:
+                    if (await http.get(url)).status_code == 200:
+                        waiting.remove(url)
+                except httpx.HTTPError:
+                    pass
+            if not waiting:
+                return True
             waited = int(time.monotonic() - started)
             if waited // 30 > warned:
                 warned = waited // 30
-                output.note(f"still waiting for {url} ({waited}s)")
+                output.note(f"still waiting for {', '.join(waiting)} ({waited}s)")
             if await sleep_unless(stopping, READY_POLL_S):
                 return False
     return False
@@ -403,7 +409,8 @@ async def up(ports: Ports, console: Console) -> int:
             output.note(f"setup step failed with code {code}: is `make services` done?")
             return 1
     supervisor.start()
-    if await wait_ready(f"{ports.gateway_url}/readyz", output, supervisor.stopping):
+    ready = [f"{ports.gateway_url}/readyz", f"http://127.0.0.1:{ports.dispatcher}/readyz"]
+    if await wait_ready(ready, output, supervisor.stopping):
         print_banner(console, ports)
     await supervisor.stopping.wait()
     await supervisor.stop()

@@ -8,14 +8,16 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from scripts.up import Output, Ports, Program, Supervisor, platform_programs, up
+from scripts.up import Output, Ports, Program, Supervisor, platform_programs, up, wait_ready
 
 PYTHON = sys.executable
 
@@ -185,3 +187,34 @@ async def test_a_port_in_use_is_named_before_anything_starts() -> None:
     assert time.monotonic() - started < 5  # no migration, no child started
     assert f"port {port} is in use" in buffer.getvalue()
     assert "CONVEYOR_UP_GATEWAY_PORT" in buffer.getvalue()
+
+
+async def test_the_banner_waits_for_the_dispatcher_too() -> None:
+    """Found by a black-box sweep: the banner came as soon as the gateway was ready, while
+    the function was still starting or failing. It waits for the dispatcher's /readyz too
+    (200 once the function answers)."""
+    answers = {"/gateway": 200, "/dispatcher": 503}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(answers[self.path])
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        stopping = asyncio.Event()
+        waiting = asyncio.create_task(
+            wait_ready([f"{url}/gateway", f"{url}/dispatcher"], Output(console()[0]), stopping)
+        )
+        await asyncio.sleep(1.5)
+        assert not waiting.done(), "ready with the dispatcher still answering 503"
+        answers["/dispatcher"] = 200
+        assert await asyncio.wait_for(waiting, 10) is True
+    finally:
+        server.shutdown()
+        server.server_close()

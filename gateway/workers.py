@@ -89,7 +89,8 @@ async def _lock_taken(path: str) -> None:
 
 def worker_app() -> FastAPI:
     """The app of one worker (uvicorn's factory, called in each worker process)."""
-    die_with_parent(int(os.environ[SUPERVISOR_ENV]))  # no orphan keeps the port, or the loops
+    supervisor = os.environ.get(SUPERVISOR_ENV)  # no orphan keeps the port, or the loops
+    die_with_parent(int(supervisor) if supervisor else None)
     settings = GatewaySettings()
     logs.configure(settings.log_level, settings.log_format)
     path = os.environ[LOCK_ENV]

@@ -318,8 +318,11 @@ class ResultConsumer:
                 if self._releases != releases:
                     return  # the next refresh reads the database again first
                 # The broker's channels are robust (`connect_robust`).
-                fresh = await self.broker.channel(prefetch=START_PREFETCH)
-                await self._replace_channel(cast(AbstractRobustChannel, fresh))
+                fresh = cast(
+                    AbstractRobustChannel, await self.broker.channel(prefetch=START_PREFETCH)
+                )
+                fresh.reopen_callbacks.add(self._reopened)
+                await self._replace_channel(fresh)
                 if self._released:  # the database answered the catalog's read above
                     self._released = False
                     self.hearing.heard()
@@ -526,8 +529,16 @@ class ResultConsumer:
 
     async def _make_room(self, name: str, pace: _Pace, message: AbstractIncomingMessage) -> None:
         """`message` would take the results held past `memory`: handed back unread, and its
-        queue no longer consumed until `_pace_queues` finds room (the cancel first, so that
-        the broker has no consumer to give it straight back to)."""
+        queue no longer consumed until `_pace_queues` finds room.
+
+        The hand-back first, before anything is awaited: its frame is then written before any
+        later ack, whose `multiple` would otherwise cover it (found by a black-box sweep: with
+        the consumer's cancel awaited first, a batch was acked up to a later delivery tag
+        meanwhile, this one included: acked unapplied, its task PENDING for good, and the late
+        nack closed the channel). What the broker gives back before the cancel lands is
+        handed back as it comes."""
+        await _settle(message.nack, requeue=True)
+        metrics.RESULTS_DEFERRED.inc()
         if not pace.paused:
             pace.paused = True
             log.info(
@@ -535,8 +546,6 @@ class ResultConsumer:
                 extra={"queue": name, "held_bytes": self._holding},
             )
             await self._cancel(pace)
-        await _settle(message.nack, requeue=True)
-        metrics.RESULTS_DEFERRED.inc()
 
     async def _pace_queues(self) -> None:
         """After each batch (and each refresh, should a reconnection have stopped it), each
@@ -571,9 +580,10 @@ class ResultConsumer:
                     subscription.consumers.remove((pace.queue, pace.tag))
                     subscription.consumers.append(consumer)
 
-    def restored(self) -> None:
-        """A reconnection restored the consumers it found with the channel's prefetch, the
-        start one: paced from there again. Paused ones were cancelled: none restored."""
+    def _reopened(self, *_: object) -> None:
+        """The channel reopened (a reconnection, or a channel error) restored the consumers it
+        had with the channel's prefetch, the start one: paced from there again. Paused ones
+        were cancelled: none restored."""
         for pace in self._pace.values():
             if not pace.paused:
                 pace.prefetch, pace.seen, pace.largest = START_PREFETCH, 0, 0

@@ -113,7 +113,6 @@ class Runtime:
             on_missing_in=self.outbox.restore_lost,
             memory=settings.results_memory,
         )
-        self.broker.on_reconnect(self.results.restored)
         self.loops = Supervisor()
         self.background = False
         self._connecting: asyncio.Task[None] | None = None

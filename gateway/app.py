@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -186,7 +187,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         log.warning("database unavailable", extra={"error": exc.__class__.__name__})
         return _error_response(errors.ApiError(errors.UNAVAILABLE, headers=dict(errors.RETRY_SOON)))
 
-    for kind in pgpool.CONNECTION_ERRORS:
+    # A server that takes no writes (a standby not promoted yet, a database made read-only)
+    # cannot store a task either: the same 503, not a 500 with a traceback (found by a sweep).
+    for kind in (*pgpool.CONNECTION_ERRORS, psycopg.errors.ReadOnlySqlTransaction):
         app.add_exception_handler(kind, database_away)
 
     async def schema_missing(_: Request, exc: Exception) -> Json:

@@ -9,10 +9,13 @@ import socket
 import uuid
 
 import httpx
+import psycopg
 import pytest
 
-from tests.support.amqp import wait_until
-from tests.support.gateway import GatewayProcess, Platform
+from gateway.database_url import libpq
+from tests.support.amqp import scratch_database, wait_until
+from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.processes import Processes
 
 DATE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 SCHEMA = {
@@ -441,3 +444,32 @@ def test_a_pattern_that_backtracks_without_end_holds_the_gateway_for_its_budget_
     ]
     assert healthy.status_code == 200
     assert fine.status_code == 201, fine.text
+
+
+def test_a_database_that_takes_no_writes_answers_503(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """Found by a black-box sweep: a database made read-only (as a standby not promoted yet
+    is) answered a submission 500 500001 with a ReadOnlySqlTransaction traceback, while
+    /readyz said 503. It is the database unavailable for writes: 503 503001, Retry-After."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        service = platform.service()
+        gateway = GatewayProcess(procs, gateway_env(url, amqp_url), "gateway-read-only-db")
+        with psycopg.connect(libpq(url), autocommit=True) as admin:
+            name = admin.info.dbname
+            admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            with gateway.http(service.clients[0]) as http:
+                answers = [
+                    http.post(gateway.tasks_url(service.name), json={"body": {}})
+                    for _ in range(3)  # the first may meet a connection the server ended
+                ]
+            admin.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+        procs.stop_all()
+        assert [a.status_code for a in answers] == [503] * 3, answers[-1].text
+        assert {a.json()["error"]["number"] for a in answers} == {503001}
+        assert "Traceback" not in gateway.proc.logs()

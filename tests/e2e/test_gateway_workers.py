@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import time
 
@@ -251,6 +252,11 @@ def test_workers_end_with_their_supervisor_killed(
     )
     workers = _answering(gateway.url, want=2)
     assert len(workers) == 2, workers
+    # The supervisor's folder (lock, metrics), which a supervisor SIGKILLed cannot remove.
+    environ = open(f"/proc/{next(iter(workers))}/environ", "rb").read().split(b"\0")
+    (lock,) = [
+        v.split(b"=", 1)[1] for v in environ if v.startswith(b"CONVEYOR_GATEWAY_LOOPS_LOCK=")
+    ]
     gateway.proc.kill()  # SIGKILL, by its pid
     deadline = time.monotonic() + 20
     while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
@@ -258,4 +264,5 @@ def test_workers_end_with_their_supervisor_killed(
     left = [pid for pid in workers if not _gone(pid)]
     for pid in left:  # the test's own processes, should the check fail: ended by their pids
         os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(os.path.dirname(lock.decode()), ignore_errors=True)
     assert not left, f"workers {left} outlived their supervisor"

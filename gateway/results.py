@@ -571,14 +571,10 @@ class ResultConsumer:
             else:
                 await self._cancel(pace)
             try:
-                consumer = await self._consume(pace.queue, pace.dead, fits)
+                await self._consume(pace.queue, pace.dead, fits)  # its new pace replaces this one
             except Exception as exc:  # the connection lost: the next batch or refresh tries
                 log.warning("a result queue not consumed yet", extra={"error": logs.describe(exc)})
                 return
-            for subscription in self._subscribed.values():
-                if (pace.queue, pace.tag) in subscription.consumers:
-                    subscription.consumers.remove((pace.queue, pace.tag))
-                    subscription.consumers.append(consumer)
 
     def _reopened(self, *_: object) -> None:
         """The channel reopened (a reconnection, or a channel error) restored the consumers it

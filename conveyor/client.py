@@ -188,19 +188,26 @@ def _key_headers(idempotency_key: str | None) -> dict[str, str]:
 
 def _json_ready(payload: dict[str, Any]) -> dict[str, Any]:
     """`payload`, or ValueError naming where a NaN or Infinity is: JSON has no such numbers
-    (httpx would refuse them with a bare "Out of range float values"); or ValueError for a
-    payload nested too deep for json.dumps (a RecursionError otherwise), or that holds itself
-    (the search for a NaN went round it for ever)."""
+    (httpx would refuse them with a bare "Out of range float values"), or where a lone
+    surrogate is (half a UTF-16 pair, no Unicode text: UTF-8 cannot encode it); or ValueError
+    for a payload nested too deep for json.dumps (a RecursionError otherwise), or that holds
+    itself (the search for a NaN went round it for ever)."""
     try:
-        json.dumps(payload, allow_nan=False)
+        json.dumps(payload, allow_nan=False, ensure_ascii=False).encode("utf-8")
     except RecursionError:
         raise ValueError(
             "the request cannot be sent as JSON: it is nested too deep for json.dumps"
         ) from None
+    except UnicodeEncodeError:
+        path, text = _first(payload, _lone_surrogate)
+        raise ValueError(
+            f"the request cannot be sent as JSON: {path} is {text!r}, which holds a lone"
+            " surrogate (half a UTF-16 pair, U+D800 to U+DFFF): no Unicode text"
+        ) from None
     except ValueError as exc:
         if "Out of range float" not in str(exc):  # a payload that holds itself, say
             raise ValueError(f"the request cannot be sent as JSON: {exc}") from None
-        path, number = _first_non_finite(payload)
+        path, number = _first(payload, _non_finite)
         raise ValueError(
             f"the request cannot be sent as JSON: {path} is {number!r}, and NaN and Infinity"
             " are not JSON numbers"
@@ -208,17 +215,32 @@ def _json_ready(payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
-def _first_non_finite(payload: dict[str, Any]) -> tuple[str, float]:
-    """Where json.dumps found a NaN or Infinity (iterative: a body may be deeply nested)."""
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _lone_surrogate(value: Any) -> bool:
+    return isinstance(value, str) and _SURROGATE.search(value) is not None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # what is left in a str of a pair is lone
+
+
+def _first(payload: dict[str, Any], wrong: Callable[[Any], bool]) -> tuple[str, Any]:
+    """Where json.dumps met a value (or a key) it could not write, found again (iterative: a
+    body may be deeply nested)."""
     stack: list[tuple[Any, str]] = [(payload, "")]
     while stack:
         value, path = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
+        if wrong(value):
             return path, value
         if isinstance(value, dict | list | tuple):
             items = value.items() if isinstance(value, dict) else enumerate(value)
-            stack.extend((v, f"{path}/{k}" if path else str(k)) for k, v in reversed(list(items)))
-    return "a value", math.nan  # unreachable: json.dumps found one
+            for key, item in reversed(list(items)):
+                if wrong(key):
+                    return f"a key in {path or 'the request'}", key
+                stack.append((item, f"{path}/{key}" if path else str(key)))
+    return "a value", None  # unreachable: json.dumps found one
 
 
 def task_item(

@@ -189,8 +189,8 @@ def reported_errors(gateway: str) -> Iterator[None]:
 
 def _read_json(text: str, option: str) -> Any:
     """JSON given inline, as `@file.json`, or `-` for stdin; UTF-8 (as JSON is, RFC 8259).
-    Input that is not UTF-8 or is nested too deep for Python's json is a one-line usage error,
-    as NaN is, not a traceback."""
+    Input that is not UTF-8, is nested too deep for Python's json or escapes a lone surrogate
+    is a one-line usage error, as NaN is, not a traceback."""
     try:
         if text == "-":
             text = sys.stdin.read()
@@ -205,7 +205,11 @@ def _read_json(text: str, option: str) -> Any:
         where = f" (byte {exc.start})" if isinstance(exc, UnicodeDecodeError) else ""
         fail(f"{option} is not UTF-8{where}: JSON is read as UTF-8", 2)
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
+    except UnicodeEncodeError:  # an escaped "\ud800": JSON Python reads, no Unicode text
+        fail(f"{option} holds a lone surrogate (half a UTF-16 pair, \\ud800 to \\udfff)", 2)
     except _NotANumber as exc:
         fail(f"{option} is not JSON: NaN/Infinity are not JSON numbers (found {exc})", 2)
     except RecursionError:

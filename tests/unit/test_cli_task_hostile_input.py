@@ -100,6 +100,21 @@ def test_json_nested_too_deep_is_a_usage_error(tmp_path: Path, source: str) -> N
     assert option in line and "nested too deep" in line
 
 
+@pytest.mark.parametrize("source", ["inline", "--batch"])
+def test_a_lone_surrogate_is_a_usage_error_saying_so(tmp_path: Path, source: str) -> None:
+    """Found by a black-box sweep: `{"a": "\\ud800"}` is JSON Python reads, yet no Unicode
+    text; the error was the codec's "'utf-8' codec can't encode character '\\ud800' in
+    position 14: surrogates not allowed"."""
+    if source == "--batch":
+        path = tmp_path / "batch.json"
+        path.write_text('[{"body": {"a": "\\ud800"}}]')
+        done = submit("--batch", str(path))
+    else:
+        done = submit("--body", '{"a": "\\ud800"}')
+    line = usage_error(done)
+    assert source.replace("inline", "--body") in line and "lone surrogate" in line, line
+
+
 # --- 2. a result of megabytes -----------------------------------------------------------------
 
 

@@ -252,3 +252,19 @@ def test_a_body_that_holds_itself_is_refused(flavour: str) -> None:
     body["self"] = body
     message = refused(flavour, "submit", "sleeper", body)
     assert "Circular reference" in message
+
+
+@FLAVOURS
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [({"a": [1, {"x": "half \ud800 a pair"}]}, "a/1/x"), ({"k\udc00": 1}, "a key")],
+    ids=["value", "key"],
+)
+def test_a_body_with_a_lone_surrogate_is_refused_saying_where(
+    flavour: str, body: dict[str, Any], where: str
+) -> None:
+    """Half a UTF-16 pair (`"\\ud800"` escaped in JSON the SDK was given) is no Unicode text:
+    the request could not be encoded, and the error was only "'utf-8' codec can't encode
+    character '\\ud800' in position 14: surrogates not allowed"."""
+    message = refused(flavour, "submit", "sleeper", body)
+    assert "lone surrogate" in message and where in message, message

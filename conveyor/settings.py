@@ -130,8 +130,9 @@ class GatewaySettings(CommonSettings):
     callback_lease: Seconds = 30.0
     # How long a publish may take in all (reconnecting if it must, then the broker's confirm).
     publish_timeout: Seconds = 5.0
-    # A confirmed submission stays in the outbox this long, and is published again if the
-    # broker connection drops meanwhile: a crashed broker may lose what it just confirmed.
+    # A confirmed submission is published again if the broker connection drops within this
+    # long (a crashed broker may lose what it just confirmed); it is marked published within
+    # a second all the same (gateway.outbox.MARK_AFTER).
     outbox_keep_confirmed: SecondsOrNone = 5.0
     relay_interval: Seconds = 1.0
     # A comment line on each task event stream (SSE) after this many quiet seconds.

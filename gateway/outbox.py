@@ -6,7 +6,8 @@ a transaction). The row stops being an outbox entry when `publish_at` goes back
 to NULL, which happens in one of three ways:
 
 * the fast path: the API publishes at once and, once the broker confirms,
-  queues the row for marking; marks are batched into one statement;
+  queues the row for marking; marks are batched into one statement, made within
+  `MARK_AFTER` of the confirm;
 * the task's first event: `started`, or a terminal state however reached,
   clears it in the update the state machine makes anyway (`lifecycle`), so most
   tasks are marked at no cost and the fast path's mark finds nothing to do;
@@ -39,9 +40,15 @@ subscribe a service whose `-in` is missing while some of its PENDING tasks are m
 published (`restore_lost`): declared as a subscription declares it, at once, the queue would
 be there for the next publish and the next check, and the loss found by nobody.
 
+A broker that crashes may lose what it confirmed just before (a RabbitMQ 3.10 node SIGKILLed
+seconds after a quorum queue was declared brought it back empty): the rows confirmed in the
+last `keep_confirmed` seconds, marked or not, are given back to the relay when the connection
+drops (`_distrust_recent`). A gateway that dies loses only its marks not made yet: those of
+about the last second.
+
 At worst a task is published twice (confirm received, mark lost; or published again after a
-lost `-in` while its message had already been delivered): delivery is at-least-once end to
-end, and the state machine absorbs duplicates.
+lost `-in` or a dropped connection while its message had already been delivered): delivery
+is at-least-once end to end, and the state machine absorbs duplicates.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import partial
@@ -85,7 +93,9 @@ _MARK_CONFIRMED = """
       FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(attempts)s AS int[])) AS m(id, attempts)
      WHERE t.id = m.id AND t.publish_attempts = m.attempts AND t.publish_at IS NOT NULL
     """
-# Due rows (ix_tasks_unpublished), leased: `publish_at` moves past the lease.
+# Due rows (ix_tasks_unpublished), leased: `publish_at` moves past the lease. Published in
+# the order they entered their queue (a run-later task when due), as their places count them:
+# RETURNING keeps no order, and 200 tasks due at once ran up to 199 places out of turn.
 _CLAIM = """
     WITH claimed AS (
         UPDATE tasks t
@@ -106,6 +116,7 @@ _CLAIM = """
            s.queue_name, s.message_format, s.max_attempts, s.task_timeout,
            c.submission_date, c.not_before, s.retention_seconds, c.traceparent, c.expires_at
       FROM claimed c LEFT JOIN services s ON s.name = c.service
+     ORDER BY COALESCE(c.not_before, c.submission_date), c.id
     """
 # A failed publish gives its lease back after a short, growing pause (capped at 10 s): the
 # row must not wait out the whole 30 s lease, meant for a relay that died mid-publish.
@@ -138,6 +149,18 @@ _REPUBLISH = """
     RETURNING t.id
     """
 REPUBLISH_PAGE = 5000
+# The rows confirmed just before the broker connection dropped, still PENDING, marked or not:
+# due for the relay now, an attempt counted so that no mark of an earlier publish undoes it.
+_DISTRUSTED = """
+    UPDATE tasks SET publish_at = now(), publish_attempts = publish_attempts + 1
+     WHERE id = ANY(%(ids)s) AND status = 'PENDING'
+    """
+# A confirmed publish is marked within this time (plus a flush interval), not at once: a task
+# taken at once is marked by its `started` at no cost. Its mark used to wait the whole
+# `keep_confirmed`: a gateway SIGKILLed within those 5 s lost every mark it held, and behind a
+# backlog the relays published those tasks again, each function called twice (found by a
+# black-box sweep).
+MARK_AFTER = 1.0
 # Of these queue names, those of a service with a PENDING task marked published since it last
 # moved: a `-in` found missing lost that message. A service's first subscription finds its
 # `-in` missing too, and has none (a publish to it would have been returned); so does the
@@ -240,16 +263,18 @@ class Outbox:
         self.batch = batch
         self.max_backoff = max_backoff
         self.flush_every = flush_every
-        # A confirmed row is marked only `keep_confirmed` seconds later (less than the grace:
-        # the relay never sees it meanwhile). A broker that crashes within that time may lose
-        # what it confirmed (seen with a RabbitMQ 3.10 quorum queue declared seconds before a
-        # crash of its one node): when the
-        # connection drops, the rows still kept are left to the relay, which publishes them
-        # again. A duplicate is harmless; a lost submission would leave its task PENDING.
+        # A confirmed row is marked within `MARK_AFTER` (less than the grace: the relay never
+        # sees it meanwhile), and remembered for `keep_confirmed` seconds: a broker that
+        # crashes within that time may lose what it confirmed (seen with a RabbitMQ 3.10
+        # quorum queue declared seconds before a crash of its one node), so when the
+        # connection drops, the rows remembered are given back to the relay, which publishes
+        # them again. A duplicate is harmless; a lost submission would leave its task PENDING.
         self.keep_confirmed = keep_confirmed
+        self.mark_after = min(MARK_AFTER, keep_confirmed)
         # (when confirmed, task row id, its publish_attempts then), oldest first: the ripe
-        # ones are a prefix
-        self._confirmed: deque[tuple[float, int, int]] = deque()
+        # ones are a prefix. Those not marked yet; those confirmed within `keep_confirmed`.
+        self._unmarked: deque[tuple[float, int, int]] = deque()
+        self._recent: deque[tuple[float, int]] = deque()
         # Per queue, until when the fast path leaves its submissions to the relay (`publish_now`).
         self._fast_path_resumes: dict[str, float] = {}
         # Per queue name, the last declaration after its `-in` was found missing: when it
@@ -262,17 +287,47 @@ class Outbox:
         broker.on_reconnect(self._distrust_recent)
 
     def _distrust_recent(self) -> None:
-        if self._confirmed:
+        """The broker connection dropped: what it confirmed in the last `keep_confirmed`
+        seconds is given back to the relay, in the background, whether marked yet or not."""
+        self._forget_old(time.monotonic())
+        ids = [row_id for _, row_id in self._recent]
+        self._unmarked.clear()
+        self._recent.clear()
+        if ids:
             log.warning(
                 "broker connection lost: recently confirmed submissions will be published again",
-                extra={"count": len(self._confirmed)},
+                extra={"count": len(ids)},
             )
-        self._confirmed.clear()
+            self._in_background(self._give_back_distrusted(ids))
+
+    async def _give_back_distrusted(self, ids: list[int]) -> None:
+        """`_DISTRUSTED`, the database retried until it answers."""
+        retrying = AsyncRetrying(
+            wait=wait_exponential(multiplier=self.interval, max=self.max_backoff),
+            retry=retry_if_exception_type(Exception),
+        )
+        async for attempt in retrying:
+            with attempt:
+                async with self.pool.connection() as conn:
+                    await conn.execute(_DISTRUSTED, {"ids": ids})
 
     def _note_confirmed(self, rows: list[tuple[int, int]]) -> None:
         """(row id, its publish_attempts when published) of confirmed publishes."""
         at = time.monotonic()
-        self._confirmed.extend((at, row_id, attempts) for row_id, attempts in rows)
+        self._unmarked.extend((at, row_id, attempts) for row_id, attempts in rows)
+        if self.keep_confirmed > 0:
+            self._recent.extend((at, row_id) for row_id, _ in rows)
+
+    def _forget_old(self, now: float) -> None:
+        """Confirms older than `keep_confirmed` are trusted: no dropped connection gives
+        their rows back any more."""
+        while self._recent and self._recent[0][0] <= now - self.keep_confirmed:
+            self._recent.popleft()
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- fast path ---------------------------------------------------------
 
@@ -385,10 +440,8 @@ class Outbox:
     def _give_back(self, queue_name: str, started: float) -> None:
         """The service's tasks published before `started` given back to the relay, in the
         background (`_republish_lost`): their messages were in a queue that is gone."""
-        kept = [row_id for at, row_id, _ in self._confirmed if at < started]
-        task = asyncio.create_task(self._republish_lost(queue_name, kept))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        kept = [row_id for at, row_id, _ in self._unmarked if at < started]  # others: marked
+        self._in_background(self._republish_lost(queue_name, kept))
 
     async def _republish_lost(self, queue_name: str, kept: list[int]) -> None:
         """Gives the relay back the service's PENDING tasks whose messages may have been in
@@ -475,7 +528,7 @@ class Outbox:
 
     async def flush_loop(self) -> None:
         """Marks confirmed rows published in batches: one statement, not one per task. No
-        wakeup on a full batch: nothing ripens before `keep_confirmed` has passed anyway."""
+        wakeup on a full batch: nothing ripens before `mark_after` has passed anyway."""
         while True:
             await asyncio.sleep(self.flush_every)
             await self.flush()
@@ -484,10 +537,12 @@ class Outbox:
         """Marks the rows confirmed long enough ago (all of them with `everything`)."""
         if not everything and not self.broker.connected:
             return  # the broker may have crashed: what it confirmed last is not trusted yet
-        trusted = time.monotonic() - self.keep_confirmed
-        confirmed = self._confirmed
+        now = time.monotonic()
+        self._forget_old(now)
+        ripe = now - self.mark_after
+        confirmed = self._unmarked
         ids, attempts = [], []
-        while confirmed and (everything or confirmed[0][0] <= trusted):
+        while confirmed and (everything or confirmed[0][0] <= ripe):
             _, row_id, attempt = confirmed.popleft()
             ids.append(row_id)
             attempts.append(attempt)

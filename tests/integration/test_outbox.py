@@ -400,3 +400,63 @@ def test_a_lost_queues_tasks_stay_given_back_whatever_earlier_publishes_mark(
         ).fetchall()
         assert sorted(row[0] for row in waiting) == sorted(ids)
         conn.rollback()
+
+
+@pytest.mark.timeout(90)
+def test_a_gateway_killed_after_its_publishes_were_confirmed_leaves_none_to_publish_again(
+    procs: Processes, svc: Service, platform: Platform, database_url: str, amqp_url: str
+) -> None:
+    """Found by a black-box sweep: a confirmed publish was marked only OUTBOX_KEEP_CONFIRMED
+    (5 s) later, held in memory until then; a gateway SIGKILLed meanwhile (an OOM kill, a lost
+    node) lost that, and behind a backlog the relays published every such task again once its
+    grace had passed: each function called twice, the second call after the task's SUCCESS.
+    A confirmed publish is marked within about a second now; a broker that crashes after
+    confirming still has what it confirmed recently published again (test_broker_restart)."""
+    env = gateway_env(database_url, amqp_url, CONVEYOR_OUTBOX_KEEP_CONFIRMED="5")
+    doomed = GatewayProcess(procs, env, "gw-killed")
+    wait_for_queues(amqp_url, queues_of(svc.queue_name))
+    accepted = _submit_during_outage(doomed, svc, 20)  # no dispatcher: they wait in -in
+    time.sleep(2.5)
+    doomed.proc.kill()
+    successor = GatewayProcess(procs, env, "gw-after")
+    # Their grace (2 × PUBLISH_TIMEOUT + OUTBOX_KEEP_CONFIRMED = 8 s) passed, and a few relay passes.
+    time.sleep(9.0)
+    in_queue = topology.in_queue(svc.queue_name)
+    ids = _task_ids(take_all(amqp_url, in_queue))
+    assert sorted(ids) == sorted(accepted), f"{len(ids)} published for {len(accepted)} tasks"
+    assert not _outbox_tasks(platform, svc.name)
+    successor.proc.kill()
+
+
+@pytest.mark.timeout(90)
+def test_publishes_confirmed_just_before_the_broker_connection_dropped_are_published_again(
+    amqp_proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """A broker that crashes may lose what it confirmed seconds before: the submissions
+    confirmed within OUTBOX_KEEP_CONFIRMED of a dropped connection are published again, also
+    those already marked published (a mark comes within about a second now, not after the
+    whole 5 s); those confirmed earlier are not."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        try:
+            env = gateway_env(url, amqp_proxy.url(amqp_url), CONVEYOR_OUTBOX_KEEP_CONFIRMED="5")
+            gw = GatewayProcess(procs, env)
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            with gw.http() as http:
+                wait_until(lambda: http.get("/readyz").status_code == 200, what="gateway ready")
+            older = _submit_during_outage(gw, svc, 5)
+            time.sleep(6.0)  # older than OUTBOX_KEEP_CONFIRMED: trusted
+            recent = _submit_during_outage(gw, svc, 10)
+            time.sleep(2.0)  # marked published by now
+            assert not _outbox_tasks(platform, svc.name)
+            amqp_proxy.sever()
+            time.sleep(1.0)
+            amqp_proxy.restore()
+            in_queue = topology.in_queue(svc.queue_name)
+            ids = _task_ids(collect(amqp_url, in_queue, expected=25, timeout=30, settle=2))
+            assert sorted(ids) == sorted(older + recent * 2)
+            wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox emptied")
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)

@@ -419,7 +419,7 @@ def test_a_gateway_killed_after_its_publishes_were_confirmed_leaves_none_to_publ
     time.sleep(2.5)
     doomed.proc.kill()
     successor = GatewayProcess(procs, env, "gw-after")
-    # Their grace (2 × PUBLISH_TIMEOUT + OUTBOX_KEEP_CONFIRMED = 8 s) passed, and a few relay passes.
+    # Their grace (twice PUBLISH_TIMEOUT + OUTBOX_KEEP_CONFIRMED = 8 s), and a few relay passes.
     time.sleep(9.0)
     in_queue = topology.in_queue(svc.queue_name)
     ids = _task_ids(take_all(amqp_url, in_queue))

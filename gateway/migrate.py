@@ -3,16 +3,26 @@ needs no alembic.ini, and creates the database itself on a fresh machine."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import psycopg
 from alembic import command
 from alembic.config import Config
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from conveyor.settings import normalize_database_url
 from gateway.database_url import database_name, libpq, with_database
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+log = logging.getLogger("conveyor.gateway.migrate")
 
 
 def alembic_config(database_url: str) -> Config:
@@ -62,10 +72,42 @@ _SCHEMA_LOCK = "SELECT pg_advisory_lock(hashtext('conveyor.schema'))"
 def upgrade(database_url: str, revision: str = "head") -> None:
     with psycopg.connect(libpq(database_url), autocommit=True) as holder:
         holder.execute(_SCHEMA_LOCK)  # released when `holder` closes
-        command.upgrade(alembic_config(database_url), revision)
+        for attempt in _while_locked_out():
+            with attempt:
+                command.upgrade(alembic_config(database_url), revision)
 
 
 def downgrade(database_url: str, revision: str = "base") -> None:
     with psycopg.connect(libpq(database_url), autocommit=True) as holder:
         holder.execute(_SCHEMA_LOCK)
-        command.downgrade(alembic_config(database_url), revision)
+        for attempt in _while_locked_out():
+            with attempt:
+                command.downgrade(alembic_config(database_url), revision)
+
+
+# A revision waits for a table's lock at most `migrations/env.py`'s LOCK_TIMEOUT: a long
+# transaction holding it would otherwise queue every statement on that table behind the
+# revision. Each revision commits on its own, so a try again resumes where the last stopped.
+LOCKED_OUT_ATTEMPTS = 6
+
+
+def _while_locked_out() -> Retrying:
+    return Retrying(
+        retry=retry_if_exception(_locked_out),
+        stop=stop_after_attempt(LOCKED_OUT_ATTEMPTS),
+        wait=wait_exponential(multiplier=1, max=10),
+        before_sleep=_say_locked_out,
+        reraise=True,
+    )
+
+
+def _locked_out(exc: BaseException) -> bool:
+    return isinstance(getattr(exc, "orig", exc), psycopg.errors.LockNotAvailable)
+
+
+def _say_locked_out(state: RetryCallState) -> None:
+    log.warning(
+        "a migration gave up waiting for a table's lock (a long transaction holds it);"
+        " trying again",
+        extra={"attempt": state.attempt_number, "seconds": round(state.upcoming_sleep, 1)},
+    )

@@ -71,7 +71,7 @@ from conveyor.events import (
     encode_submission,
     is_cloudevent,
 )
-from gateway import catalog, lifecycle, metrics, supervisor
+from gateway import catalog, lifecycle, metrics, schema, supervisor
 from gateway.broker import Broker
 from gateway.hearing import Hearing
 from gateway.pgpool import CONNECTION_ERRORS, Pool, server_timeout
@@ -229,8 +229,11 @@ def _locked(exc: BaseException) -> bool:
 
 
 def _transient(exc: BaseException) -> bool:
-    """Database unreachable (retry the whole batch) rather than a refused statement."""
-    return isinstance(exc, CONNECTION_ERRORS)
+    """Database unreachable (retry the whole batch) rather than a refused statement; or its
+    schema older than the code (a `conveyor db downgrade` under a running gateway, a
+    roll-back's first step): no message is at fault, and each `started` set aside as poison
+    left its task PENDING while it ran (found by a black-box sweep)."""
+    return isinstance(exc, (*CONNECTION_ERRORS, *schema.MISSING))
 
 
 class ResultConsumer:

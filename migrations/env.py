@@ -29,15 +29,33 @@ def run_offline() -> None:
         context.run_migrations()
 
 
+# How long a revision waits for a table's lock (a long transaction holds it) before it gives
+# up, and `gateway.migrate` tries again: while it waits, every statement on that table, the
+# running gateways' included, queues behind it.
+LOCK_TIMEOUT = "5s"
+
+
+def _connect(url: str) -> psycopg.Connection[object]:
+    connection = psycopg.connect(libpq(url))
+    connection.execute(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
+    connection.commit()
+    return connection
+
+
 def run_online() -> None:
     url = _url()
     engine = create_engine(
         "postgresql+psycopg://",
-        creator=lambda: psycopg.connect(libpq(url)),
+        creator=lambda: _connect(url),
         poolclass=pool.NullPool,
     )
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=metadata)
+        # Each revision in a transaction of its own: the locks a revision takes are held
+        # until it commits, not until the last one does (a rolling update migrates under
+        # running gateways).
+        context.configure(
+            connection=connection, target_metadata=metadata, transaction_per_migration=True
+        )
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -6,7 +6,8 @@ cancelled) instead of `409001`. The cancel sets `cancelled_at` in the transactio
 task; rows cancelled before this revision get it from their message and end date, as they were
 recognised before.
 
-Adding a nullable column without a default is instant; the backfill reads the FAILURE rows.
+Adding a nullable column without a default is instant; the backfill, which reads the whole
+table, runs once the column is committed (row locks only, while gateways run).
 
 Revision ID: 0014
 Revises: 0013
@@ -15,7 +16,6 @@ Create Date: 2026-11-29 06:10:00
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0014"
@@ -25,11 +25,15 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.add_column("tasks", sa.Column("cancelled_at", sa.DateTime(timezone=True), nullable=True))
-    op.execute(
-        "UPDATE tasks SET cancelled_at = COALESCE(end_date, now())"
-        " WHERE status = 'FAILURE' AND error_message = 'Task cancelled.'"
-    )
+    # Committed before the backfill (which reads the whole table): the column's ACCESS
+    # EXCLUSIVE lock held through it stalled the running gateways for seconds on a large table.
+    op.execute("ALTER TABLE tasks ADD COLUMN IF NOT EXISTS cancelled_at timestamptz")
+    with op.get_context().autocommit_block():
+        op.execute(
+            "UPDATE tasks SET cancelled_at = COALESCE(end_date, now())"
+            " WHERE status = 'FAILURE' AND error_message = 'Task cancelled.'"
+            " AND cancelled_at IS NULL"
+        )
 
 
 def downgrade() -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import psycopg
 import pytest
@@ -253,3 +255,56 @@ def test_upgrades_at_once_all_succeed(database_url: str) -> None:
         with psycopg.connect(libpq(url)) as conn:
             version = conn.execute("SELECT count(*) FROM alembic_version").fetchone()
         assert version == (1,)
+
+
+@pytest.mark.timeout(90)
+def test_a_backfill_leaves_the_tasks_table_usable_while_it_runs(database_url: str) -> None:
+    """Found by a black-box sweep of a rolling update: every pending revision ran in one
+    transaction, and 0014's backfill (an UPDATE reading the whole table) ran in the one that
+    added its column, holding that ACCESS EXCLUSIVE lock until the last revision committed:
+    with 2,000,000 finished tasks, the running gateways' submissions and polls waited up to
+    8 s, one answered 503. Each revision commits on its own now, and the backfill runs once
+    its column is committed, taking row locks only. Here the backfill is held up (a trigger on
+    each row waits for a lock the test holds); meanwhile the table must answer a read."""
+    with scratch_database(database_url, migrate=False) as url:
+        upgrade(url, "0013")
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO tasks (task_id, client_id, service, status, request, error_message,"
+                " end_date) SELECT gen_random_uuid(), 'c', 's', 'FAILURE', '{}',"
+                " 'Task cancelled.', now() FROM generate_series(1, 3)"
+            )
+            # Each row the backfill updates waits for a lock this test holds.
+            conn.execute(
+                "CREATE FUNCTION held_up() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                " PERFORM pg_advisory_lock(4242); PERFORM pg_advisory_unlock(4242);"
+                " RETURN NEW; END $$"
+            )
+            conn.execute(
+                "CREATE TRIGGER held_up BEFORE UPDATE ON tasks"
+                " FOR EACH ROW EXECUTE FUNCTION held_up()"
+            )
+        holder = psycopg.connect(libpq(url), autocommit=True)
+        try:
+            holder.execute("SELECT pg_advisory_lock(4242)")
+            migrating = threading.Thread(target=upgrade, args=(url,), daemon=True)
+            migrating.start()
+            with psycopg.connect(libpq(url), autocommit=True) as watcher:
+                deadline = time.monotonic() + 30
+                while not watcher.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                    " AND query LIKE 'UPDATE tasks SET cancelled_at%'"
+                ).fetchone():
+                    assert time.monotonic() < deadline, "the backfill never waited"
+                    time.sleep(0.05)
+                watcher.execute("SET lock_timeout = '1s'")
+                assert watcher.execute("SELECT count(*) FROM tasks").fetchone() == (3,)
+        finally:
+            holder.execute("SELECT pg_advisory_unlock(4242)")
+            holder.close()
+        migrating.join(60)
+        assert not migrating.is_alive()
+        with psycopg.connect(libpq(url)) as conn:
+            filled = conn.execute("SELECT count(cancelled_at) FROM tasks").fetchone()
+            assert filled == (3,)
+        _assert_full_schema(url)

@@ -302,14 +302,17 @@ class Outbox:
 
     async def _give_back_distrusted(self, ids: list[int]) -> None:
         """`_DISTRUSTED`, the database retried until it answers."""
-        retrying = AsyncRetrying(
-            wait=wait_exponential(multiplier=self.interval, max=self.max_backoff),
-            retry=retry_if_exception_type(Exception),
-        )
-        async for attempt in retrying:
+        async for attempt in self._until_answered():
             with attempt:
                 async with self.pool.connection() as conn:
                     await conn.execute(_DISTRUSTED, {"ids": ids})
+
+    def _until_answered(self) -> AsyncRetrying:
+        """Retries of a statement in the background, however long the database is away."""
+        return AsyncRetrying(
+            wait=wait_exponential(multiplier=self.interval, max=self.max_backoff),
+            retry=retry_if_exception_type(Exception),
+        )
 
     def _note_confirmed(self, rows: list[tuple[int, int]]) -> None:
         """(row id, its publish_attempts when published) of confirmed publishes."""
@@ -449,11 +452,7 @@ class Outbox:
         exists again nothing would find these messages missing any more."""
         after, count = 0, 0
         while True:
-            retrying = AsyncRetrying(
-                wait=wait_exponential(multiplier=self.interval, max=self.max_backoff),
-                retry=retry_if_exception_type(Exception),
-            )
-            async for attempt in retrying:
+            async for attempt in self._until_answered():
                 with attempt:
                     async with self.pool.connection() as conn:
                         params = {

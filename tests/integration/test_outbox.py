@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -112,23 +113,32 @@ def _submit_during_outage(gw: GatewayProcess, svc: Service, count: int) -> list[
     return accepted
 
 
-@pytest.mark.timeout(90)
-def test_broker_outage_keeps_accepting_and_publishes_later(
-    amqp_proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
-) -> None:
-    # A database of its own: no gateway but this one, cut off from the broker, may relay.
+@contextmanager
+def _gateway_behind(
+    proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes, **env: str
+) -> Iterator[tuple[GatewayProcess, Service, Platform]]:
+    """A gateway reaching the broker through `proxy`, ready, on a database of its own: no
+    gateway but this one, cut off from the broker, may relay."""
     with scratch_database(database_url) as url:
         platform = Platform(url)
         svc = platform.service()
         try:
-            gw = GatewayProcess(procs, gateway_env(url, amqp_proxy.url(amqp_url)))
+            gw = GatewayProcess(procs, gateway_env(url, proxy.url(amqp_url), **env))
             wait_for_queues(amqp_url, queues_of(svc.queue_name))
             with gw.http() as http:
                 wait_until(lambda: http.get("/readyz").status_code == 200, what="gateway ready")
-            _outage(amqp_proxy, gw, svc, platform, amqp_url)
+            yield gw, svc, platform
         finally:
             procs.stop_all()
             remove_service(platform, amqp_url, svc)
+
+
+@pytest.mark.timeout(90)
+def test_broker_outage_keeps_accepting_and_publishes_later(
+    amqp_proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    with _gateway_behind(amqp_proxy, database_url, amqp_url, procs) as (gw, svc, platform):
+        _outage(amqp_proxy, gw, svc, platform, amqp_url)
 
 
 def _outage(
@@ -265,21 +275,11 @@ RELAY_BATCH = 200  # Outbox.batch: rows one relay pass claims at most
 def test_relay_neither_duplicates_a_slow_confirm_nor_spins_during_an_outage(
     amqp_proxy: TcpProxy, database_url: str, amqp_url: str, procs: Processes
 ) -> None:
-    with scratch_database(database_url) as url:
-        platform = Platform(url)
-        svc = platform.service()
-        try:
-            # Confirms may take up to 4 s: the relay must leave such a row to its fast path.
-            env = gateway_env(url, amqp_proxy.url(amqp_url), CONVEYOR_PUBLISH_TIMEOUT="4")
-            gw = GatewayProcess(procs, env)
-            wait_for_queues(amqp_url, queues_of(svc.queue_name))
-            with gw.http() as http:
-                wait_until(lambda: http.get("/readyz").status_code == 200, what="gateway ready")
-            _slow_confirm_is_published_once(amqp_proxy, gw, svc, platform, amqp_url)
-            _outage_backs_off_then_publishes_once(amqp_proxy, gw, svc, platform, amqp_url)
-        finally:
-            procs.stop_all()
-            remove_service(platform, amqp_url, svc)
+    # Confirms may take up to 4 s: the relay must leave such a row to its fast path.
+    slow = {"CONVEYOR_PUBLISH_TIMEOUT": "4"}
+    with _gateway_behind(amqp_proxy, database_url, amqp_url, procs, **slow) as (gw, svc, platform):
+        _slow_confirm_is_published_once(amqp_proxy, gw, svc, platform, amqp_url)
+        _outage_backs_off_then_publishes_once(amqp_proxy, gw, svc, platform, amqp_url)
 
 
 def _slow_confirm_is_published_once(
@@ -436,27 +436,17 @@ def test_publishes_confirmed_just_before_the_broker_connection_dropped_are_publi
     confirmed within OUTBOX_KEEP_CONFIRMED of a dropped connection are published again, also
     those already marked published (a mark comes within about a second now, not after the
     whole 5 s); those confirmed earlier are not."""
-    with scratch_database(database_url) as url:
-        platform = Platform(url)
-        svc = platform.service()
-        try:
-            env = gateway_env(url, amqp_proxy.url(amqp_url), CONVEYOR_OUTBOX_KEEP_CONFIRMED="5")
-            gw = GatewayProcess(procs, env)
-            wait_for_queues(amqp_url, queues_of(svc.queue_name))
-            with gw.http() as http:
-                wait_until(lambda: http.get("/readyz").status_code == 200, what="gateway ready")
-            older = _submit_during_outage(gw, svc, 5)
-            time.sleep(6.0)  # older than OUTBOX_KEEP_CONFIRMED: trusted
-            recent = _submit_during_outage(gw, svc, 10)
-            time.sleep(2.0)  # marked published by now
-            assert not _outbox_tasks(platform, svc.name)
-            amqp_proxy.sever()
-            time.sleep(1.0)
-            amqp_proxy.restore()
-            in_queue = topology.in_queue(svc.queue_name)
-            ids = _task_ids(collect(amqp_url, in_queue, expected=25, timeout=30, settle=2))
-            assert sorted(ids) == sorted(older + recent * 2)
-            wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox emptied")
-        finally:
-            procs.stop_all()
-            remove_service(platform, amqp_url, svc)
+    kept = {"CONVEYOR_OUTBOX_KEEP_CONFIRMED": "5"}
+    with _gateway_behind(amqp_proxy, database_url, amqp_url, procs, **kept) as (gw, svc, platform):
+        older = _submit_during_outage(gw, svc, 5)
+        time.sleep(6.0)  # older than OUTBOX_KEEP_CONFIRMED: trusted
+        recent = _submit_during_outage(gw, svc, 10)
+        time.sleep(2.0)  # marked published by now
+        assert not _outbox_tasks(platform, svc.name)
+        amqp_proxy.sever()
+        time.sleep(1.0)
+        amqp_proxy.restore()
+        in_queue = topology.in_queue(svc.queue_name)
+        ids = _task_ids(collect(amqp_url, in_queue, expected=25, timeout=30, settle=2))
+        assert sorted(ids) == sorted(older + recent * 2)
+        wait_until(lambda: not _outbox_tasks(platform, svc.name), what="outbox emptied")

@@ -214,6 +214,18 @@ class Subscription:
         )
 
 
+# A refresh takes this long at most. A black-box sweep saw both gateways stop consuming every
+# result queue for good after a RabbitMQ cut (once, not reproduced): the connection was back,
+# and from then on not one line of log, not even the failed refresh's each second, as if a
+# refresh waited on the client library for ever. Cut, it is a failed pass (named in /readyz
+# under `failing`) and the next one starts from a fresh channel.
+REFRESH_LIMIT = 60.0
+
+
+class RefreshStalled(Exception):
+    """A refresh of the subscriptions did not end within REFRESH_LIMIT."""
+
+
 def _time_to_release(state: RetryCallState) -> bool:
     """RELEASE_AFTER of refusals, the last one not a statement the server gave up on (its
     statement_timeout: a slow database, which another replica would find as slow)."""
@@ -282,6 +294,7 @@ class ResultConsumer:
         self._memory = memory
         self._holding = 0
         self._pace: dict[str, _Pace] = {}  # each service's result queue as it is consumed
+        self._made: dict[str, AbstractQueue] = {}  # every consumer made on the channel: its queue
         self._qos = asyncio.Lock()  # a prefetch set for one consumer is no one else's
         self._pacing = asyncio.Lock()
 
@@ -293,13 +306,30 @@ class ResultConsumer:
 
     async def subscriptions_loop(self) -> None:
         while True:
+            limit = asyncio.timeout(REFRESH_LIMIT)
             try:
-                await self.refresh()
+                async with limit:
+                    await self.refresh()
                 supervisor.pass_succeeded()
             except Exception as exc:
-                supervisor.pass_failed(exc)
-                log.warning("could not refresh subscriptions", extra={"error": logs.describe(exc)})
+                error: Exception = exc
+                if limit.expired():
+                    error = RefreshStalled(f"a refresh did not end within {REFRESH_LIMIT:g} s")
+                    await self._let_go()
+                supervisor.pass_failed(error)
+                log.warning(
+                    "could not refresh subscriptions", extra={"error": logs.describe(error)}
+                )
             await asyncio.sleep(self.refresh_interval)
+
+    async def _let_go(self) -> None:
+        """A refresh cut for good measure lets the results channel go: the next one starts
+        from a fresh channel, with nothing of what the stalled one left half done."""
+        try:
+            async with asyncio.timeout(REFRESH_LIMIT), self._applying:
+                await self._replace_channel(None)
+        except TimeoutError:
+            log.warning("the results channel could not be let go: a batch is being applied")
 
     async def refresh(self) -> None:
         await self._close_reopened()
@@ -340,6 +370,33 @@ class ResultConsumer:
         for service in unsubscribed:
             await self._subscribe(channel, service)
         await self._consume_retired(channel, {s.queue_name for s in services.values()}, moved)
+        await self._cancel_strays(channel)
+
+    async def _cancel_strays(self, channel: AbstractRobustChannel) -> None:
+        """The consumers on the results channel that no pace or retired queue holds, cancelled.
+        aio-pika's restore after a reconnection copies a queue's consumers, then consumes each
+        again: one cancelled meanwhile (its queue paused for memory) came back untracked, its
+        queue never paused for it, and every later reconnection restored it again (found by a
+        black-box sweep: two consumers of one `-out` on one channel, through five
+        reconnections). Under `_pacing`: a consumer being made is held by its pace once made."""
+        async with self._pacing:
+            held = {pace.tag for pace in self._pace.values()}
+            held |= {tag for consumers in self._retired.values() for _, tag in consumers}
+            live = await _consumer_tags(channel)
+            strays = {tag: self._made.get(tag) for tag in live - held}
+            self._made = {tag: q for tag, q in self._made.items() if tag in held}  # the rest ended
+            for tag, queue in strays.items():
+                try:
+                    if queue is not None:
+                        await queue.cancel(tag)  # and forgotten by its queue's restore
+                    else:
+                        underlay = cast(aiormq.Channel, await channel.get_underlay_channel())
+                        await underlay.basic_cancel(tag)
+                except Exception as exc:  # the channel closed meanwhile: nothing to cancel
+                    log.debug("consumer not cancelled", extra={"error": logs.describe(exc)})
+                    return
+                name = None if queue is None else queue.name
+                log.warning("a stray consumer of results cancelled", extra={"queue": name})
 
     async def _replace_channel(self, fresh: AbstractRobustChannel | None) -> None:
         """The results channel replaced (None: none until the next refresh), its consumers
@@ -349,6 +406,7 @@ class ResultConsumer:
         self._generation += 1
         self._subscribed.clear()
         self._pace.clear()  # the fresh channel's subscriptions consume them again
+        self._made.clear()
         self._retired = {queue_name: [] for queue_name in self._retired}
         if old is not None:
             self._replaced.append(old)
@@ -525,10 +583,13 @@ class ResultConsumer:
             await channel.set_qos(prefetch_count=prefetch)
             try:
                 if robust:
-                    return await queue.consume(receiver)
-                return await cast(AbstractRobustQueue, queue).consume(receiver, robust=False)
+                    tag = await queue.consume(receiver)
+                else:
+                    tag = await cast(AbstractRobustQueue, queue).consume(receiver, robust=False)
             finally:
                 await channel.set_qos(prefetch_count=START_PREFETCH)
+        self._made[tag] = queue
+        return tag
 
     async def _make_room(self, name: str, pace: _Pace, message: AbstractIncomingMessage) -> None:
         """`message` would take the results held past `memory`: handed back unread, and its

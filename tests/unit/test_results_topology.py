@@ -141,3 +141,50 @@ def test_a_broker_that_does_not_answer_holds_the_subscriptions_one_timeout_not_o
     asyncio.run(consumer._restore_lost(services))
     assert time.monotonic() - began < 1.0  # 10 services at 0.2 s each before
     assert restored == []  # nothing found missing: nothing restored
+
+
+class _OldChannel:
+    is_closed = False
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_a_refresh_that_never_ends_is_cut_named_failing_and_its_channel_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A black-box sweep saw both gateways stop consuming every result queue for good after a
+    RabbitMQ cut (once: the broker's connection back, and from then on not one line of log,
+    not even the refresh's warning each second: a refresh waiting on the client library for
+    ever). A refresh is cut after REFRESH_LIMIT, counted as a failed pass (named in /readyz),
+    and the results channel is let go, so the next refresh starts from a fresh one."""
+    consumer = _consumer(None)
+    consumer.refresh_interval = 0.01
+    monkeypatch.setattr(results, "REFRESH_LIMIT", 0.2, raising=False)
+    calls: list[float] = []
+
+    async def refresh() -> None:
+        calls.append(time.monotonic())
+        if len(calls) <= 2:
+            await asyncio.Event().wait()  # a broker operation that never answers
+
+    old = _OldChannel()
+    consumer._channel = old  # type: ignore[assignment]
+    monkeypatch.setattr(consumer, "refresh", refresh)
+    supervisor = results.supervisor.Supervisor()
+
+    async def run() -> dict[str, str]:
+        supervisor.spawn("results-subscriptions", consumer.subscriptions_loop)
+        await asyncio.sleep(0.3)  # the first cut, the second waiting
+        failing = supervisor.failing()
+        await asyncio.sleep(0.4)
+        await supervisor.stop()
+        return failing
+
+    failing = asyncio.run(run())
+    assert len(calls) >= 3 and calls[1] - calls[0] >= 0.2, calls
+    assert "results-subscriptions" in failing, failing
+    assert old.closed and consumer._channel is None

@@ -140,7 +140,8 @@ def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # Library chatter (connection retries are reported by our own code; alembic names each
-    # of its plugins as it loads them, in every process that checks the schema).
+    # of its plugins as it loads them, in every process that checks the schema); and what
+    # would carry a task's data at DEBUG: sse_starlette logs each event-stream chunk it sends.
     noisy_loggers = (
         "aiormq",
         "aio_pika",
@@ -148,6 +149,7 @@ def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO) -> None:
         "httpcore",
         "uvicorn.access",
         "alembic.runtime.plugins",
+        "sse_starlette",
     )
     for noisy in noisy_loggers:
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -477,11 +477,16 @@ def _due(not_before: datetime | None) -> bool:
 # ---------------------------------------------------------------------------
 # reading a task
 
-_GET = """
-    SELECT id, task_id, client_id, service, status, submission_date, start_date, end_date,
-           progress, response, error_message, worker_host, not_before
-    FROM tasks WHERE task_id = %(task_id)s
+# A task as its owner reads it: another client's, or another service's, is no row at all, and
+# costs no read of its response (found by a black-box sweep: a stranger's 404002 for a task
+# with a 900 KB response took 4 to 8 times as long as for an unknown id, telling it exists).
+_OWNED = """
+    FROM tasks WHERE task_id = %(task_id)s AND client_id = %(client_id)s AND service = %(service)s
     """
+_GET = f"""
+    SELECT id, task_id, status, submission_date, start_date, end_date,
+           progress, response, error_message, worker_host, not_before {_OWNED}"""
+_STATUS = f"SELECT status {_OWNED}"
 
 
 def iso(value: datetime | None) -> str | None:
@@ -521,10 +526,9 @@ def task_view(row: Any, position: int | None = None) -> dict[str, Any]:
 
 
 async def get_task(pool: Pool, client_id: str, service: str, task_id: uuid.UUID) -> dict[str, Any]:
+    params = {"task_id": task_id, "client_id": client_id, "service": service}
     async with pool.connection() as conn:
-        row = _owned(
-            await (await conn.execute(_GET, {"task_id": task_id})).fetchone(), client_id, service
-        )
+        row = _found(await (await conn.execute(_GET, params)).fetchone())
         position = None
         if row.status == TaskStatus.PENDING:
             position = await _position_of(conn, service, row.id) if _due(row.not_before) else 0
@@ -534,14 +538,15 @@ async def get_task(pool: Pool, client_id: str, service: str, task_id: uuid.UUID)
 async def task_status(pool: Pool, client_id: str, service: str, task_id: uuid.UUID) -> str:
     """The task's status, or 404002: what a cancel and a stream check first, without the
     queue position a poll works out (two more statements for a PENDING task)."""
+    params = {"task_id": task_id, "client_id": client_id, "service": service}
     async with pool.connection() as conn:
-        row = await (await conn.execute(_GET, {"task_id": task_id})).fetchone()
-    return str(_owned(row, client_id, service).status)
+        row = await (await conn.execute(_STATUS, params)).fetchone()
+    return str(_found(row).status)
 
 
-def _owned(row: Any, client_id: str, service: str) -> Any:
-    """The row if it is this caller's: another client's task, or another service's, does not
-    exist for this caller (404002)."""
-    if row is None or row.client_id != client_id or row.service != service:
+def _found(row: Any) -> Any:
+    """The caller's row: another client's task, or another service's, does not exist for
+    this caller (404002)."""
+    if row is None:
         raise errors.ApiError(errors.TASK_NOT_FOUND)
     return row

@@ -88,6 +88,38 @@ async def test_a_burst_of_guesses_at_one_client_does_not_queue_another_clients_f
         auth.close()
 
 
+async def test_a_burst_of_guesses_from_one_address_does_not_queue_the_right_secret_from_another() -> (
+    None
+):
+    """Found by a black-box sweep: a burst of wrong secrets for a client from one address,
+    sent before any failure was recorded, queued on that client's one lane, and its right
+    secret from any other address waited behind all of them on a process that had not
+    verified it yet (100 guesses: 32 s; the SDK gives up after 10). A client's checks run
+    one at a time per source address: only a login from the guesser's own address waits."""
+    stored = {"carol": bcrypt.hashpw(b"carol-secret", bcrypt.gensalt(8)).decode()}
+
+    async def table(client_id: str) -> str | None:
+        return stored.get(client_id)
+
+    auth = Authenticator(table, cache_ttl=0, failures_per_minute=20, dummy_rounds=8)
+    finished: list[str] = []
+
+    async def attempt(secret: str, source: str) -> str | None:
+        answer = await auth.authenticate(basic("carol", secret), source)
+        finished.append(secret)
+        return answer
+
+    try:
+        burst = [asyncio.create_task(attempt(f"guess-{n}", "10.0.0.1")) for n in range(40)]
+        await asyncio.sleep(0.01)  # the burst is queued
+        assert await attempt("carol-secret", "10.0.0.2") == "carol"
+        done_before = finished.index("carol-secret")
+        assert await asyncio.gather(*burst) == [None] * 40
+        assert done_before <= 4, done_before  # not behind the 40
+    finally:
+        auth.close()
+
+
 async def test_guesses_take_as_long_whether_the_client_exists_or_not() -> None:
     """One identical 403 in the same time: concurrent guesses at a client that exists were
     slower than at one that does not (a burst told which ids exist)."""

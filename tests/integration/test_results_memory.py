@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conveyor import topology
@@ -144,6 +145,73 @@ def test_results_of_many_services_all_apply_while_queues_wait_for_room(
 
             wait_until(lambda: unfinished() == 0, 120, what="every result applied")
             assert "unknown delivery tag" not in gateway.proc.logs()
+        finally:
+            procs.stop_all()
+            delete_topologies(amqp_url, [s.queue_name for s in services])
+
+
+def _handed_back(gateway: GatewayProcess) -> float:
+    text = httpx.get(f"{gateway.url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith("conveyor_gateway_results_deferred_total "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.timeout(240)
+def test_results_of_mixed_sizes_are_not_handed_back_over_and_over(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """Found by a black-box sweep: a queue's prefetch went from 1 to 400 once its first result
+    proved small, and when the next were large, all that came at once but the room's worth was
+    handed back, then given again: 20 to 40 hand-backs per result applied (each re-sent whole
+    by the broker), with results of 200 B to 600 KB at a 1 MiB budget. A prefetch grows four
+    times at most from one pace to the next, each step on as many results as it had."""
+    sizes = [1_000, 200_000, 600_000]
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        services = [platform.service() for _ in range(6)]
+        env = gateway_env(url, amqp_url, CONVEYOR_RESULTS_MEMORY=str(MIB))
+        gateway = GatewayProcess(procs, env, "gateway-mixed-sizes")
+        try:
+            wait_for_queues(
+                amqp_url, [topology.out_queue(s.queue_name) for s in services], timeout=30
+            )
+            everything: list[str] = []
+            for k, service in enumerate(services):
+                rows = platform.sql(
+                    "INSERT INTO tasks (task_id, client_id, service, request)"
+                    " SELECT gen_random_uuid(), %(client)s, %(service)s, '{}'"
+                    " FROM generate_series(1, 30) RETURNING task_id::text",
+                    {"client": service.clients[0].client_id, "service": service.name},
+                )
+                ids = [row[0] for row in rows]
+                everything += ids
+                events = [
+                    encode_event(
+                        TaskEvent(
+                            EventKind.SUCCEEDED,
+                            task_id,
+                            response={"t": "x" * sizes[(n + k) % len(sizes)]},
+                        ),
+                        service.name,
+                    )
+                    for n, task_id in enumerate(ids)
+                ]
+                publish(amqp_url, topology.out_queue(service.queue_name), events)
+
+            def unfinished() -> int:
+                rows = platform.sql(
+                    "SELECT count(*) FROM tasks WHERE status <> 'SUCCESS'"
+                    " AND task_id = ANY(%(ids)s::uuid[])",
+                    {"ids": everything},
+                )
+                return int(rows[0][0])
+
+            wait_until(lambda: unfinished() == 0, 180, what="every result applied")
+            handed_back = _handed_back(gateway)
+            print(f"{handed_back:.0f} hand-backs for {len(everything)} results")
+            assert handed_back <= len(everything), handed_back
         finally:
             procs.stop_all()
             delete_topologies(amqp_url, [s.queue_name for s in services])

@@ -45,9 +45,10 @@ import hmac
 import os
 import secrets
 import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import bcrypt
@@ -131,6 +132,43 @@ class _Lane:
     users: int = 0
 
 
+class _Turns:
+    """One holder at a time, those waiting served one source after another (each source's
+    own in order): a burst from one address delays a request from another by one turn, not
+    by the burst."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+        self.users = 0
+
+    async def acquire(self, source: str) -> None:
+        if not self.busy:  # then nobody waits: `release` leaves it busy while anyone does
+            self.busy = True
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(source, deque()).append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release()  # given the turn as it was cancelled: the next one's
+            raise  # else `release` skips it
+
+    def release(self) -> None:
+        while self.waiting:
+            source, queue = next(iter(self.waiting.items()))
+            turn = queue.popleft()
+            if queue:
+                self.waiting.move_to_end(source)
+            else:
+                del self.waiting[source]
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.busy = False
+
+
 class Authenticator:
     def __init__(
         self,
@@ -147,7 +185,8 @@ class Authenticator:
         self._inflight: dict[bytes, asyncio.Future[str | None]] = {}
         self._verified: dict[str, _Verified] = {}  # one entry per client that authenticated
         self._failures = FailureThrottle(failures_per_minute)  # per (client id, source)
-        self._lanes: dict[str, _Lane] = {}
+        self._lanes: dict[str, _Lane] = {}  # per (client id, source) over its budget
+        self._turns: dict[str, _Turns] = {}  # per client id: its checks, source by source
         self._bcrypt = ThreadPoolExecutor(bcrypt_threads, thread_name_prefix="conveyor-bcrypt")
         self._dummy_hash = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(dummy_rounds))
         self._check_seconds: float | None = None  # how long a check takes here (moving mean)
@@ -181,15 +220,15 @@ class Authenticator:
             return cached[0]
         pair = f"{client_id}\0{source}"
         if self._failures.blocked(pair):
-            result = await self._verify_throttled(pair, key, client_id, secret)
+            result = await self._verify_throttled(pair, source, key, client_id, secret)
         else:
-            result = await self._verify_once(key, client_id, secret, lane=pair)
+            result = await self._verify_once(key, client_id, secret, source)
         if result is None:
             self._failures.record(pair)
         return result
 
     async def _verify_throttled(
-        self, pair: str, key: bytes, client_id: str, secret: str
+        self, pair: str, source: str, key: bytes, client_id: str, secret: str
     ) -> str | None:
         """Over the pair's failure budget: one attempt at a time, each a check's time; the
         secret verified here before is still accepted at once."""
@@ -201,11 +240,11 @@ class Authenticator:
                 self._remember(key, client_id, stored, generation)
                 return client_id
         async with self._one_at_a_time(pair):
-            return await self._verify_once(key, client_id, secret, lane=None)
+            return await self._verify_once(key, client_id, secret, source)
 
     @asynccontextmanager
     async def _one_at_a_time(self, lane_key: str) -> AsyncIterator[None]:
-        """A lane per (client id, source) pair: over its budget, or for its checks."""
+        """A lane per (client id, source) pair over its budget."""
         lane = self._lanes.setdefault(lane_key, _Lane(asyncio.Lock()))
         lane.users += 1
         try:
@@ -216,8 +255,24 @@ class Authenticator:
             if not lane.users:
                 del self._lanes[lane_key]
 
+    @asynccontextmanager
+    async def _in_turn(self, client_id: str, source: str) -> AsyncIterator[None]:
+        """The client's checks one at a time, sources taking turns (`_Turns`)."""
+        turns = self._turns.setdefault(client_id, _Turns())
+        turns.users += 1
+        try:
+            await turns.acquire(source)
+            try:
+                yield
+            finally:
+                turns.release()
+        finally:
+            turns.users -= 1
+            if not turns.users:
+                del self._turns[client_id]
+
     async def _verify_once(
-        self, key: bytes, client_id: str, secret: str, lane: str | None
+        self, key: bytes, client_id: str, secret: str, source: str
     ) -> str | None:
         pending = self._inflight.get(key)
         if pending is not None:
@@ -225,7 +280,7 @@ class Authenticator:
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            result = await self._verify(key, client_id, secret, lane)
+            result = await self._verify(key, client_id, secret, source)
             future.set_result(result)
             return result
         except BaseException as exc:
@@ -235,9 +290,7 @@ class Authenticator:
         finally:
             del self._inflight[key]
 
-    async def _verify(
-        self, key: bytes, client_id: str, secret: str, lane: str | None
-    ) -> str | None:
+    async def _verify(self, key: bytes, client_id: str, secret: str, source: str) -> str | None:
         generation = self._generation
         stored = await self._lookup(client_id)
         verified = self._verified.get(client_id)
@@ -248,13 +301,12 @@ class Authenticator:
                 self._remember(key, client_id, stored, generation)
                 return client_id
             refused = True
-        # One check at a time per client id and source (`lane`; None: the caller holds it),
-        # whether the id exists or not: a burst of guesses at one client takes one of the
-        # pool's threads (the others' logins go on), and takes as long for an id that does
-        # not exist. Per source too: a burst from one address, sent before its failures were
-        # recorded, queued the right secret from every other address behind it (found by a
-        # black-box sweep: 100 guesses, 32 s).
-        async with self._one_at_a_time(lane) if lane is not None else nullcontext():
+        # One check at a time per client id, whether it exists or not: a burst of guesses at
+        # one client takes one of the pool's threads (the others' logins go on), and takes as
+        # long for an id that does not exist. The sources waiting take turns: a burst from
+        # one address, sent before its failures were recorded, queued the right secret from
+        # every other address behind it (found by a black-box sweep: 100 guesses, 32 s).
+        async with self._in_turn(client_id, source):
             if refused or stored is None:
                 await self._as_long_as_a_check()
                 return None

@@ -18,6 +18,12 @@ def explain(exc: BaseException) -> str | None:
         from gateway.schema import UPGRADE
     except ModuleNotFoundError:
         return None
+    exc = getattr(exc, "orig", None) or exc  # what SQLAlchemy wrapped (a migration's)
+    if isinstance(exc, psycopg.errors.LockNotAvailable):
+        return (
+            "a long transaction holds a lock on a table the migration changes (each try waits"
+            " 5 s for it): end that transaction, or run the command again later"
+        )
     if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedColumn):
         return f"the database lacks Conveyor's schema, or part of it: {UPGRADE}"
     if isinstance(exc, psycopg.OperationalError):

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import bcrypt
 
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, _Turns
 
 SECRET = "right-secret"
 STORED = {"client-a": bcrypt.hashpw(SECRET.encode(), bcrypt.gensalt(4)).decode()}
@@ -120,6 +120,48 @@ async def test_a_burst_of_guesses_from_one_address_does_not_queue_the_right_secr
         auth.close()
 
 
+async def test_guesses_at_one_client_from_many_addresses_queue_no_other_login() -> None:
+    """Found by a black-box sweep of the fix above, which first gave each (client, address)
+    pair a lane of its own: 90 guesses at one client from 30 addresses were 30 checks at
+    once on the gateway's one bcrypt thread, and another client's first login waited behind
+    them (4 s, against 0.29 s before). A client's checks stay one at a time, each address
+    taking its turn: another client waits one check at most, this client's right secret
+    from a new address one check per address guessing."""
+    stored = {
+        name: bcrypt.hashpw(f"{name}-secret".encode(), bcrypt.gensalt(8)).decode()
+        for name in ("erin", "dave")
+    }
+
+    async def table(client_id: str) -> str | None:
+        return stored.get(client_id)
+
+    auth = Authenticator(
+        table, cache_ttl=0, failures_per_minute=1000, dummy_rounds=8, bcrypt_threads=1
+    )
+    finished: list[str] = []
+
+    async def attempt(client_id: str, secret: str, source: str) -> str | None:
+        answer = await auth.authenticate(basic(client_id, secret), source)
+        finished.append(secret)
+        return answer
+
+    try:
+        burst = [
+            asyncio.create_task(attempt("erin", f"guess-{n}", f"10.0.1.{n % 10}"))
+            for n in range(30)
+        ]
+        await asyncio.sleep(0.01)  # the burst is queued
+        assert await attempt("dave", "dave-secret", "10.0.0.5") == "dave"
+        other_client = finished.index("dave-secret")
+        assert await attempt("erin", "erin-secret", "10.0.0.6") == "erin"
+        same_client = finished.index("erin-secret") - other_client - 1
+        assert await asyncio.gather(*burst) == [None] * 30
+        assert other_client <= 2, other_client  # not behind the 30
+        assert same_client <= 12, same_client  # one turn per address guessing, not 30
+    finally:
+        auth.close()
+
+
 async def test_guesses_take_as_long_whether_the_client_exists_or_not() -> None:
     """One identical 403 in the same time: concurrent guesses at a client that exists were
     slower than at one that does not (a burst told which ids exist)."""
@@ -209,3 +251,22 @@ async def test_forget_refuses_a_deleted_client_at_once_and_keeps_no_verification
         assert await auth.authenticate(basic("client-a", SECRET)) is None
     finally:
         auth.close()
+
+
+async def test_a_check_given_up_while_waiting_its_turn_holds_up_no_one() -> None:
+    """A request that ends while it waits for its turn (its client gone), or just as it was
+    given it, passes the turn on: the next waiting check runs, and the lane is free after."""
+    turns = _Turns()
+    await turns.acquire("a")  # held
+    gone = asyncio.create_task(turns.acquire("b"))
+    granted_then_gone = asyncio.create_task(turns.acquire("c"))
+    waiting = asyncio.create_task(turns.acquire("d"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    turns.release()  # skips b, gives c its turn...
+    granted_then_gone.cancel()  # ...which ends before it runs
+    await asyncio.wait_for(waiting, 1)  # d runs
+    turns.release()
+    assert not turns.busy and not turns.waiting
+    await asyncio.wait_for(turns.acquire("e"), 1)  # free at once

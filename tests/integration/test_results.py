@@ -566,11 +566,7 @@ def test_a_service_moved_back_to_a_queue_it_left_takes_its_submissions_there_onc
 
 
 def _restarts(gateway: GatewayProcess) -> float:
-    text = httpx.get(f"{gateway.url}/metrics").text
-    for line in text.splitlines():
-        if line.startswith('conveyor_gateway_loop_restarts_total{loop="results-apply"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return gateway.metric('conveyor_gateway_loop_restarts_total{loop="results-apply"}')
 
 
 @pytest.mark.timeout(120)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from conveyor import topology
@@ -22,7 +21,7 @@ from tests.support.amqp import (
     wait_for_queues,
     wait_until,
 )
-from tests.support.gateway import GatewayProcess, Platform, gateway_env
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
 from tests.support.processes import Processes
 
 MIB = 1024 * 1024
@@ -37,6 +36,42 @@ def _peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
+
+
+def _backlogs(
+    platform: Platform, amqp_url: str, services: list[Service], count: int, sizes: list[int]
+) -> list[str]:
+    """`count` tasks of each service, their results waiting on its `-out`, sizes in turn
+    (each service's starting at another); the tasks' ids."""
+    everything: list[str] = []
+    for k, service in enumerate(services):
+        rows = platform.sql(
+            "INSERT INTO tasks (task_id, client_id, service, request)"
+            " SELECT gen_random_uuid(), %(client)s, %(service)s, '{}'"
+            " FROM generate_series(1, %(count)s) RETURNING task_id::text",
+            {"client": service.clients[0].client_id, "service": service.name, "count": count},
+        )
+        ids = [row[0] for row in rows]
+        everything += ids
+        events = [
+            encode_event(
+                TaskEvent(
+                    EventKind.SUCCEEDED, task_id, response={"t": "x" * sizes[(n + k) % len(sizes)]}
+                ),
+                service.name,
+            )
+            for n, task_id in enumerate(ids)
+        ]
+        publish(amqp_url, topology.out_queue(service.queue_name), events)
+    return everything
+
+
+def _unfinished(platform: Platform, task_ids: list[str]) -> int:
+    rows = platform.sql(
+        "SELECT count(*) FROM tasks WHERE status <> 'SUCCESS' AND task_id = ANY(%(ids)s::uuid[])",
+        {"ids": task_ids},
+    )
+    return int(rows[0][0])
 
 
 @pytest.mark.timeout(240)
@@ -101,7 +136,6 @@ def test_results_of_many_services_all_apply_while_queues_wait_for_room(
     a later delivery tag, its own included: acked unapplied, its task PENDING for good (3 to 7
     of 3,600 results, each run), and the late hand-back closed the channel ("unknown delivery
     tag"). Many services, results small and large, a budget a few of them fill: all apply."""
-    sizes = [100, 3_000, 30_000]
     with scratch_database(database_url) as url:
         platform = Platform(url)
         services = [platform.service() for _ in range(8)]
@@ -111,51 +145,14 @@ def test_results_of_many_services_all_apply_while_queues_wait_for_room(
             wait_for_queues(
                 amqp_url, [topology.out_queue(s.queue_name) for s in services], timeout=30
             )
-            tasks: dict[str, list[str]] = {}
-            for service in services:
-                rows = platform.sql(
-                    "INSERT INTO tasks (task_id, client_id, service, request)"
-                    " SELECT gen_random_uuid(), %(client)s, %(service)s, '{}'"
-                    " FROM generate_series(1, 150) RETURNING task_id::text",
-                    {"client": service.clients[0].client_id, "service": service.name},
-                )
-                tasks[service.name] = [row[0] for row in rows]
-            for k, service in enumerate(services):  # a backlog on each, sizes mixed
-                events = [
-                    encode_event(
-                        TaskEvent(
-                            EventKind.SUCCEEDED,
-                            task_id,
-                            response={"t": "x" * sizes[(n + k) % len(sizes)]},
-                        ),
-                        service.name,
-                    )
-                    for n, task_id in enumerate(tasks[service.name])
-                ]
-                publish(amqp_url, topology.out_queue(service.queue_name), events)
-            everything = [t for ids in tasks.values() for t in ids]
-
-            def unfinished() -> int:
-                rows = platform.sql(
-                    "SELECT count(*) FROM tasks WHERE status <> 'SUCCESS'"
-                    " AND task_id = ANY(%(ids)s::uuid[])",
-                    {"ids": everything},
-                )
-                return int(rows[0][0])
-
-            wait_until(lambda: unfinished() == 0, 120, what="every result applied")
+            everything = _backlogs(platform, amqp_url, services, 150, [100, 3_000, 30_000])
+            wait_until(
+                lambda: _unfinished(platform, everything) == 0, 120, what="every result applied"
+            )
             assert "unknown delivery tag" not in gateway.proc.logs()
         finally:
             procs.stop_all()
             delete_topologies(amqp_url, [s.queue_name for s in services])
-
-
-def _handed_back(gateway: GatewayProcess) -> float:
-    text = httpx.get(f"{gateway.url}/metrics").text
-    for line in text.splitlines():
-        if line.startswith("conveyor_gateway_results_deferred_total "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @pytest.mark.timeout(240)
@@ -167,7 +164,6 @@ def test_results_of_mixed_sizes_are_not_handed_back_over_and_over(
     handed back, then given again: 20 to 40 hand-backs per result applied (each re-sent whole
     by the broker), with results of 200 B to 600 KB at a 1 MiB budget. A prefetch grows four
     times at most from one pace to the next, each step on as many results as it had."""
-    sizes = [1_000, 200_000, 600_000]
     with scratch_database(database_url) as url:
         platform = Platform(url)
         services = [platform.service() for _ in range(6)]
@@ -177,39 +173,11 @@ def test_results_of_mixed_sizes_are_not_handed_back_over_and_over(
             wait_for_queues(
                 amqp_url, [topology.out_queue(s.queue_name) for s in services], timeout=30
             )
-            everything: list[str] = []
-            for k, service in enumerate(services):
-                rows = platform.sql(
-                    "INSERT INTO tasks (task_id, client_id, service, request)"
-                    " SELECT gen_random_uuid(), %(client)s, %(service)s, '{}'"
-                    " FROM generate_series(1, 30) RETURNING task_id::text",
-                    {"client": service.clients[0].client_id, "service": service.name},
-                )
-                ids = [row[0] for row in rows]
-                everything += ids
-                events = [
-                    encode_event(
-                        TaskEvent(
-                            EventKind.SUCCEEDED,
-                            task_id,
-                            response={"t": "x" * sizes[(n + k) % len(sizes)]},
-                        ),
-                        service.name,
-                    )
-                    for n, task_id in enumerate(ids)
-                ]
-                publish(amqp_url, topology.out_queue(service.queue_name), events)
-
-            def unfinished() -> int:
-                rows = platform.sql(
-                    "SELECT count(*) FROM tasks WHERE status <> 'SUCCESS'"
-                    " AND task_id = ANY(%(ids)s::uuid[])",
-                    {"ids": everything},
-                )
-                return int(rows[0][0])
-
-            wait_until(lambda: unfinished() == 0, 180, what="every result applied")
-            handed_back = _handed_back(gateway)
+            everything = _backlogs(platform, amqp_url, services, 30, [1_000, 200_000, 600_000])
+            wait_until(
+                lambda: _unfinished(platform, everything) == 0, 180, what="every result applied"
+            )
+            handed_back = gateway.metric("conveyor_gateway_results_deferred_total")
             print(f"{handed_back:.0f} hand-backs for {len(everything)} results")
             assert handed_back <= len(everything), handed_back
         finally:

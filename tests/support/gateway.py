@@ -190,3 +190,10 @@ class GatewayProcess:
 
     def tasks_url(self, service: str) -> str:
         return f"/v1/services/{service}/tasks"
+
+    def metric(self, series: str) -> float:
+        """One series of its /metrics, as written there (name and labels); 0 if absent."""
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(f"{series} "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import bcrypt
@@ -54,6 +55,37 @@ async def test_over_budget_the_right_secret_is_accepted_and_wrong_ones_refused()
         auth.close()
 
 
+def _table(*names: str) -> Callable[[str], Awaitable[str | None]]:
+    """Clients whose secret is `<name>-secret` (bcrypt cost 8)."""
+    stored = {
+        name: bcrypt.hashpw(f"{name}-secret".encode(), bcrypt.gensalt(8)).decode() for name in names
+    }
+
+    async def table(client_id: str) -> str | None:
+        return stored.get(client_id)
+
+    return table
+
+
+class _Logins:
+    """Attempts at one authenticator, and the order their answers came in (by secret)."""
+
+    def __init__(self, auth: Authenticator) -> None:
+        self.auth = auth
+        self.finished: list[str] = []
+
+    async def attempt(self, client_id: str, secret: str, source: str) -> str | None:
+        answer = await self.auth.authenticate(basic(client_id, secret), source)
+        self.finished.append(secret)
+        return answer
+
+    def burst(self, client_id: str, guesses: int, sources: int) -> list[asyncio.Task[str | None]]:
+        return [
+            asyncio.create_task(self.attempt(client_id, f"guess-{n}", f"10.0.1.{n % sources}"))
+            for n in range(guesses)
+        ]
+
+
 async def test_a_burst_of_guesses_at_one_client_does_not_queue_another_clients_first_login() -> (
     None
 ):
@@ -61,27 +93,15 @@ async def test_a_burst_of_guesses_at_one_client_does_not_queue_another_clients_f
     are not secret) filled the bcrypt pool's queue, and another client's first login here
     waited behind all of them (9 s). A client's checks now run one at a time: a burst at one
     client holds one of the pool's threads, and a login of another starts at once."""
-    stored = {
-        name: bcrypt.hashpw(f"{name}-secret".encode(), bcrypt.gensalt(8)).decode()
-        for name in ("carol", "bob")
-    }
-
-    async def table(client_id: str) -> str | None:
-        return stored.get(client_id)
-
-    auth = Authenticator(table, cache_ttl=0, failures_per_minute=1000, dummy_rounds=8)
-    finished: list[str] = []
-
-    async def attempt(client_id: str, secret: str) -> str | None:
-        answer = await auth.authenticate(basic(client_id, secret), "10.0.0.1")
-        finished.append(client_id)
-        return answer
-
+    auth = Authenticator(
+        _table("carol", "bob"), cache_ttl=0, failures_per_minute=1000, dummy_rounds=8
+    )
+    logins = _Logins(auth)
     try:
-        burst = [asyncio.create_task(attempt("carol", f"guess-{n}")) for n in range(40)]
+        burst = logins.burst("carol", 40, sources=1)
         await asyncio.sleep(0.01)  # the burst is queued
-        assert await attempt("bob", "bob-secret") == "bob"
-        done_before_bob = finished.index("bob")
+        assert await logins.attempt("bob", "bob-secret", "10.0.1.0") == "bob"
+        done_before_bob = logins.finished.index("bob-secret")
         assert await asyncio.gather(*burst) == [None] * 40
         assert done_before_bob <= 4, done_before_bob  # not behind the 40
     finally:
@@ -94,26 +114,15 @@ async def test_a_burst_of_guesses_from_one_address_does_not_queue_the_right_secr
     """Found by a black-box sweep: a burst of wrong secrets for a client from one address,
     sent before any failure was recorded, queued on that client's one lane, and its right
     secret from any other address waited behind all of them on a process that had not
-    verified it yet (100 guesses: 32 s; the SDK gives up after 10). A client's checks run
-    one at a time per source address: only a login from the guesser's own address waits."""
-    stored = {"carol": bcrypt.hashpw(b"carol-secret", bcrypt.gensalt(8)).decode()}
-
-    async def table(client_id: str) -> str | None:
-        return stored.get(client_id)
-
-    auth = Authenticator(table, cache_ttl=0, failures_per_minute=20, dummy_rounds=8)
-    finished: list[str] = []
-
-    async def attempt(secret: str, source: str) -> str | None:
-        answer = await auth.authenticate(basic("carol", secret), source)
-        finished.append(secret)
-        return answer
-
+    verified it yet (100 guesses: 32 s; the SDK gives up after 10). The addresses waiting
+    take turns: only a login from the guesser's own address waits behind the burst."""
+    auth = Authenticator(_table("carol"), cache_ttl=0, failures_per_minute=20, dummy_rounds=8)
+    logins = _Logins(auth)
     try:
-        burst = [asyncio.create_task(attempt(f"guess-{n}", "10.0.0.1")) for n in range(40)]
+        burst = logins.burst("carol", 40, sources=1)
         await asyncio.sleep(0.01)  # the burst is queued
-        assert await attempt("carol-secret", "10.0.0.2") == "carol"
-        done_before = finished.index("carol-secret")
+        assert await logins.attempt("carol", "carol-secret", "10.0.0.2") == "carol"
+        done_before = logins.finished.index("carol-secret")
         assert await asyncio.gather(*burst) == [None] * 40
         assert done_before <= 4, done_before  # not behind the 40
     finally:
@@ -127,34 +136,21 @@ async def test_guesses_at_one_client_from_many_addresses_queue_no_other_login() 
     them (4 s, against 0.29 s before). A client's checks stay one at a time, each address
     taking its turn: another client waits one check at most, this client's right secret
     from a new address one check per address guessing."""
-    stored = {
-        name: bcrypt.hashpw(f"{name}-secret".encode(), bcrypt.gensalt(8)).decode()
-        for name in ("erin", "dave")
-    }
-
-    async def table(client_id: str) -> str | None:
-        return stored.get(client_id)
-
     auth = Authenticator(
-        table, cache_ttl=0, failures_per_minute=1000, dummy_rounds=8, bcrypt_threads=1
+        _table("erin", "dave"),
+        cache_ttl=0,
+        failures_per_minute=1000,
+        dummy_rounds=8,
+        bcrypt_threads=1,
     )
-    finished: list[str] = []
-
-    async def attempt(client_id: str, secret: str, source: str) -> str | None:
-        answer = await auth.authenticate(basic(client_id, secret), source)
-        finished.append(secret)
-        return answer
-
+    logins = _Logins(auth)
     try:
-        burst = [
-            asyncio.create_task(attempt("erin", f"guess-{n}", f"10.0.1.{n % 10}"))
-            for n in range(30)
-        ]
+        burst = logins.burst("erin", 30, sources=10)
         await asyncio.sleep(0.01)  # the burst is queued
-        assert await attempt("dave", "dave-secret", "10.0.0.5") == "dave"
-        other_client = finished.index("dave-secret")
-        assert await attempt("erin", "erin-secret", "10.0.0.6") == "erin"
-        same_client = finished.index("erin-secret") - other_client - 1
+        assert await logins.attempt("dave", "dave-secret", "10.0.0.5") == "dave"
+        other_client = logins.finished.index("dave-secret")
+        assert await logins.attempt("erin", "erin-secret", "10.0.0.6") == "erin"
+        same_client = logins.finished.index("erin-secret") - other_client - 1
         assert await asyncio.gather(*burst) == [None] * 30
         assert other_client <= 2, other_client  # not behind the 30
         assert same_client <= 12, same_client  # one turn per address guessing, not 30

@@ -173,13 +173,15 @@ def test_results_of_mixed_sizes_are_not_handed_back_over_and_over(
             wait_for_queues(
                 amqp_url, [topology.out_queue(s.queue_name) for s in services], timeout=30
             )
-            everything = _backlogs(platform, amqp_url, services, 30, [1_000, 200_000, 600_000])
+            everything = _backlogs(platform, amqp_url, services, 60, [1_000, 200_000, 600_000])
             wait_until(
                 lambda: _unfinished(platform, everything) == 0, 180, what="every result applied"
             )
             handed_back = gateway.metric("conveyor_gateway_results_deferred_total")
             print(f"{handed_back:.0f} hand-backs for {len(everything)} results")
-            assert handed_back <= len(everything), handed_back
+            # 1,397-1,678 before, 218-254 after on a quiet machine; what is left is the results
+            # over half the budget, each handed back until room is made.
+            assert handed_back <= 600, handed_back
         finally:
             procs.stop_all()
             delete_topologies(amqp_url, [s.queue_name for s in services])

@@ -126,12 +126,6 @@ class _Verified:
     stored_hash: str
 
 
-@dataclass
-class _Lane:
-    lock: asyncio.Lock
-    users: int = 0
-
-
 class _Turns:
     """One holder at a time, those waiting served one source after another (each source's
     own in order): a burst from one address delays a request from another by one turn, not
@@ -169,6 +163,24 @@ class _Turns:
         self.busy = False
 
 
+@asynccontextmanager
+async def _in_turn(lanes: dict[str, _Turns], key: str, source: str) -> AsyncIterator[None]:
+    """`key`'s lane held, one holder at a time, sources taking turns (`_Turns`); the lane is
+    forgotten once nobody holds or waits for it."""
+    turns = lanes.setdefault(key, _Turns())
+    turns.users += 1
+    try:
+        await turns.acquire(source)
+        try:
+            yield
+        finally:
+            turns.release()
+    finally:
+        turns.users -= 1
+        if not turns.users:
+            del lanes[key]
+
+
 class Authenticator:
     def __init__(
         self,
@@ -185,8 +197,8 @@ class Authenticator:
         self._inflight: dict[bytes, asyncio.Future[str | None]] = {}
         self._verified: dict[str, _Verified] = {}  # one entry per client that authenticated
         self._failures = FailureThrottle(failures_per_minute)  # per (client id, source)
-        self._lanes: dict[str, _Lane] = {}  # per (client id, source) over its budget
-        self._turns: dict[str, _Turns] = {}  # per client id: its checks, source by source
+        self._over_budget: dict[str, _Turns] = {}  # per (client id, source) over its budget
+        self._checks: dict[str, _Turns] = {}  # per client id: its checks, source by source
         self._bcrypt = ThreadPoolExecutor(bcrypt_threads, thread_name_prefix="conveyor-bcrypt")
         self._dummy_hash = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(dummy_rounds))
         self._check_seconds: float | None = None  # how long a check takes here (moving mean)
@@ -239,37 +251,8 @@ class Authenticator:
             if stored is not None and hmac.compare_digest(verified.stored_hash, stored):
                 self._remember(key, client_id, stored, generation)
                 return client_id
-        async with self._one_at_a_time(pair):
+        async with _in_turn(self._over_budget, pair, source):
             return await self._verify_once(key, client_id, secret, source)
-
-    @asynccontextmanager
-    async def _one_at_a_time(self, lane_key: str) -> AsyncIterator[None]:
-        """A lane per (client id, source) pair over its budget."""
-        lane = self._lanes.setdefault(lane_key, _Lane(asyncio.Lock()))
-        lane.users += 1
-        try:
-            async with lane.lock:
-                yield
-        finally:
-            lane.users -= 1
-            if not lane.users:
-                del self._lanes[lane_key]
-
-    @asynccontextmanager
-    async def _in_turn(self, client_id: str, source: str) -> AsyncIterator[None]:
-        """The client's checks one at a time, sources taking turns (`_Turns`)."""
-        turns = self._turns.setdefault(client_id, _Turns())
-        turns.users += 1
-        try:
-            await turns.acquire(source)
-            try:
-                yield
-            finally:
-                turns.release()
-        finally:
-            turns.users -= 1
-            if not turns.users:
-                del self._turns[client_id]
 
     async def _verify_once(
         self, key: bytes, client_id: str, secret: str, source: str
@@ -306,7 +289,7 @@ class Authenticator:
         # long for an id that does not exist. The sources waiting take turns: a burst from
         # one address, sent before its failures were recorded, queued the right secret from
         # every other address behind it (found by a black-box sweep: 100 guesses, 32 s).
-        async with self._in_turn(client_id, source):
+        async with _in_turn(self._checks, client_id, source):
             if refused or stored is None:
                 await self._as_long_as_a_check()
                 return None

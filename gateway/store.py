@@ -526,7 +526,7 @@ def task_view(row: Any, position: int | None = None) -> dict[str, Any]:
 
 
 async def get_task(pool: Pool, client_id: str, service: str, task_id: uuid.UUID) -> dict[str, Any]:
-    params = {"task_id": task_id, "client_id": client_id, "service": service}
+    params = _owner(client_id, service, task_id)
     async with pool.connection() as conn:
         row = _found(await (await conn.execute(_GET, params)).fetchone())
         position = None
@@ -538,10 +538,14 @@ async def get_task(pool: Pool, client_id: str, service: str, task_id: uuid.UUID)
 async def task_status(pool: Pool, client_id: str, service: str, task_id: uuid.UUID) -> str:
     """The task's status, or 404002: what a cancel and a stream check first, without the
     queue position a poll works out (two more statements for a PENDING task)."""
-    params = {"task_id": task_id, "client_id": client_id, "service": service}
     async with pool.connection() as conn:
-        row = await (await conn.execute(_STATUS, params)).fetchone()
+        row = await (await conn.execute(_STATUS, _owner(client_id, service, task_id))).fetchone()
     return str(_found(row).status)
+
+
+def _owner(client_id: str, service: str, task_id: uuid.UUID) -> dict[str, Any]:
+    """`_OWNED`'s parameters."""
+    return {"task_id": task_id, "client_id": client_id, "service": service}
 
 
 def _found(row: Any) -> Any:

@@ -229,6 +229,7 @@ def _plan_params(database_url: str, service: BenchService) -> dict[str, Any]:
         "callbacks": [None],
         "keys": [None],
         "not_befores": [None],
+        "delays": [None],
         "traceparents": [None],
         "grace": 3.0,
         "time_to_live": 86400.0,

@@ -38,6 +38,7 @@ from aiormq.connection import TCPTransportFactory, TLSTransportFactory, Transpor
 from yarl import URL
 
 from conveyor.coalescing import TurnBuffer
+from conveyor.dispatcher_settings import amqp_nodes
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,7 @@ class NodeList:
     """The broker nodes of CONVEYOR_AMQP_URL, in this process's own order."""
 
     def __init__(self, setting: str, heartbeat: int | None = None, shuffle: bool = True) -> None:
-        urls = [_with_heartbeat(url.strip(), heartbeat) for url in setting.split(";")]
-        self.urls = [url for url in urls if url]
-        if not self.urls:
-            raise ValueError("CONVEYOR_AMQP_URL names no broker node")
+        self.urls = [_with_heartbeat(url, heartbeat) for url in amqp_nodes(setting)]
         if shuffle:
             random.shuffle(self.urls)
 
@@ -86,7 +84,7 @@ class NodeList:
 
 def _with_heartbeat(url: str, heartbeat: int | None) -> str:
     """The URL with `heartbeat` in its query, unless the URL already sets one."""
-    if not url or heartbeat is None:
+    if heartbeat is None:
         return url
     parsed = URL(url)
     if "heartbeat" in parsed.query:

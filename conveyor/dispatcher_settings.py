@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from conveyor import storable
 from conveyor.events import MAX_TIMEOUT
-from conveyor.logs import LogFormat
+from conveyor.logs import LogFormat, LogLevel
 from conveyor.topology import check_name
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -62,6 +62,11 @@ def _ip_address(default: str | None) -> Any:
     return dataclasses.field(default=default, metadata={"ip_address": True})
 
 
+def _amqp_url(default: str) -> Any:
+    """The broker's nodes: refused at start unless each is an AMQP URL (`amqp_nodes`)."""
+    return dataclasses.field(default=default, metadata={"amqp_url": True})
+
+
 def _queue_name(default: str) -> Any:
     """A queue the gateway declares: refused at start unless the gateway's rule for a queue
     name takes it (an empty one waited forever for `-in` and `-out`)."""
@@ -70,7 +75,7 @@ def _queue_name(default: str) -> Any:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DispatcherSettings:
-    amqp_url: str = DEFAULT_AMQP_URL
+    amqp_url: str = _amqp_url(DEFAULT_AMQP_URL)
     amqp_heartbeat: int = _bounded(DEFAULT_AMQP_HEARTBEAT, ge=0)
     queue: str = _queue_name("sleeper")
     function_url: str = _http_url("http://127.0.0.1:8080/")
@@ -81,7 +86,8 @@ class DispatcherSettings:
     # while its terminal event is confirmed and its message acked in the background.
     prefetch_buffer: int = _bounded(0, ge=0, le=1000)
     shutdown_mode: ShutdownMode = ShutdownMode.REQUEUE
-    drain_timeout: float = _bounded(30.0, ge=0)
+    # At most what a pod's terminationGracePeriodSeconds (and the clocks) can hold.
+    drain_timeout: float = _bounded(30.0, ge=0, le=MAX_TIMEOUT)
     dispatcher_port: int = _bounded(8081, ge=1, le=MAX_PORT)
     metrics_port: int | None = _bounded(None, ge=0, le=MAX_PORT)  # None or 0: none
     # Knative mode (SPEC §11.5): progress reports from the function's pods reach the dispatcher
@@ -122,7 +128,7 @@ class DispatcherSettings:
     # How long a cancelled task's id is remembered (SPEC §11.1): its message may still be
     # queued, or requeued by another dispatcher, meanwhile.
     cancel_memory_seconds: float = _bounded(24 * 3600.0, gt=0, le=MAX_TIMEOUT)
-    log_level: str = "INFO"
+    log_level: LogLevel = LogLevel.INFO
     log_format: LogFormat = LogFormat.AUTO
 
     def __post_init__(self) -> None:
@@ -221,12 +227,32 @@ def is_http_url(url: str) -> bool:
     """Whether the dispatcher can call `url`: http or https, a host, a port from 1 to 65535.
     Anything else passed the start before, and then failed every task with the URL for its
     errorMessage."""
+    return _is_url(url, ("http", "https"))
+
+
+def _is_url(url: str, schemes: tuple[str, ...]) -> bool:
     try:
         parts = urlsplit(url)
         port = parts.port  # ValueError: not a number, or out of range
     except ValueError:
         return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
+    return parts.scheme in schemes and bool(parts.hostname) and port != 0
+
+
+def amqp_nodes(setting: str) -> list[str]:
+    """The broker nodes CONVEYOR_AMQP_URL names: one URL, or a cluster's separated by `;`,
+    each `amqp://` or `amqps://` with a host (and a port from 1 to 65535), or ValueError. An
+    empty list, or an `http://` node, started a gateway that retried for ever (or used it as
+    AMQP without a word); both processes refuse them at start alike."""
+    urls = [url.strip() for url in setting.split(";") if url.strip()]
+    if not urls:
+        raise ValueError("must name a broker node (e.g. amqp://user:secret@rabbitmq:5672/)")
+    if not all(_is_url(url, ("amqp", "amqps")) for url in urls):
+        raise ValueError(
+            "must be amqp:// or amqps:// URLs with a host (and a port from 1 to"
+            f" {MAX_PORT}), nodes separated by ';'"
+        )
+    return urls
 
 
 def _is_loopback(url: str) -> bool:
@@ -246,6 +272,12 @@ def _problem(settings: DispatcherSettings, f: dataclasses.Field[Any]) -> str | N
             ipaddress.ip_address(value)
         except ValueError:
             return f"{dispatcher_variable(f.name)} must be an IP address (IPv4 or IPv6)"
+        return None
+    if f.metadata.get("amqp_url"):
+        try:
+            amqp_nodes(value)
+        except ValueError as exc:
+            return f"{dispatcher_variable(f.name)} {exc}"
         return None
     if f.metadata.get("queue_name"):
         try:

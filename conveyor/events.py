@@ -631,11 +631,11 @@ def _event_from_fields(
 # cancels: gateway -> `<queue>-control` -> every dispatcher (SPEC §11.1)
 
 
-def encode_cancel(task_id: str, queue_name: str) -> WireMessage:
+def encode_cancel(task_id: str, service: str) -> WireMessage:
     attributes: dict[str, Any] = {
         "id": str(uuid.uuid4()),
         "type": CANCELLED,
-        "source": f"/v1/services/{queue_name}",
+        "source": f"/v1/services/{service}",
         "subject": task_id,
         "time": now(),
     }

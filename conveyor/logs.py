@@ -95,6 +95,25 @@ class _Scrubbing(logging.Formatter):
         return format_exception(ei)
 
 
+class LogLevel(enum.StrEnum):
+    """LOG_LEVEL, in any case and with blanks around it (`WARN`, `FATAL` as logging spells them too):
+    anything else is refused at start, where logging raised its own traceback."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
+
+    @classmethod
+    def _missing_(cls, value: object) -> LogLevel | None:
+        if not isinstance(value, str):
+            return None
+        name = value.strip().upper()
+        name = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(name, name)  # logging's aliases
+        return next((m for m in cls if m.value == name), None)
+
+
 class LogFormat(enum.StrEnum):
     AUTO = "auto"  # readable on a terminal, JSON otherwise
     JSON = "json"
@@ -131,14 +150,14 @@ class TextFormatter(_Scrubbing):
         return line
 
 
-def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO) -> None:
+def configure(level: LogLevel = LogLevel.INFO, fmt: LogFormat = LogFormat.AUTO) -> None:
     if fmt is LogFormat.AUTO:
         fmt = LogFormat.TEXT if sys.stdout.isatty() else LogFormat.JSON
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(JsonFormatter() if fmt is LogFormat.JSON else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(level.value)
     # Library chatter (connection retries are reported by our own code; alembic names each
     # of its plugins as it loads them, in every process that checks the schema); and what
     # would carry a task's data at DEBUG: sse_starlette logs each event-stream chunk it sends.

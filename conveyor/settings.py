@@ -8,14 +8,15 @@ dispatcher's settings are not here: the sidecar reads its own without importing 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from conveyor.dispatcher_settings import DEFAULT_AMQP_HEARTBEAT, DEFAULT_AMQP_URL
+from conveyor.dispatcher_settings import DEFAULT_AMQP_HEARTBEAT, DEFAULT_AMQP_URL, amqp_nodes
 from conveyor.events import MAX_TIMEOUT
-from conveyor.logs import LogFormat
+from conveyor.logs import LogFormat, LogLevel
 
 # The ranges a setting may take: a value outside them is refused at start, naming the variable.
 # Unchecked, 0, a negative number or NaN started a gateway that misbehaved quietly (a loop
@@ -24,8 +25,20 @@ from conveyor.logs import LogFormat
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT)]
 SecondsOrNone = Annotated[float, Field(ge=0, le=MAX_TIMEOUT)]  # 0: none at all
 Count = Annotated[int, Field(ge=1)]
+# How often a loop runs: a billionth of a second took half a core idle (thousands of
+# transactions a second), which a positive bound alone let through.
+Interval = Annotated[float, Field(ge=0.01, le=MAX_TIMEOUT)]
+# A connection's limits go to PostgreSQL as integer milliseconds (statement_timeout).
+MAX_DB_TIMEOUT = (2**31 - 1) // 1000
+# x-delivery-limit, and the header each submission carries it in (a 64-bit integer at most).
+MAX_DELIVERY_LIMIT = 2**31 - 1
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/conveyor"
+
+
+_DATABASE_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
+# A URL's scheme (RFC 3986), at the very start: a conninfo string may hold `://` in a value.
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def normalize_database_url(url: str) -> str:
@@ -43,9 +56,11 @@ def _names_a_database(url: str) -> None:
     import psycopg
     from psycopg.conninfo import conninfo_to_dict
 
-    _, found, rest = url.partition("://")
+    scheme = _URL_SCHEME.match(url)
+    if scheme and scheme[1] not in _DATABASE_SCHEMES:  # `mysql://…` was read as PostgreSQL's
+        raise ValueError(f"not a PostgreSQL URL: the scheme must be one of {_DATABASE_SCHEMES}")
     try:
-        params = conninfo_to_dict(f"postgresql://{rest}" if found else url)
+        params = conninfo_to_dict(f"postgresql://{url[scheme.end() :]}" if scheme else url)
     except psycopg.ProgrammingError as exc:
         raise ValueError(f"not a PostgreSQL URL or conninfo: {str(exc).splitlines()[0]}") from None
     if not params.get("dbname"):
@@ -71,8 +86,14 @@ class CommonSettings(BaseSettings):
     amqp_url: str = DEFAULT_AMQP_URL
     # AMQP heartbeat, seconds: a frozen node is noticed after a few of them.
     amqp_heartbeat: int = Field(DEFAULT_AMQP_HEARTBEAT, ge=0)
-    log_level: str = "INFO"
+    log_level: LogLevel = LogLevel.INFO
     log_format: LogFormat = LogFormat.AUTO
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _names_nodes(cls, value: str) -> str:
+        amqp_nodes(value)
+        return value
 
 
 class GatewaySettings(CommonSettings):
@@ -80,7 +101,7 @@ class GatewaySettings(CommonSettings):
     db_pool_size: Count = 10
     # A connection is lent at most this long: a frozen or silently cut-off server fails what
     # waits on it (503 503001; loops retry) instead of holding it for as long as it lasts.
-    db_timeout: Seconds = 10.0
+    db_timeout: float = Field(10.0, gt=0, le=MAX_DB_TIMEOUT)
     max_body_bytes: Count = 1024 * 1024
     # A request must arrive whole (head and body) within this many seconds of its connection,
     # or of its first byte: a client that trickles it, or sends nothing, is dropped.
@@ -103,7 +124,7 @@ class GatewaySettings(CommonSettings):
     # names a request's source, for the throttle above. Empty: the connection's peer is.
     forwarded_allow_ips: str = ""
     # Crash redeliveries allowed before a submission is dead-lettered (SPEC §7.1).
-    delivery_limit: Count = 5
+    delivery_limit: int = Field(5, ge=1, le=MAX_DELIVERY_LIMIT)
     # A PENDING task older than this (bounded by its service's retention) fails.
     pending_ttl: Seconds = 24 * 3600
     # Tasks of any status older than this are purged whatever their service says.
@@ -134,25 +155,25 @@ class GatewaySettings(CommonSettings):
     # long (a crashed broker may lose what it just confirmed); it is marked published within
     # a second all the same (gateway.outbox.MARK_AFTER).
     outbox_keep_confirmed: SecondsOrNone = 5.0
-    relay_interval: Seconds = 1.0
+    relay_interval: Interval = 1.0
     # A comment line on each task event stream (SSE) after this many quiet seconds.
-    stream_heartbeat: Seconds = 15.0
-    reaper_interval: Seconds = 30.0
+    stream_heartbeat: Interval = 15.0
+    reaper_interval: Interval = 30.0
     # How often the gateway checks whether autovacuum, when off, left its tables' planner
     # statistics stale (gateway/planner_statistics.py).
-    analyze_interval: Seconds = 5.0
+    analyze_interval: Interval = 5.0
     # An IN_PROGRESS task whose worker says nothing for its service's taskTimeout times maxAttempts
     # plus this margin fails: its worker is gone, or its result was lost.
     silence_margin: SecondsOrNone = 300.0
-    service_refresh_interval: Seconds = 5.0
+    service_refresh_interval: Interval = 5.0
     # What the results a gateway has received and not applied yet may weigh, bytes (one result
     # alone may weigh more): past it, a result queue waits (gateway/results.py).
     results_memory: Count = 64 * 1024 * 1024
     # How often the gateway looks for the `-in` of each service with PENDING tasks: one deleted
     # (an operator, a node lost) is declared again and its tasks published again.
-    queue_check_interval: Seconds = 10.0
+    queue_check_interval: Interval = 10.0
     # The per-service gauges of /metrics (tasks by status, queue depths) are this fresh.
-    stats_interval: Seconds = 15.0
+    stats_interval: Interval = 15.0
 
     @property
     def outbox_grace(self) -> float:

@@ -20,7 +20,7 @@ import bcrypt
 from psycopg import AsyncConnection
 
 from conveyor.events import MessageFormat
-from gateway import lifecycle, store
+from gateway import cancel, lifecycle, store
 from gateway.auth import generate_secret, hash_secret
 from gateway.listener import LISTENER_NAME
 from gateway.pgpool import jsonb
@@ -352,7 +352,11 @@ async def delete_service(conn: AsyncConnection[Any], name: str) -> DeletedServic
         if deleted is None:
             return None
         ended = await lifecycle.end_service_tasks(conn, name)
-    return DeletedService(ended, [deleted[0], *left])
+        queue_names = [deleted[0], *left]
+        # Kept until the broker takes them: the caller tells them at once, and a gateway
+        # does if it cannot (the broker away: they were lost, a sweep's 50 functions called).
+        await cancel.keep(conn, name, queue_names, ended)
+    return DeletedService(ended, queue_names)
 
 
 async def grant(

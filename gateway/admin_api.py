@@ -65,7 +65,7 @@ _TASK = """
            notification_attempts, notify_claimed_until, worker_host, attempt_id, attempts,
            idempotency_key, idempotency_fingerprint, not_before, traceparent, publish_at,
            publish_attempts, publish_error, time_limit, expires_at, cancelled_at,
-           handed_back_attempt, handed_back_at, updated_at
+           handed_back_attempt, handed_back_at, handed_back, updated_at
     FROM tasks WHERE task_id = %(task_id)s
     """
 _ATTEMPTS = """
@@ -164,6 +164,7 @@ async def task(task_id: str, request: Request) -> Json:
         # a `requeued` read before its own `started` (gateway/lifecycle.py, `_REQUEUED`)
         "handedBackAttempt": row.handed_back_attempt,
         "handedBackAt": iso(row.handed_back_at),
+        "handedBack": row.handed_back,  # every such attempt still waiting for its `started`
         "updatedAt": iso(row.updated_at),
         "callback": None,
         "attempts": [

@@ -453,10 +453,19 @@ async def _new_task(
             callback = await check_callback(item["callback"], rt.policy)
         except CallbackRefused as exc:
             raise errors.invalid(where + exc.path, str(exc)) from None
-    not_before = _not_before(item, where, rt.settings.max_delay)
+    not_before, delay = _run_at(item, where, rt.settings.max_delay)
     ttl = time_to_live(access.service, rt.settings.pending_ttl)
     return NewTask(
-        client_id, access, item["body"], callback, key, ttl, not_before, traceparent, fingerprint
+        client_id,
+        access,
+        item["body"],
+        callback,
+        key,
+        ttl,
+        not_before,
+        traceparent,
+        fingerprint,
+        delay=delay,
     )
 
 
@@ -468,12 +477,16 @@ def _request_of(item: Any) -> Any:
     return {name: value for name, value in item.items() if value is not None}
 
 
-def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime | None:
+def _run_at(
+    item: dict[str, Any], where: str, max_delay: float
+) -> tuple[datetime | None, int | None]:
     """When a task may run (SPEC §11.4): `notBefore` (RFC 3339, with its offset) or
-    `delaySeconds`, not both, at most `max_delay` ahead; a time already past is now."""
+    `delaySeconds`, not both, at most `max_delay` ahead; a time already past is now. A delay
+    is counted from the submission's date, on the database's clock as every other date is
+    (added to this process's clock, a gateway an hour behind ran them at once)."""
     at, delay = item.get("notBefore"), item.get("delaySeconds")
     if at is None and delay is None:
-        return None
+        return None, None
     if at is not None and delay is not None:
         raise errors.invalid(where + "delaySeconds", "give notBefore or delaySeconds, not both")
     now = datetime.now(UTC)
@@ -482,7 +495,7 @@ def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime 
             raise errors.invalid(where + "delaySeconds", "must be a whole number of seconds >= 0")
         if delay > max_delay:
             raise errors.invalid(where + "delaySeconds", f"at most {max_delay:.0f} seconds")
-        return now + timedelta(seconds=delay)
+        return None, delay
     field = where + "notBefore"
     text = at if isinstance(at, str) else ""  # a number or an object is no time either
     try:  # in UTC: RFC 3339's offsets go to ±23:59, those PostgreSQL takes to ±15:59
@@ -495,7 +508,7 @@ def _not_before(item: dict[str, Any], where: str, max_delay: float) -> datetime 
         when = now if text.startswith("0001-") else datetime.max.replace(tzinfo=UTC)
     if when > now + timedelta(seconds=max_delay):
         raise errors.invalid(field, f"at most {max_delay:.0f} seconds ahead")
-    return when
+    return when, None
 
 
 def _all_refusals(refused: list[errors.ApiError]) -> errors.ApiError:
@@ -560,7 +573,7 @@ async def cancel(service: str, task_id: str, request: Request) -> Json:
     rt = runtime(request)
     client_id, access = await _granted(request, rt, service)
     parsed = _task_uuid(task_id)
-    data, finished_now = await cancel_task(rt.pool, rt.broker, client_id, access.service, parsed)
+    data, finished_now = await cancel_task(rt.pool, rt.cancels, client_id, access.service, parsed)
     if finished_now:
         rt.notifier.wake()  # its callback, if it has one
     return _ok(data, 200)

@@ -250,6 +250,9 @@ class TaskDetail(TaskSummary):
         None, description="An attempt whose hand-back was read before its `started`"
     )
     handedBackAt: str | None = Field(None, description="When that attempt was handed back")
+    handedBack: dict[str, str] | None = Field(
+        None, description="Every attempt handed back before its `started` was read, to when"
+    )
     updatedAt: str
 
 

@@ -44,6 +44,10 @@ class QueueMissing(PublishError):
     missing queue no other way (no channel error, the publish is even confirmed after it)."""
 
 
+PROBE_ROUTING_KEY = "amq.conveyor.probe"
+_PROBE = WireMessage(body=b"", content_type=None)
+
+
 class Broker:
     def __init__(
         self, url: str, publish_timeout: float = 5.0, heartbeat: int | None = None
@@ -139,6 +143,23 @@ class Broker:
 
     async def queue_exists(self, name: str) -> bool:
         return await self.ready_messages(name) is not None
+
+    async def takes_publishes(self) -> bool:
+        """Whether the broker confirms a publish now. A memory or disk alarm leaves every
+        connection up and blocks its publishes: the workers' results wait in their dispatchers
+        meanwhile, which the watchdog must know. The probe goes to a queue name no client can
+        declare (`amq.` is the broker's): returned unroutable, it is answered and kept nowhere.
+        Not connected: False at once (the connection is the start's and aio-pika's to make,
+        not a probe's under its timeout)."""
+        if not self.connected:
+            return False
+        try:
+            await self.publish(_PROBE, PROBE_ROUTING_KEY)
+        except QueueMissing:
+            return True
+        except PublishError:
+            return False
+        return True
 
     async def publish(self, message: WireMessage, routing_key: str, exchange: str = "") -> None:
         """Confirmed within `publish_timeout` in all, connecting included, or PublishError.

@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 
 from conveyor import logs
-from gateway import lifecycle, metrics, supervisor
+from gateway import cancel, lifecycle, metrics, supervisor
 from gateway.hearing import Hearing
 from gateway.pgpool import MAINTENANCE_TIMEOUT, Pool
 from gateway.store import IDEMPOTENCY_WINDOW
@@ -155,19 +155,28 @@ async def reaper_loop(
     hearing: Hearing,
     silence_margin: float = 300.0,
     on_abandoned: Callable[[dict[str, list[uuid.UUID]]], Awaitable[None]] | None = None,
+    takes_results: Callable[[], Awaitable[bool]] | None = None,
 ) -> None:
     """Ends what nothing else would: PENDING past its time to live, and IN_PROGRESS tasks
     whose worker has said nothing for longer than the service allows (the watchdog), the
     silence counted only while results could be heard (gateway.hearing). The watchdog's
-    tasks go to `on_abandoned` once their failure is committed: their dispatchers are told."""
+    tasks go to `on_abandoned` once their failure is committed: their dispatchers are told.
+    `takes_results` asks the broker whether a worker could publish a result now: while an
+    alarm blocks publishes (the connection up), silence counts from the pass after it."""
     while True:
         try:
+            if takes_results is not None and not await takes_results():
+                hearing.restarted()  # asked before the connection is taken: it may wait
             async with pool.connection(MAINTENANCE_TIMEOUT) as conn:  # one statement each
                 expired = await lifecycle.expire_pending(conn, ttl)
                 abandoned: dict[str, list[uuid.UUID]] = {}
                 heard_since = hearing.since()  # read now: the statements above may have waited
                 if heard_since is not None:
-                    abandoned = await lifecycle.abandon_silent(conn, silence_margin, heard_since)
+                    async with conn.transaction():  # their cancels kept with their failure
+                        abandoned = await lifecycle.abandon_silent(
+                            conn, silence_margin, heard_since
+                        )
+                        await cancel.keep_ended(conn, abandoned)
                 await compact_backlog(conn)
             silent_per_service = {service: len(ids) for service, ids in abandoned.items()}
             for failed in (expired, silent_per_service):  # no durations: the platform ended them

@@ -11,11 +11,13 @@ precondition, re-checked by PostgreSQL under the row lock. That is what makes
 duplicated, late and reordered events harmless, even with several gateway
 replicas applying events concurrently:
 
-* terminal states are final: every change of status requires a non-terminal one (a
-  hand-back read before its own `started` still adds its attempt to an ended task's history);
+* terminal states are final: every change of status requires a non-terminal one (an
+  attempt's `started` or hand-back read after the next attempt began, or after the task
+  ended, still adds that attempt to its history, as read in order it would have);
 * a worker's event changes only its own service's tasks (`_came_through`);
 * a `started` resets the task only for an attempt it has not seen yet and that
-  began after the current one (the `conveyorattempt` extension and event time);
+  began after the current one, or after every one recorded when the task waits in `-in`
+  again (the `conveyorattempt` extension and event time);
 * `progress` applies to the current attempt only, and only upwards;
 * the first terminal event wins.
 
@@ -66,6 +68,20 @@ def _came_through(service: str, queue: str = "CAST(%(queue)s AS text)") -> str:
     )
 
 
+def _handed_back(task: str = "") -> str:
+    """Whether the event's attempt was handed back before its `started` was read (`_REQUEUED`'s
+    `early`): in `handed_back` (0018), or in the one-attempt columns a gateway of the release
+    before may have written (0015)."""
+    attempt = "CAST(%(attempt)s AS text)"
+    return (
+        f"COALESCE({task}handed_back ? {attempt} OR {task}handed_back_attempt = {attempt}, false)"
+    )
+
+
+# At most so many hand-backs of one task wait for their `started` (a worker sending `requeued`
+# for attempts that never were cannot grow the row without bound).
+HANDED_BACK_KEPT = 32
+
 _STARTED = f"""
     WITH task AS (
         UPDATE tasks
@@ -74,7 +90,12 @@ _STARTED = f"""
                attempts = attempts + 1, updated_at = now(), publish_at = NULL
          WHERE task_id = %(task_id)s
            AND {_came_through("service")}
-           AND (status = 'PENDING'
+           -- PENDING again (a later attempt handed back): not for an attempt older than one
+           -- already recorded, whose message is long gone (it made a task waiting in `-in`
+           -- IN_PROGRESS, where the watchdog failed it)
+           AND ((status = 'PENDING'
+                 AND NOT EXISTS (SELECT 1 FROM task_attempts n
+                                  WHERE n.task_id = %(task_id)s AND n.start_date > %(time)s))
                 OR (status = 'IN_PROGRESS' AND attempt_id IS DISTINCT FROM %(attempt)s
                     AND start_date < %(time)s
                     AND NOT (%(same_host_continues)s AND worker_host = %(host)s)))
@@ -82,25 +103,87 @@ _STARTED = f"""
            AND NOT EXISTS (SELECT 1 FROM task_attempts x
                             WHERE x.task_id = %(task_id)s AND x.attempt_id = %(attempt)s
                               AND x.end_date IS NOT NULL)
-           AND handed_back_attempt IS DISTINCT FROM %(attempt)s
+           AND NOT {_handed_back()}
         RETURNING task_id
     ), handed_back AS (
         -- its `requeued` was read first (see `_REQUEUED`): the attempt is recorded as handed
         -- back, once, whatever the task is at: also when the next attempt's `started` (the
         -- task IN_PROGRESS with that attempt, which the guard of `task` kept it from taking),
-        -- or even its end, was read before this one
-        UPDATE tasks
-           SET attempts = attempts + 1, updated_at = now()
-         WHERE task_id = %(task_id)s AND handed_back_attempt = %(attempt)s
-           AND {_came_through("service")}
+        -- or even its end, was read before this one. A task IN_PROGRESS with an older attempt
+        -- (its `started` read in between) waits in `-in` again, as read in order it would.
+        UPDATE tasks t
+           SET attempts = t.attempts + 1, updated_at = now(),
+               status = CASE WHEN o.over THEN 'PENDING' ELSE t.status END,
+               worker_host = CASE WHEN o.over THEN NULL ELSE t.worker_host END,
+               start_date = CASE WHEN o.over THEN NULL ELSE t.start_date END,
+               progress = CASE WHEN o.over THEN 0 ELSE t.progress END,
+               attempt_id = CASE WHEN o.over THEN CAST(%(attempt)s AS text) ELSE t.attempt_id END,
+               expires_at = CASE WHEN o.over THEN GREATEST(t.expires_at, now()
+                                     + (t.expires_at - COALESCE(t.not_before, t.submission_date)))
+                                 ELSE t.expires_at END,
+               handed_back = t.handed_back - CAST(%(attempt)s AS text)
+          FROM (SELECT status = 'IN_PROGRESS' AND start_date < %(time)s AS over
+                  FROM tasks WHERE task_id = %(task_id)s) o
+         WHERE t.task_id = %(task_id)s AND {_handed_back("t.")}
+           AND {_came_through("t.service")}
            AND NOT EXISTS (SELECT 1 FROM task_attempts x
                             WHERE x.task_id = %(task_id)s AND x.attempt_id = %(attempt)s)
-        RETURNING task_id, handed_back_at
+        RETURNING t.task_id, o.over,
+                  COALESCE(CAST(t.handed_back ->> CAST(%(attempt)s AS text) AS timestamptz),
+                           t.handed_back_at) AS handed_back_at
+    ), superseded AS (
+        UPDATE task_attempts a SET end_date = GREATEST(a.start_date, %(time)s), outcome = 'interrupted'
+          FROM handed_back h
+         WHERE h.over AND a.task_id = h.task_id AND a.end_date IS NULL
+           AND a.attempt_id <> %(attempt)s
     ), recorded AS (
         INSERT INTO task_attempts (task_id, attempt_id, worker_host, start_date, end_date, outcome)
         SELECT task_id, CAST(%(attempt)s AS text), CAST(%(host)s AS text), %(time)s,
                GREATEST(handed_back_at, %(time)s), 'requeued'
           FROM handed_back
+        ON CONFLICT (task_id, attempt_id) DO NOTHING
+    ), overtaken AS (
+        -- read after a later attempt's `started`, or after the task's end (replicas read `-out`
+        -- side by side, and a batch held back is read again later): the attempt happened, and
+        -- is recorded as read in order it would have been: over when the next one began
+        -- (`interrupted`, which its own `requeued` may still make `requeued`), or, the
+        -- attempt the task ended with, over with the task's end (its host now known)
+        -- (a task that ended with no attempt known, its end read first from a worker sending
+        -- no attempt ids, ended with this one)
+        UPDATE tasks
+           SET attempts = attempts + 1, updated_at = now(),
+               worker_host = CASE WHEN COALESCE(attempt_id, %(attempt)s) = %(attempt)s
+                                  THEN COALESCE(worker_host, CAST(%(host)s AS text))
+                                  ELSE worker_host END,
+               attempt_id = COALESCE(attempt_id, CASE WHEN status IN ('SUCCESS', 'FAILURE')
+                                                      THEN CAST(%(attempt)s AS text) END)
+         WHERE task_id = %(task_id)s AND NOT %(same_host_continues)s
+           AND {_came_through("service")}
+           AND (status IN ('SUCCESS', 'FAILURE')
+                OR (status = 'IN_PROGRESS' AND attempt_id IS DISTINCT FROM %(attempt)s
+                    AND start_date >= %(time)s)
+                OR (status = 'PENDING'
+                    AND EXISTS (SELECT 1 FROM task_attempts n
+                                 WHERE n.task_id = %(task_id)s AND n.start_date > %(time)s)))
+           AND NOT {_handed_back()}
+           AND NOT EXISTS (SELECT 1 FROM task_attempts x
+                            WHERE x.task_id = %(task_id)s AND x.attempt_id = %(attempt)s)
+        RETURNING task_id, status, attempt_id, end_date, error_message
+    ), late AS (
+        INSERT INTO task_attempts
+               (task_id, attempt_id, worker_host, start_date, end_date, outcome, error_message)
+        SELECT o.task_id, CAST(%(attempt)s AS text), CAST(%(host)s AS text), %(time)s,
+               CASE WHEN o.attempt_id = %(attempt)s AND o.status IN ('SUCCESS', 'FAILURE')
+                    THEN GREATEST(o.end_date, %(time)s)
+                    ELSE GREATEST(%(time)s, COALESCE(
+                        (SELECT min(n.start_date) FROM task_attempts n
+                          WHERE n.task_id = o.task_id AND n.start_date > %(time)s),
+                        o.end_date, %(time)s)) END,
+               CASE WHEN o.attempt_id = %(attempt)s AND o.status IN ('SUCCESS', 'FAILURE')
+                    THEN lower(o.status) ELSE 'interrupted' END,
+               CASE WHEN o.attempt_id = %(attempt)s AND o.status IN ('SUCCESS', 'FAILURE')
+                    THEN o.error_message END
+          FROM overtaken o
         ON CONFLICT (task_id, attempt_id) DO NOTHING
     ), closed AS (
         UPDATE task_attempts a SET end_date = %(time)s, outcome = 'interrupted'
@@ -120,11 +203,12 @@ _STARTED = f"""
 # The attempt itself is a hand-back whatever the task is at: read after the next attempt's
 # `started` (replicas read `-out` side by side), it was closed `interrupted` by it, which the
 # give-back (results.py) would count as a crash. A `started` of it read after it (a duplicate,
-# or another replica's) finds it over and starts nothing. Read before its own `started`, while
-# the task is PENDING, it is kept on the row (`early`): that `started` would have set the task
-# IN_PROGRESS while its message waits in `-in`, where the watchdog would fail it; it records
-# the hand-back instead (`_STARTED`). Kept aside, not recorded at once: a `requeued` of an
-# attempt that never was the task's must leave no attempt in its history.
+# or another replica's) finds it over and starts nothing. Read before its own `started`, it is
+# kept on the row (`early`), whatever the task is at: while it is PENDING, that `started` would
+# have set the task IN_PROGRESS while its message waits in `-in`, where the watchdog would fail
+# it; it records the hand-back instead (`_STARTED`), also once the next attempt began or the
+# task ended. Kept aside, not recorded at once: a `requeued` of an attempt that never was the
+# task's must leave no attempt in its history.
 _REQUEUED = f"""
     WITH task AS (
         UPDATE tasks
@@ -150,9 +234,16 @@ _REQUEUED = f"""
         -- never comes (that publish is best effort)
         UPDATE tasks
            SET handed_back_attempt = %(attempt)s, handed_back_at = %(time)s, updated_at = now(),
-               expires_at = GREATEST(
+               handed_back = CASE
+                   WHEN (SELECT count(*) FROM jsonb_object_keys(COALESCE(handed_back, '{{}}')))
+                        < {HANDED_BACK_KEPT}
+                   THEN COALESCE(handed_back, '{{}}')
+                        || jsonb_build_object(CAST(%(attempt)s AS text), %(time)s)
+                   ELSE handed_back END,
+               expires_at = CASE WHEN status = 'PENDING' THEN GREATEST(
                    expires_at, now() + (expires_at - COALESCE(not_before, submission_date)))
-         WHERE task_id = %(task_id)s AND status = 'PENDING'
+                   ELSE expires_at END
+         WHERE task_id = %(task_id)s AND attempt_id IS DISTINCT FROM %(attempt)s
            AND CAST(%(attempt)s AS text) IS NOT NULL
            AND {_came_through("service")}
            AND NOT EXISTS (SELECT 1 FROM task_attempts x
@@ -187,16 +278,25 @@ _FINISH = f"""
                start_date = COALESCE(CAST(%(started)s AS timestamptz), start_date,
                                      CASE WHEN CAST(%(by_worker)s AS boolean)
                                           THEN CAST(%(time)s AS timestamptz) END),
-               worker_host = CASE WHEN CAST(%(started)s AS timestamptz) IS NULL THEN worker_host
-                                  ELSE CAST(%(host)s AS text) END,
-               attempt_id = CASE WHEN CAST(%(started)s AS timestamptz) IS NULL THEN attempt_id
-                                 ELSE CAST(%(attempt)s AS text) END,
+               -- another attempt's end, its `started` not read yet: that host did not end it
+               worker_host = CASE WHEN CAST(%(started)s AS timestamptz) IS NOT NULL
+                                  THEN CAST(%(host)s AS text)
+                                  WHEN attempt_id IS DISTINCT FROM COALESCE(
+                                       CAST(%(attempt)s AS text), attempt_id) THEN NULL
+                                  ELSE worker_host END,
+               attempt_id = COALESCE(CAST(%(attempt)s AS text), attempt_id),
                attempts = attempts + CASE WHEN CAST(%(started)s AS timestamptz) IS NULL
                                           THEN 0 ELSE 1 END,
                response = CASE WHEN CAST(%(status)s AS text) = 'SUCCESS'
                                THEN CAST(%(response)s AS jsonb) END,
                error_message = CAST(%(error_message)s AS text),
-               progress = CASE WHEN CAST(%(status)s AS text) = 'SUCCESS' THEN 100 ELSE progress END,
+               -- a FAILURE keeps its own attempt's last progress, not another's (a stand-in
+               -- attempt, or one whose `started` was not read, reported none here)
+               progress = CASE WHEN CAST(%(status)s AS text) = 'SUCCESS' THEN 100
+                               WHEN CAST(%(started)s AS timestamptz) IS NOT NULL
+                                    OR attempt_id IS DISTINCT FROM COALESCE(
+                                        CAST(%(attempt)s AS text), attempt_id) THEN 0
+                               ELSE progress END,
                notification_status = CASE WHEN callback IS NOT NULL THEN 'PENDING' END,
                publish_at = NULL
          WHERE task_id = %(task_id)s AND status IN ('PENDING', 'IN_PROGRESS')
@@ -213,8 +313,6 @@ _FINISH = f"""
                                     THEN CAST(%(error_message)s AS text) END
           FROM task
          WHERE a.task_id = task.task_id AND a.end_date IS NULL
-           AND (a.attempt_id = COALESCE(CAST(%(attempt)s AS text), task.attempt_id)
-                OR CAST(%(started)s AS timestamptz) IS NOT NULL)
     ), stand_in AS (
         INSERT INTO task_attempts
                (task_id, attempt_id, worker_host, start_date, end_date, outcome, error_message)
@@ -256,12 +354,18 @@ _FINISH_MANY = f"""
                updated_at = now(),
                start_date = COALESCE(i.started, t.start_date,
                                      CASE WHEN i.by_worker THEN i.time END),
-               worker_host = CASE WHEN i.started IS NULL THEN t.worker_host ELSE i.host END,
-               attempt_id = CASE WHEN i.started IS NULL THEN t.attempt_id ELSE i.attempt END,
+               worker_host = CASE WHEN i.started IS NOT NULL THEN i.host
+                                  WHEN t.attempt_id IS DISTINCT FROM COALESCE(i.attempt, t.attempt_id)
+                                  THEN NULL ELSE t.worker_host END,
+               attempt_id = COALESCE(i.attempt, t.attempt_id),
                attempts = t.attempts + CASE WHEN i.started IS NULL THEN 0 ELSE 1 END,
                response = CASE WHEN i.status = 'SUCCESS' THEN i.response END,
                error_message = i.error_message,
-               progress = CASE WHEN i.status = 'SUCCESS' THEN 100 ELSE t.progress END,
+               progress = CASE WHEN i.status = 'SUCCESS' THEN 100
+                               WHEN i.started IS NOT NULL
+                                    OR t.attempt_id IS DISTINCT FROM COALESCE(i.attempt, t.attempt_id)
+                                    THEN 0
+                               ELSE t.progress END,
                notification_status = CASE WHEN t.callback IS NOT NULL THEN 'PENDING' END,
                publish_at = NULL
           FROM input i
@@ -279,7 +383,6 @@ _FINISH_MANY = f"""
                                     THEN i.error_message END
           FROM task JOIN input i ON i.task_id = task.task_id
          WHERE a.task_id = task.task_id AND a.end_date IS NULL
-           AND (a.attempt_id = COALESCE(i.attempt, task.attempt_id) OR i.started IS NOT NULL)
     ), stand_in AS (
         INSERT INTO task_attempts
                (task_id, attempt_id, worker_host, start_date, end_date, outcome, error_message)

@@ -32,7 +32,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 metadata = MetaData()
 
@@ -82,6 +82,18 @@ moved_queues = Table(
         nullable=False,
     ),
     Column("moved_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Cancels the broker has not taken yet (migration 0019): any gateway tells them
+# (gateway.cancel.Broadcast), and removes each once it did.
+untold_cancels = Table(
+    "untold_cancels",
+    metadata,
+    Column("task_id", UUID(as_uuid=True), primary_key=True),
+    Column("service", Text, nullable=False),
+    Column("queue_names", ARRAY(Text), nullable=False),
+    Column("retry_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("ix_untold_cancels_retry_at", "retry_at"),
 )
 
 clients = Table(
@@ -156,6 +168,9 @@ tasks = Table(
     # `started` then records the attempt as handed back instead of starting it.
     Column("handed_back_attempt", Text),
     Column("handed_back_at", DateTime(timezone=True)),
+    # Every such attempt (0018), its id to its hand-back's time, until its `started` is read;
+    # the two columns above keep the last one, for gateways of the release before.
+    Column("handed_back", JSONB),
     _updated(),
     CheckConstraint(
         "status IN ('PENDING', 'IN_PROGRESS', 'SUCCESS', 'FAILURE')", name="ck_tasks_status"

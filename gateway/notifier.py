@@ -256,7 +256,7 @@ class Notifier:
             "sweep": self.sweep,
             "after": self._swept,
         }
-        async with self.pool.connection() as conn:
+        async with self.pool.lease() as conn:
             answer = await (await conn.execute(_CLAIM, params)).fetchall()
         # one row at least, its `swept` the band's next start; `id` is NULL if none was claimed
         self._swept = answer[0].swept

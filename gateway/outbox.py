@@ -275,8 +275,10 @@ class Outbox:
         # ones are a prefix. Those not marked yet; those confirmed within `keep_confirmed`.
         self._unmarked: deque[tuple[float, int, int]] = deque()
         self._recent: deque[tuple[float, int]] = deque()
-        # Per queue, until when the fast path leaves its submissions to the relay (`publish_now`).
+        # Per queue, until when the fast path leaves its submissions to the relay (`publish_now`),
+        # and the queues whose one submission tries it again now.
         self._fast_path_resumes: dict[str, float] = {}
+        self._fast_path_trying: set[str] = set()
         # Per queue name, the last declaration after its `-in` was found missing: when it
         # started, and the declaration (under way, or its outcome) (`_restore`).
         self._restores: dict[str, tuple[float, asyncio.Task[bool]]] = {}
@@ -341,11 +343,17 @@ class Outbox:
         publish timeout: a broker that takes publishes and confirms none (a memory or disk
         alarm blocks every publishing connection) made each submission wait out the timeout
         for as long as the alarm lasted, where the relay waits in the background. Only that
-        queue, and only a timeout: the other services' submissions keep their fast path."""
+        queue, and only a timeout: the other services' submissions keep their fast path. Once
+        the pause ends, one submission tries it while the others still go to the relay, until
+        it is answered: resumed for all at once, every submission in the next timeout waited
+        it out (a sweep: a third of them, for as long as an alarm lasted)."""
         if not self.broker.connected:
             return False
-        if time.monotonic() < self._fast_path_resumes.get(queue_name, 0.0):
-            return False
+        if queue_name in self._fast_path_resumes:
+            paused = time.monotonic() < self._fast_path_resumes[queue_name]
+            if paused or queue_name in self._fast_path_trying:
+                return False
+            self._fast_path_trying.add(queue_name)
         try:
             # a missing queue declared again and the publish retried, all within one timeout
             await self._send_or_restore(submission, queue_name, "fast", self.broker.publish_timeout)
@@ -354,6 +362,8 @@ class Outbox:
                 self._fast_path_resumes[queue_name] = time.monotonic() + self.broker.publish_timeout
             log.warning("fast-path publish failed; relay will retry", extra={"error": str(exc)})
             return False
+        finally:
+            self._fast_path_trying.discard(queue_name)
         self._fast_path_resumes.pop(queue_name, None)
         metrics.child(metrics.PUBLISHED, "fast").inc()
         self._note_confirmed([(row_id, 0)])  # not claimed by a relay: no attempt counted yet
@@ -600,7 +610,7 @@ class Outbox:
     async def relay_once(self) -> RelayPass:
         """Claims up to a batch of due rows and settles each one."""
         params = {"lease": 30.0, "limit": self.batch}
-        async with self.pool.connection() as conn:
+        async with self.pool.lease() as conn:
             rows = await (await conn.execute(_CLAIM, params)).fetchall()
         if not rows:
             return RelayPass(0, 0)

@@ -52,11 +52,23 @@ from gateway.database_url import libpq
 
 # A connection the server ended for a transaction left idle too long (a process frozen in
 # it, see above) is lost like any other, though PostgreSQL classes the error as internal.
+# A database that takes no writes (a failover target still a standby, a primary demoted under
+# its connections, `default_transaction_read_only`) is away too, not a refusal of what was
+# written: results were set aside and their tasks failed, loops crashed (found by a sweep).
 CONNECTION_ERRORS = (
     psycopg.OperationalError,
     psycopg.InterfaceError,
     psycopg.errors.IdleInTransactionSessionTimeout,
+    psycopg.errors.ReadOnlySqlTransaction,
 )
+# A statement refused for want of room on the server (SQLSTATE 53000, 53100, 53200; psycopg
+# gives each its own class), and how long one keeps readiness at 503 (`Pool.short_of_room`).
+OUT_OF_ROOM = (
+    psycopg.errors.InsufficientResources,
+    psycopg.errors.DiskFull,
+    psycopg.errors.OutOfMemory,
+)
+REFUSED_FOR = 5.0
 # What the loops that touch many rows at once may take (ANALYZE of a large table, the reaper
 # giving old rows their expiry), where a request waits CONVEYOR_DB_TIMEOUT at most.
 MAINTENANCE_TIMEOUT = 600.0
@@ -122,6 +134,8 @@ class Pool:
         self.use_timeout = use_timeout
         self.size = size  # connections at most: what shares of the pool are counted in
         self._limits = _limits(use_timeout)
+        # When the server last refused a statement for want of room (disk full, out of memory).
+        self.refused_at: float | None = None
         # When each connection was last given back (or opened): the idle-time criterion.
         self._since: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], float] = (
             weakref.WeakKeyDictionary()
@@ -158,21 +172,42 @@ class Pool:
         seconds = self.use_timeout if use_timeout is None else use_timeout
         deadline = asyncio.get_running_loop().call_later(seconds, _sever, conn)
         longer = seconds != self.use_timeout
+        read_only = False
         try:
             if longer:  # a maintenance statement: the server waits as long for it
                 await conn.execute(_LIMITS, _limits(seconds))
             yield conn
             if longer:
                 await conn.execute(_LIMITS, self._limits)
+        except psycopg.errors.ReadOnlySqlTransaction:
+            # a standby now, or read-only: the next connection finds the primary
+            # (`target_session_attrs=read-write`), this one and its siblings never would
+            read_only = True
+            raise
+        except OUT_OF_ROOM:
+            self.refused_at = time.monotonic()  # readiness: see `short_of_room`
+            raise
         finally:
             deadline.cancel()
-            lost = conn.broken
+            lost = conn.broken or read_only
             if lost or conn.info.transaction_status != TransactionStatus.IDLE:
                 await _close(conn)  # broken, or interrupted mid-statement or transaction
             self._since[conn] = time.monotonic()
             await self._pool.putconn(conn)  # a closed connection is replaced by the pool
             if lost:
                 await self._drain()  # its siblings are likely dead as well
+
+    @asynccontextmanager
+    async def lease(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A transaction that leases rows (the relay's and the notifier's claims), committed
+        once its rows were read: a claim the server runs only after the gateway gave it up
+        (sent as the server froze, run at the thaw) is rolled back. Its commit waits for no
+        synchronous standby: frozen, it held each claim's commit, visible on the primary all
+        the same, so rows due meanwhile stayed leased 30 s by nobody (found by sweeps). A lease
+        lost in a failover only means the rows are claimed again."""
+        async with self.connection() as conn, conn.transaction():
+            await conn.execute("SET LOCAL synchronous_commit = local")
+            yield conn
 
     @asynccontextmanager
     async def batch(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
@@ -190,6 +225,15 @@ class Pool:
             await conn.execute("BEGIN")
             yield conn
             await conn.execute("COMMIT")
+
+    def short_of_room(self) -> bool:
+        """Whether the server refused a statement for want of room (disk full, out of memory)
+        within the last `REFUSED_FOR` seconds. Readiness cannot ask for it: its write
+        (`commits`) rewrites a page that exists, where a submission's insert extends its table,
+        and a disk-full outage said 200 throughout while every submission was answered 503
+        (found by a sweep). What the statements met is the only sign."""
+        refused = self.refused_at
+        return refused is not None and time.monotonic() - refused < REFUSED_FOR
 
     async def close(self) -> None:
         await self._pool.close()  # a no-op if never opened
@@ -217,10 +261,14 @@ class Pool:
 
 
 # The server's own limits for a connection lent `use_timeout` seconds: a statement, and a
-# transaction idle between two statements (milliseconds, as text: set_config's).
+# transaction idle between two statements (milliseconds, as text: set_config's). A lock is
+# waited for as long as the statement may last: a `lock_timeout` an operator set on the
+# database or role (10 ms) held for the life of every connection opened meanwhile, and each
+# submission meeting a lock was answered 503 long after it was reset (found by a sweep).
 _LIMITS = (
     "SELECT set_config('statement_timeout', %(statement)s, false) AS statement,"
-    " set_config('idle_in_transaction_session_timeout', %(idle)s, false) AS idle"
+    " set_config('idle_in_transaction_session_timeout', %(idle)s, false) AS idle,"
+    " set_config('lock_timeout', '0', false) AS locks"
 )
 
 

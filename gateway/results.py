@@ -37,6 +37,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import aiormq.exceptions
@@ -197,6 +198,8 @@ class _Pace:
     seen: int = 0
     largest: int = 0
     paused: bool = False
+    # Its consumer cancelled to be made again with another prefetch, and not made yet.
+    cancelled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +344,18 @@ class ResultConsumer:
         async with self.pool.connection() as conn:
             services = {s.name: s for s in await catalog.all_services(conn)}
             moved = await catalog.moved_queues(conn)
+            behind = await schema.problem(conn)
+        if behind is not None:
+            # A schema older than this code's (a downgrade under a running gateway): no result
+            # is taken until it is back. Taken, the terminal events it could apply went through
+            # while their `started` went back to the broker, and the previous release's
+            # gateways then dropped those `started` (a sweep of a roll-back: 30 tasks without
+            # an attempt); and a released replica took them again once this read answered.
+            if not self._released:
+                async with self._applying:
+                    await self._stop_taking()
+                log.warning("results left to the broker until the schema is back: " + behind)
+            return
         stale = {
             name: subscription
             for name, subscription in self._subscribed.items()
@@ -639,10 +654,17 @@ class ResultConsumer:
             if pace.paused:
                 if self._holding > self._memory // 2:
                     continue
+            elif pace.cancelled:
+                pass  # its new consumer could not be made: made now
             elif pace.seen < pace.prefetch or fits <= pace.prefetch:
                 continue
             else:
                 await self._cancel(pace)
+                # Not consumed until the new consumer is made: should that fail, the next
+                # batch or refresh makes it. It failed on a queue deleted meanwhile, and the
+                # channel aio-pika reopened restored no consumer it had been told was cancelled:
+                # the queue was never consumed again (found by a sweep).
+                pace.cancelled = True
             try:
                 await self._consume(pace.queue, pace.dead, fits)  # its new pace replaces this one
             except Exception as exc:  # the connection lost: the next batch or refresh tries
@@ -760,18 +782,23 @@ class ResultConsumer:
         would be silence to the other replicas' watchdogs, which would fail tasks whose
         results were waiting here (found by a black-box test: a replica's database link
         stalled for 70 s). What was published again already is acked, not published twice."""
-        self.hearing.lost()
         for delivery in batch:
             if id(delivery) in given_back:
                 await _settle(delivery.message.ack)
-        self._released = True
-        self._releases += 1
-        await self._replace_channel(None)
+        await self._stop_taking()
         metrics.RESULTS_RELEASED.inc()
         log.warning(
             "database unavailable; results handed back to the broker until it answers",
             extra={"size": len(batch), "error": logs.describe(error)},
         )
+
+    async def _stop_taking(self) -> None:
+        """Every result held goes back to the broker (the channel closed), and none is taken
+        until a refresh finds the database answering with this code's schema."""
+        self.hearing.lost()  # the watchdog waits: the results wait in the broker
+        self._released = True
+        self._releases += 1
+        await self._replace_channel(None)
 
     def _unavailable(self, state: RetryCallState) -> None:
         self.hearing.lost()  # the watchdog waits: what silence there is proves nothing
@@ -969,13 +996,22 @@ class ResultConsumer:
         # expiry) says nothing against finding its task, which fails for it.
         found = {k: v for k, v in wire.headers.items() if k not in _NOT_NEEDED_TO_FIND_A_TASK}
         try:
-            task_id = decode_submission(replace(wire, headers=found)).task_id
+            submission = decode_submission(replace(wire, headers=found))
         except WireError as exc:
             raise Poison(f"dead-lettered message is not a submission: {exc}") from None
-        return lifecycle.failure(uuid.UUID(task_id), _dead_letter_message(wire.headers), queue)
+        message = _dead_letter_message(wire.headers, _expiry(wire))
+        return lifecycle.failure(uuid.UUID(submission.task_id), message, queue)
 
 
 _NOT_NEEDED_TO_FIND_A_TASK = (h.CE_MAX_ATTEMPTS, h.CE_EXPIRES)
+
+
+def _expiry(wire: WireMessage) -> datetime | None:
+    """The task's expiry the submission carries, if it can be read."""
+    try:
+        return decode_submission(wire).expires_at
+    except WireError:
+        return None
 
 
 def _unusable(reason: str, terminal: tuple[str, uuid.UUID] | None, queue: str | None) -> Plan:
@@ -1118,12 +1154,24 @@ def _returned(wire: WireMessage, delivery_limit: int) -> WireMessage:
     return WireMessage(wire.body, headers, wire.content_type, wire.message_id)
 
 
-def _dead_letter_message(headers: dict[str, Any]) -> str:
+# How early an `expired` dead letter may come before its task's own expiry and still be
+# that expiry's (the message's TTL is counted from its publish, on the broker's clock).
+EXPIRY_SLACK = timedelta(minutes=1)
+QUEUE_TTL = (
+    "The task was dead-lettered by the broker before its time to live: its queue's message TTL"
+    " (x-message-ttl, set by a policy) expired it."
+)
+
+
+def _dead_letter_message(headers: dict[str, Any], expires_at: datetime | None = None) -> str:
     """Why the broker gave up on the submission, from its `x-death` header.
 
     RabbitMQ's dead-lettered copy carries no `x-delivery-count`, and `x-death`'s
     `count` is how many times the message was dead-lettered, not delivered: the
-    reason is what can be said reliably.
+    reason is what can be said reliably. `expired` is the task's time to live only once it
+    has passed (`expires_at`, carried by the message): before, a message TTL an operator put
+    on the queue ended it, and the task's failure said it stayed PENDING past its time to
+    live after less than a second (found by a sweep).
     """
     reason = _death_reason(headers)
     if reason == "delivery_limit":
@@ -1134,7 +1182,8 @@ def _dead_letter_message(headers: dict[str, Any]) -> str:
     if reason == "rejected":
         return "The task was dead-lettered: its worker rejected the message."
     if reason == "expired":
-        return lifecycle.EXPIRED
+        early = expires_at is not None and expires_at - EXPIRY_SLACK > datetime.now(UTC)
+        return QUEUE_TTL if early else lifecycle.EXPIRED
     return f"The task was dead-lettered by the broker (reason: {str(reason or 'unknown')[:100]})."
 
 

@@ -21,7 +21,7 @@ from gateway.auth import Authenticator
 from gateway.body_schema import SchemaCache
 from gateway.broker import Broker
 from gateway.callbacks import CallbackPolicy, close_resolver
-from gateway.cancel import tell_ended
+from gateway.cancel import Broadcast, tell_ended
 from gateway.credentials import Credentials
 from gateway.hearing import Hearing
 from gateway.housekeeping import reaper_loop
@@ -101,6 +101,7 @@ class Runtime:
             per_target=settings.callback_per_target,
             lease=settings.callback_lease,
         )
+        self.cancels = Broadcast(self.pool, self.broker)
         self.hearing = Hearing(lambda: self.broker.connected)  # what the watchdog trusts
         self.broker.on_reconnect(self.hearing.restarted)
         self.results = ResultConsumer(
@@ -179,6 +180,7 @@ class Runtime:
         s = self.settings
         loops: dict[str, Callable[[], Awaitable[None]]] = {
             "outbox-relay": self.outbox.relay_loop,
+            "cancels-retry": self.cancels.retry_loop,
             "queue-check": lambda: self.outbox.queue_check_loop(s.queue_check_interval),
             "results-subscriptions": self.results.subscriptions_loop,
             "results-apply": self.results.apply_loop,
@@ -190,7 +192,8 @@ class Runtime:
                 self.notifier.wake,
                 self.hearing,
                 s.silence_margin,
-                partial(tell_ended, self.pool, self.broker),
+                partial(tell_ended, self.pool, self.cancels),
+                self.broker.takes_publishes,
             ),
             "planner-statistics": lambda: analyze_loop(self.pool, s.analyze_interval),
         }
@@ -228,7 +231,7 @@ class Runtime:
         if database and self.schema_problem is None:
             try:
                 async with asyncio.timeout(READY_WAIT), self.pool.connection() as conn:
-                    database = await commits(conn)
+                    database = await commits(conn) and not self.pool.short_of_room()
             except Exception:
                 database = False
         return {

@@ -51,6 +51,7 @@ class NewTask:
     # with an Idempotency-Key: the request's `fingerprint`, kept with the key, so that the key
     # answers only a repeat of the same request (a batch: the whole batch's, on each of its rows)
     fingerprint: bytes | None = None
+    delay: int | None = None  # run later, in seconds from the submission (never with not_before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +81,17 @@ def _insert(fingerprints: bool) -> str:
         else ("", "", "")
     )
     return f"""
-    WITH input AS (
+    WITH given AS (
         SELECT * FROM unnest(CAST(%(task_ids)s AS uuid[]), CAST(%(client_ids)s AS text[]),
                              CAST(%(requests)b AS text[]), CAST(%(callbacks)s AS jsonb[]),
                              CAST(%(keys)s AS text[]), CAST(%(not_befores)s AS timestamptz[]),
+                             CAST(%(delays)s AS float8[]),
                              CAST(%(traceparents)s AS text[]){fingerprint_in})
-               WITH ORDINALITY AS i(task_id, client_id, request, callback, key, not_before,
+               WITH ORDINALITY AS i(task_id, client_id, request, callback, key, at, delay,
                                     traceparent{fingerprint}, n)
+    ), input AS (
+        -- a delay counts from the submission, on the database's clock (as its date does)
+        SELECT *, COALESCE(at, now() + make_interval(secs => delay)) AS not_before FROM given
     ), ins AS (
         -- the row is its own outbox entry: the relay may take it after the fast path's grace,
         -- or at its time (a past notBefore is published at once)
@@ -399,6 +404,7 @@ def _insert_params(tasks: list[NewTask], grace: float) -> tuple[list[uuid.UUID],
         "callbacks": [jsonb(t.callback) for t in tasks],
         "keys": [t.idempotency_key for t in tasks],
         "not_befores": [t.not_before for t in tasks],
+        "delays": [t.delay for t in tasks],
         "traceparents": [t.traceparent for t in tasks],
         "grace": grace,
         "time_limit": time_limit(tasks[0].access.service),

@@ -311,22 +311,27 @@ def service_list() -> None:
 @service_app.command("delete")
 def service_delete(name: str) -> None:
     """Delete a service and its grants (its queues are left to the operator)."""
-    from gateway import admin
+    from gateway import admin, cancel
 
     deleted = _run(lambda conn: admin.delete_service(conn, name))
     if deleted is None:
         _fail(f"unknown service '{name}'")
         return
     typer.echo(f"service {name}: deleted; {len(deleted.ended)} unfinished tasks ended FAILURE")
-    if deleted.ended and deleted.queue_names and not asyncio.run(_tell_dispatchers(deleted)):
+    if not deleted.ended:
+        return
+    if asyncio.run(_tell_dispatchers(name, deleted)):
+        _run(lambda conn: cancel.forget(conn, deleted.ended))
+    else:
         typer.echo(
-            "warning: RabbitMQ did not take every cancel: a dispatcher may still call the"
-            " function for some of those tasks (their results are ignored)",
+            "warning: RabbitMQ did not take every cancel now: a running gateway tells them once"
+            " it does (a dispatcher may call the function for some of those tasks meanwhile;"
+            " their results are ignored)",
             err=True,
         )
 
 
-async def _tell_dispatchers(deleted: DeletedService) -> bool:
+async def _tell_dispatchers(service: str, deleted: DeletedService) -> bool:
     """The tasks a delete ended, told to the dispatchers as cancels: the ones running them
     abort their calls, and any that takes their messages later (the service made again under
     the same name, on the same queue) acks them without a call."""
@@ -341,7 +346,7 @@ async def _tell_dispatchers(deleted: DeletedService) -> bool:
         # to a `-control` exchange bound to no stream reaches no dispatcher started later.
         async with asyncio.timeout(settings.publish_timeout):
             await broker.connect()
-        return await tell_dispatchers(broker, deleted.queue_names, deleted.ended)
+        return await tell_dispatchers(broker, service, deleted.queue_names, deleted.ended)
     except Exception:  # unreachable, refused: the caller warns that cancels may be missing
         return False
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +28,10 @@ PASSTHROUGH_KINDS = {
 DISPATCHER_FOR_LABEL = "conveyor.io/dispatcher-for"
 LABEL_VALUE_LIMIT = 63  # Kubernetes' limit on a label value
 NAME_LIMIT = 253  # on an object's name (a DNS subdomain), a Deployment's included
+DNS_LABEL_LIMIT = 63  # on a Knative Service's name (a DNS-1035 label)
+# Kubernetes' rules for names (apimachinery's validation), whole: ASCII only, as there.
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 class InjectError(ValueError):
@@ -148,10 +153,31 @@ def fitted(text: str, limit: int) -> str:
     return f"{text[: limit - len(digest) - 1].rstrip('-._')}-{digest}"
 
 
+def check_object_name(name: str, what: str, *, dns_label: bool = False) -> str:
+    """``name`` if Kubernetes takes it as an object's name (a DNS-1123 subdomain; a DNS-1035
+    label with ``dns_label``), else refused, naming ``what`` gave it: inject derives names,
+    labels and references from it, which `kubectl apply` would refuse one by one."""
+    if dns_label:
+        valid = len(name) <= DNS_LABEL_LIMIT and _DNS_1035_LABEL.fullmatch(name)
+        rule = f"a DNS-1035 label: at most {DNS_LABEL_LIMIT} lowercase letters, digits or '-'"
+        ends = "the first a letter, the last a letter or digit"
+    else:
+        valid = len(name) <= NAME_LIMIT and _DNS_SUBDOMAIN.fullmatch(name)
+        rule = f"a DNS-1123 subdomain: at most {NAME_LIMIT} lowercase letters, digits, '-' or '.'"
+        ends = "each part between dots starting and ending with a letter or digit"
+    if not valid:
+        raise InjectError(f"{what} {name!r} is not a name Kubernetes takes; use {rule}, {ends}")
+    return name
+
+
 def workload_name(doc: Doc) -> str:
+    """A workload's name, as its kind takes it: a Knative Service's is a DNS-1035 label (Knative
+    names the Kubernetes Services it creates after it; inject, its URL), any other's a subdomain."""
     if not isinstance(doc.get("metadata"), dict) or not isinstance(doc.get("spec", {}), dict):
         raise InjectError(f"{name_of(doc)}: metadata and spec must be mappings")
     name = doc["metadata"].get("name")
     if not isinstance(name, str) or not name:
         raise InjectError(f"{name_of(doc)} has no metadata.name")
-    return name
+    knative = doc["apiVersion"] == KNATIVE_API
+    what = f"{'Knative ' if knative else ''}{doc['kind']}'s metadata.name"
+    return check_object_name(name, what, dns_label=knative)

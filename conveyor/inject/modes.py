@@ -91,7 +91,25 @@ def inject_documents(docs: list[Doc], options: InjectOptions) -> InjectResult:
             result.extend(groups[index])
         elif role == "passthrough" or object_key(doc) not in claimed:
             result.append(doc)
+    _refuse_clashes(result)
     return InjectResult(result, warnings)
+
+
+def _refuse_clashes(docs: list[Doc]) -> None:
+    """Two objects of one API group, kind, namespace and name are one object once applied: the
+    second replaces the first. A Deployment `x-dispatcher` beside Knative Service `x` (whose
+    dispatcher inject names so) lost one of them, and re-injecting mistook one for the other."""
+    seen: set[tuple[str, ...]] = set()
+    for doc in docs:
+        kind, namespace, name = object_key(doc)
+        key = (doc["apiVersion"].rpartition("/")[0], kind, namespace, name)
+        if name and key in seen:
+            where = f" in namespace {namespace}" if namespace else ""
+            raise InjectError(
+                f"the output would hold two {kind} {name}{where}, and applying it keeps one: "
+                "rename the workload (or object) whose name clashes"
+            )
+        seen.add(key)
 
 
 def _natural_mode(doc: Doc) -> Mode:

@@ -42,6 +42,7 @@ DEFAULT_DISPATCHER_PORT: int = DispatcherSettings().dispatcher_port
 KNATIVE_PROGRESS_PORT = 8082  # knative mode: progress from the function's pods (SPEC §11.5)
 GRACE_MARGIN_SECONDS = 15  # nack, close and the function's own stop, after the drain
 DEPLOYMENT_GRACE_LIMIT = 120  # SPEC §8: keep rolling updates short
+GRACE_LIMIT = 2**63 - 1  # terminationGracePeriodSeconds is an int64
 TMP_VOLUME = "conveyor-tmp"
 FUNCTION_ANNOTATION = "conveyor.io/function-container"
 
@@ -397,9 +398,15 @@ def ensure_grace(
     pod: Doc, wiring: Wiring, owner: str, warnings: list[str], written: int | None
 ) -> None:
     """terminationGracePeriodSeconds must outlast the drain (SPEC §8). One equal to what inject
-    wrote for the previous drain (``written``) was inject's own: it follows the new drain."""
+    wrote for the previous drain (``written``) was inject's own: it follows the new drain. The
+    drain is at most MAX_TIMEOUT (check_settings refused more), so the one written fits int64;
+    one past int64 is no grace period the API server reads, and is replaced like a non-number."""
     grace = pod.get("terminationGracePeriodSeconds")
-    if not isinstance(grace, int) or grace <= wiring.drain_timeout or grace == written:
+    if (
+        not isinstance(grace, int)
+        or not wiring.drain_timeout < grace <= GRACE_LIMIT
+        or grace == written
+    ):
         grace = _grace_for(wiring.drain_timeout)
         pod["terminationGracePeriodSeconds"] = grace
     if wiring.mode is not Mode.JOB and grace >= DEPLOYMENT_GRACE_LIMIT:

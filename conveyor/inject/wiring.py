@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from conveyor import __version__
 from conveyor.dispatcher_settings import PREFIX, ShutdownMode, dispatcher_variable, integer
-from conveyor.inject.documents import Doc, InjectError
+from conveyor.inject.documents import Doc, InjectError, check_object_name
 
 # The dispatcher's variables, named by its settings (dispatcher_settings), never re-spelled.
 # Each one inject writes is spelled as the dispatcher reads it first, CONVEYOR_<NAME>: an env
@@ -98,6 +98,8 @@ def check_options(options: InjectOptions) -> None:
         raise InjectError("--drain-timeout must not be negative")
     if options.queue is not None and not options.queue.strip():
         raise InjectError("--queue must not be empty")
+    if options.amqp_secret is not None:
+        check_object_name(options.amqp_secret, "--amqp-secret")
 
 
 def env_literal(container: Doc | None, name: str) -> str | None:
@@ -132,8 +134,13 @@ def setting_literal(container: Doc | None, variable: str) -> str | None:
 
 
 def _env_secret_name(container: Doc | None, name: str) -> str | None:
+    """The Secret an earlier injection (or the user) gave ``name`` from: written back, and into
+    the TriggerAuthentication, so held to the rule of a Secret's name as --amqp-secret is."""
     ref = ((setting_entry(container, name) or {}).get("valueFrom") or {}).get("secretKeyRef")
-    return (ref or {}).get("name")
+    secret = (ref or {}).get("name")
+    if not secret:
+        return None
+    return check_object_name(str(secret), f"the existing dispatcher's {name} Secret")
 
 
 def int_or_none(value: str | None, what: str) -> int | None:

@@ -10,12 +10,11 @@ On the run's own RabbitMQ node; the alarm is lifted whatever happens.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from conveyor import topology
-from tests.support.amqp import message_count, queues_of, scratch_database, wait_for_queues
+from tests.support.amqp import message_count, queues_of, wait_for_queues
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
 from tests.support.servers import RabbitNode
@@ -23,14 +22,6 @@ from tests.support.servers import RabbitNode
 pytestmark = pytest.mark.timeout(180)
 
 PUBLISH_TIMEOUT = 1.5
-
-
-@pytest.fixture
-def alone(database_url: str) -> Iterator[str]:
-    """A database of its own: the session's gateway, on the shared broker, would otherwise
-    relay these tasks there."""
-    with scratch_database(database_url) as url:
-        yield url
 
 
 def test_submissions_during_a_memory_alarm_are_answered_and_published_after(

@@ -190,21 +190,7 @@ def test_the_watchdog_waits_while_results_cannot_be_heard(
     # Silent for 3 + 1 s: abandoned. Not less: `rabbitmqctl stop_app` below may itself take a
     # few seconds on a busy machine, and the task must still be within its limit when it ends.
     service = platform.service(taskTimeout=3, maxAttempts=1)
-    env = gateway_env(
-        database_url,
-        amqp_url,
-        CONVEYOR_SILENCE_MARGIN="1",
-        CONVEYOR_REAPER_INTERVAL="0.3",
-    )
-    gateway = GatewayProcess(procs, env)
-    out = topology.out_queue(service.queue_name)
-    _eventually(lambda: _consumers(amqp_url, out) == 1, 20, "consuming -out")
-    with gateway.http(service.clients[0]) as http:
-        answer = http.post(gateway.tasks_url(service.name), json={"body": {}})
-    assert answer.status_code == 201, answer.text
-    task_id = answer.json()["data"]["taskId"]
-    asyncio.run(_publish(amqp_url, service.name, out, TaskEvent(EventKind.STARTED, task_id)))
-    _eventually(lambda: _status(platform, task_id) == "IN_PROGRESS", 10, "started")
+    gateway, out, task_id = _a_task_in_progress(procs, platform, database_url, amqp_url, service)
 
     private_rabbit.ctl("stop_app")  # every connection drops
     try:
@@ -224,6 +210,56 @@ def test_the_watchdog_waits_while_results_cannot_be_heard(
     silent = answer.json()["data"]["taskId"]
     asyncio.run(_publish(amqp_url, service.name, out, TaskEvent(EventKind.STARTED, silent)))
     _eventually(lambda: _status(platform, silent) == "FAILURE", 20, "abandoned")
+
+
+def test_the_watchdog_waits_while_a_resource_alarm_blocks_the_results(
+    procs: Processes,
+    platform: Platform,
+    database_url: str,
+    private_rabbit: RabbitNode,
+) -> None:
+    """Found by a sweep: a memory or disk alarm blocks every publishing connection while
+    leaving it up, so the gateway went on hearing (connected) while no dispatcher could
+    publish its result: past the limit the watchdog failed tasks whose functions had
+    succeeded, 6 of 6, and their results were ignored once the alarm cleared. A pass now
+    first asks whether the broker confirms a publish; while it does not, silence counts not."""
+    amqp_url = private_rabbit.url
+    # a limit of 7 s: `rabbitmqctl` takes seconds to set the alarm (CI under load: over the
+    # 3 s a 2 s limit gave, and the watchdog rightly failed the task before the alarm)
+    service = platform.service(taskTimeout=6, maxAttempts=1)
+    _, out, task_id = _a_task_in_progress(procs, platform, database_url, amqp_url, service)
+
+    private_rabbit.ctl("set_vm_memory_high_watermark", "0.0001")  # every publisher blocked
+    try:
+        time.sleep(16)  # over twice the task's limit and margin
+        assert _status(platform, task_id) == "IN_PROGRESS"
+    finally:
+        private_rabbit.ctl("set_vm_memory_high_watermark", "0.4")
+    done = TaskEvent(EventKind.SUCCEEDED, task_id, response={"held": "through the alarm"})
+    asyncio.run(_publish(amqp_url, service.name, out, done))
+    _eventually(lambda: _status(platform, task_id) != "IN_PROGRESS", 20, "finished")
+    assert _status(platform, task_id) == "SUCCESS"
+
+
+def _a_task_in_progress(
+    procs: Processes, platform: Platform, database_url: str, amqp_url: str, service: Service
+) -> tuple[GatewayProcess, str, str]:
+    """A gateway whose watchdog looks every 0.3 s with a margin of 1 s, and a task of
+    `service` its worker said `started` for (and nothing more): the gateway, the service's
+    `-out` and the task's id."""
+    env = gateway_env(
+        database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="1", CONVEYOR_REAPER_INTERVAL="0.3"
+    )
+    gateway = GatewayProcess(procs, env)
+    out = topology.out_queue(service.queue_name)
+    _eventually(lambda: _consumers(amqp_url, out) == 1, 20, "consuming -out")
+    with gateway.http(service.clients[0]) as http:
+        answer = http.post(gateway.tasks_url(service.name), json={"body": {}})
+    assert answer.status_code == 201, answer.text
+    task_id = answer.json()["data"]["taskId"]
+    asyncio.run(_publish(amqp_url, service.name, out, TaskEvent(EventKind.STARTED, task_id)))
+    _eventually(lambda: _status(platform, task_id) == "IN_PROGRESS", 10, "started")
+    return gateway, out, task_id
 
 
 async def _publish(amqp_url: str, service: str, queue: str, event: TaskEvent) -> None:

@@ -30,7 +30,7 @@ PUBLISHERS = 6
 
 
 async def _cancel(broker: Broker, queue: str, task_ids: list[uuid.UUID]) -> None:
-    assert await tell_dispatchers(broker, [queue], task_ids)
+    assert await tell_dispatchers(broker, "s", [queue], task_ids)
 
 
 async def test_a_dispatcher_starts_on_tens_of_thousands_of_cancels_and_honours_the_last(

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -30,6 +31,7 @@ from tests.e2e.conftest import CallbackSink, Stack, calls_of
 from tests.support.amqp import message_count, publish, wait_until
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
+from tests.support.tcpproxy import TcpProxy
 
 CANCELLED = "Task cancelled."
 
@@ -155,12 +157,14 @@ def test_a_call_on_the_queue_its_service_left_is_aborted_too(
     assert _cancelled(stack.poll(task_id))
 
 
-def _delete_service(stack: Stack, database_url: str) -> subprocess.CompletedProcess[str]:
+def _delete_service(
+    stack: Stack, database_url: str, amqp_url: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """`conveyor admin service delete` of the stack's service, as an operator runs it."""
     env = {
         **os.environ,
         "CONVEYOR_DATABASE_URL": database_url,
-        "CONVEYOR_AMQP_URL": stack.amqp_url,
+        "CONVEYOR_AMQP_URL": amqp_url or stack.amqp_url,
     }
     return subprocess.run(
         [sys.executable, "-m", "conveyor", "admin", "service", "delete", stack.service.name],
@@ -170,6 +174,27 @@ def _delete_service(stack: Stack, database_url: str) -> subprocess.CompletedProc
         timeout=60,
         check=False,
     )
+
+
+def _untold(platform: Platform, stack: Stack) -> int:
+    rows = platform.sql(
+        "SELECT count(*) FROM untold_cancels WHERE service = %(s)s", {"s": stack.service.name}
+    )
+    return int(rows[0][0])
+
+
+def _made_again_none_is_called(
+    stack: Stack, platform: Platform, call_log: Path, waiting: list[str]
+) -> None:
+    """The service made again under its name and queue, and a dispatcher started on it: the
+    messages of the tasks the delete ended are acked without a call."""
+    platform.apply(
+        {"services": [{"name": stack.service.name, "queueName": stack.service.queue_name}]}
+    )
+    stack.dispatcher("pod-b")
+    assert wait_until(lambda: _in_queue_empty(stack), 15)
+    time.sleep(1.0)
+    assert [calls_of(call_log, task_id) for task_id in waiting] == [[], [], []]
 
 
 def test_tasks_a_service_delete_ended_are_not_run_afterwards(
@@ -209,13 +234,33 @@ def test_tasks_a_service_delete_ended_while_no_dispatcher_ran_are_not_run_by_a_l
     assert done.returncode == 0, done.stderr
     assert "3 unfinished tasks" in done.stdout
     assert "warning" not in done.stderr, done.stderr
-    platform.apply(
-        {"services": [{"name": stack.service.name, "queueName": stack.service.queue_name}]}
-    )
-    stack.dispatcher("pod-b")
-    assert wait_until(lambda: _in_queue_empty(stack), 15)
-    time.sleep(1.0)
-    assert [calls_of(call_log, task_id) for task_id in waiting] == [[], [], []]
+    assert _untold(platform, stack) == 0  # told at once: nothing left for the gateways
+    _made_again_none_is_called(stack, platform, call_log, waiting)
+
+
+def test_tasks_a_service_delete_ended_while_the_broker_was_away_are_told_once_it_is_back(
+    stack: Stack,
+    platform: Platform,
+    call_log: Path,
+    database_url: str,
+    amqp_url: str,
+    amqp_proxy: TcpProxy,
+) -> None:
+    """Found by a sweep: a delete whose CLI could not reach RabbitMQ kept none of its cancels,
+    and once the broker was back every function of the tasks it ended was called (50 of 50).
+    The delete keeps them in the database (`untold_cancels`); a running gateway tells them."""
+    waiting = [stack.submit({"sleep": 0}) for _ in range(3)]
+    queued = topology.in_queue(stack.service.queue_name)
+    assert wait_until(lambda: message_count(amqp_url, queued) == 3, 15)  # published
+    amqp_proxy.sever()  # the CLI's way to the broker
+    done = _delete_service(stack, database_url, amqp_proxy.url(amqp_url))
+    assert done.returncode == 0, done.stderr
+    assert "3 unfinished tasks" in done.stdout
+    assert "did not take every cancel" in done.stderr, done.stderr
+    cancels = topology.cancel_log(stack.service.queue_name)
+    assert wait_until(lambda: message_count(amqp_url, cancels) == 3, 30), "never told"
+    assert wait_until(lambda: _untold(platform, stack) == 0, 10)
+    _made_again_none_is_called(stack, platform, call_log, waiting)
 
 
 def test_a_task_its_function_failed_with_the_cancel_message_is_not_taken_for_cancelled(
@@ -345,7 +390,9 @@ async def test_the_sdks_and_the_cli_cancel(stack: Stack) -> None:
     assert json.loads(done.stdout)["errorMessage"] == CANCELLED
 
 
+@pytest.mark.parametrize("untold_cancels", ["free", "locked 12 s"])
 def test_a_task_the_watchdog_failed_is_not_called_by_a_later_dispatcher(
+    untold_cancels: str,
     procs: Processes,
     sleeper_url: str,
     database_url: str,
@@ -356,7 +403,9 @@ def test_a_task_the_watchdog_failed_is_not_called_by_a_later_dispatcher(
     """Found by a review: the watchdog fails a task whose worker fell silent (it crashed, and
     its `started` was the last word), but the task's message is still queued; a dispatcher
     that took it later called the function for a task already FAILURE. The watchdog's
-    failures are now broadcast as cancels are: the message is acked without a call."""
+    failures are now broadcast as cancels are: the message is acked without a call. Then a
+    sweep: its cancels were kept after its failures had committed, and a database error in
+    between (here a lock on their table past the statement timeout) lost them."""
     watchdog = GatewayProcess(
         procs,
         gateway_env(
@@ -376,8 +425,18 @@ def test_a_task_the_watchdog_failed_is_not_called_by_a_later_dispatcher(
             amqp_url, topology.out_queue(service.queue_name), [encode_event(started, service.name)]
         )
         stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
-        failed = stack.watch(task_id, lambda d: d["status"] == "FAILURE", timeout=20)[-1]
+        if untold_cancels == "locked 12 s":
+            holder = threading.Thread(
+                target=platform.sql,
+                args=(
+                    "BEGIN; LOCK TABLE untold_cancels IN SHARE MODE; SELECT pg_sleep(12); COMMIT",
+                ),
+            )
+            holder.start()
+        failed = stack.watch(task_id, lambda d: d["status"] == "FAILURE", timeout=40)[-1]
         assert failed["errorMessage"].startswith("No result from the worker")
+        if untold_cancels == "locked 12 s":
+            holder.join()
 
         stack.dispatcher("later-pod")  # the broker redelivers what the crashed worker held
         assert wait_until(lambda: _in_queue_empty(stack), 15)
@@ -386,3 +445,71 @@ def test_a_task_the_watchdog_failed_is_not_called_by_a_later_dispatcher(
         assert stack.poll(task_id) == failed
     finally:
         stack.http.close()
+
+
+@pytest.mark.parametrize("its_gateway", ["lives", "is SIGKILLed"])
+def test_a_cancel_the_broker_did_not_take_is_told_once_it_is_back(
+    its_gateway: str,
+    procs: Processes,
+    sleeper_url: str,
+    database_url: str,
+    amqp_url: str,
+    amqp_proxy: TcpProxy,
+    platform: Platform,
+    call_log: Path,
+) -> None:
+    """Found by a soak: a cancel answered during a broker outage was never broadcast (the
+    gateway logged it and went on), so a dispatcher took the task's message once the broker
+    was back and called the function: 5 of 5 cancelled tasks. Then a sweep: such cancels were
+    kept in the memory of the gateway that answered them, and one SIGKILLed before the broker
+    came back took them along. The database keeps them; a gateway tells them once the broker
+    takes them, and a dispatcher started after that acks the messages without a call."""
+    gateway = GatewayProcess(procs, gateway_env(database_url, amqp_proxy.url(amqp_url)), "gw-cut")
+    service = platform.service()
+    stack = Stack(procs, gateway, sleeper_url, amqp_url, service)
+    try:
+        task_ids = [stack.submit({"sleep": 0}) for _ in range(3)]
+        queued = topology.in_queue(service.queue_name)
+        assert wait_until(lambda: message_count(amqp_url, queued) == 3, 15)  # published
+        amqp_proxy.sever()
+        assert wait_until(lambda: stack.http.get("/readyz").status_code == 503, 15)
+        for task_id in task_ids:
+            answer = _cancel(stack, task_id)
+            assert answer.status_code == 200 and _cancelled(answer.json()["data"]), answer.text
+        if its_gateway == "is SIGKILLed":
+            gateway.proc.signal(signal.SIGKILL)
+            gateway.proc.wait(10)
+            GatewayProcess(procs, gateway_env(database_url, amqp_url), "gw-next")
+        amqp_proxy.restore()
+        cancels = topology.cancel_log(service.queue_name)
+        assert wait_until(lambda: message_count(amqp_url, cancels) == 3, 30), "never told"
+        stack.dispatcher("after-the-outage")
+        assert wait_until(lambda: message_count(amqp_url, queued) == 0, 15)
+        time.sleep(1.0)
+        assert [calls_of(call_log, t) for t in task_ids] == [[], [], []]
+    finally:
+        stack.http.close()
+
+
+def test_a_repeated_cancel_tells_the_dispatchers_again(
+    stack: Stack, platform: Platform, call_log: Path
+) -> None:
+    """Found by a sweep: a gateway SIGKILLed between a cancel's commit and its broadcast (or
+    a cancel answered 503 that committed all the same) left the task cancelled and nobody
+    told, and the client's repeated cancel answered 200 without telling anyone either: a
+    dispatcher then took the message and called the function. A repeat tells them again."""
+    task_id = stack.submit({"sleep": 0})
+    queued = topology.in_queue(stack.service.queue_name)
+    assert wait_until(lambda: message_count(stack.amqp_url, queued) == 1, 15)  # published
+    # what a gateway killed right after the cancel's commit leaves: cancelled, untold
+    platform.sql(
+        "UPDATE tasks SET status = 'FAILURE', error_message = %(m)s, end_date = now(),"
+        " cancelled_at = now(), publish_at = NULL WHERE task_id = %(t)s",
+        {"m": CANCELLED, "t": task_id},
+    )
+    again = _cancel(stack, task_id)
+    assert again.status_code == 200 and _cancelled(again.json()["data"]), again.text
+    stack.dispatcher("after-the-repeat")
+    assert wait_until(lambda: _in_queue_empty(stack), 15)
+    time.sleep(1.0)
+    assert calls_of(call_log, task_id) == []

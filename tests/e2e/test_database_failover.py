@@ -16,7 +16,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from conveyor import topology
 from tests.e2e.conftest import Stack
+from tests.support.amqp import collect, queues_of, remove_service, wait_for_queues
 from tests.support.gateway import GatewayProcess, Platform, gateway_env, upgrade_database
 from tests.support.processes import Processes
 from tests.support.servers import PostgresServer, postgres_available
@@ -191,3 +193,40 @@ def test_readiness_says_a_synchronous_standby_is_missing(
         assert seen == (200, True)
     logs = gateway.proc.logs()
     assert "Traceback" not in logs, logs[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_claim_made_while_the_synchronous_standby_is_frozen_leases_nothing_by_nobody(
+    pair: tuple[PostgresServer, PostgresServer], procs: Processes, amqp_url: str
+) -> None:
+    """Found by a sweep: with the synchronous standby frozen, the relay's claims committed on
+    the primary, visible there, then waited for the standby until the gateway gave them up:
+    a run-later task due meanwhile stayed leased 30 s by nobody, and ran 20-70 s late (the
+    notifier's callbacks too). A claim's commit waits for no standby now."""
+    primary, standby = pair
+    url = f"postgresql://postgres@127.0.0.1:{primary.port}/conveyor?connect_timeout=3"
+    upgrade_database(url)
+    platform = Platform(url)
+    service = platform.service()
+    env = gateway_env(url, amqp_url, CONVEYOR_DB_TIMEOUT="3")
+    gateway = GatewayProcess(procs, env, "gateway-standby-frozen")
+    try:
+        wait_for_queues(amqp_url, queues_of(service.queue_name))
+        with gateway.http(service.clients[0]) as http:
+            body = {"body": {}, "delaySeconds": 3}
+            answer = http.post(gateway.tasks_url(service.name), json=body)
+            assert answer.status_code == 201, answer.text
+        assert standby.pid is not None
+        frozen = _family(standby.pid)
+        _signal(frozen, signal.SIGSTOP)
+        try:
+            time.sleep(8)  # due 3 s in; the relay's claims since met the frozen standby
+        finally:
+            _signal(frozen, signal.SIGCONT)
+        thawed = time.monotonic()
+        in_queue = topology.in_queue(service.queue_name)
+        assert len(collect(amqp_url, in_queue, expected=1, timeout=30)) == 1
+        assert time.monotonic() - thawed < 10  # not a lease's 30 s
+    finally:
+        procs.stop_all()
+        remove_service(platform, amqp_url, service)

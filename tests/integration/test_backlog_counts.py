@@ -84,6 +84,7 @@ def _batch(client: str, count: int, not_before: datetime | None = None) -> dict[
         "callbacks": [None] * count,
         "keys": [None] * count,
         "not_befores": [not_before] * count,
+        "delays": [None] * count,
         "traceparents": [None] * count,
         "grace": 30,
         "time_limit": 900,

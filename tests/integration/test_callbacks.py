@@ -8,6 +8,7 @@ and plain http; any other loopback spelling is refused by the SSRF guard.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -25,7 +27,11 @@ from conveyor import topology
 from conveyor.events import EventKind, TaskEvent, encode_event
 from conveyor.headers import SIGNATURE as SIGNATURE_HEADER
 from conveyor.signatures import verify
+from gateway.callbacks import CallbackPolicy
+from gateway.notifier import Notifier
+from gateway.pgpool import CONNECTION_ERRORS, Pool
 from tests.support.amqp import (
+    own_gateway,
     publish,
     queues_of,
     remove_service,
@@ -36,6 +42,7 @@ from tests.support.amqp import (
 from tests.support.gateway import SIGNING_SECRET as SECRET
 from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env
 from tests.support.processes import Processes
+from tests.support.tcpproxy import TcpProxy
 
 
 @dataclass
@@ -326,17 +333,10 @@ def _notifier(
     database_url: str, amqp_url: str, procs: Processes, **settings: str
 ) -> Iterator[tuple[GatewayProcess, Platform, Service]]:
     """A gateway of its own on a scratch database, its notifier tuned by `settings`."""
-    with scratch_database(database_url) as url:
-        platform = Platform(url)
-        svc = platform.service()
-        env = gateway_env(url, amqp_url, CONVEYOR_CALLBACK_BACKOFF="0.1", **settings)
-        try:
-            gateway = GatewayProcess(procs, env, "gateway-notifier")
-            wait_for_queues(amqp_url, queues_of(svc.queue_name))
-            yield gateway, platform, svc
-        finally:
-            procs.stop_all()
-            remove_service(platform, amqp_url, svc)
+    settings = {"CONVEYOR_CALLBACK_BACKOFF": "0.1", **settings}
+    with own_gateway(database_url, amqp_url, procs, "gateway-notifier", **settings) as own:
+        gateway, svc, platform = own
+        yield gateway, platform, svc
 
 
 @pytest.mark.timeout(90)
@@ -496,4 +496,51 @@ def test_a_replica_frozen_between_attempts_does_not_send_what_another_delivered(
             assert first.proc.alive()
         finally:
             procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_sent_as_the_database_froze_leases_no_callback_at_the_thaw(
+    database_url: str, amqp_url: str
+) -> None:
+    """Found by a sweep: the notifier's claim sent as the database froze was run at the thaw
+    (autocommit) on a connection the gateway had given up: the callback it took stayed leased
+    for the claim's 30 s, and went out 30 s after the thaw. It now commits only once its rows
+    were read, so a claim nobody reads is rolled back."""
+    upstream = urlsplit(database_url)
+    proxy = TcpProxy(upstream.hostname or "127.0.0.1", upstream.port or 5432)
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        (task_id,) = platform.sql(
+            "INSERT INTO tasks (task_id, client_id, service, request, status, end_date,"
+            " callback, notification_status) VALUES (gen_random_uuid(), %(c)s, %(s)s, '{}',"
+            " 'SUCCESS', now(), %(cb)s, 'PENDING') RETURNING task_id",
+            {
+                "c": svc.clients[0].client_id,
+                "s": svc.name,
+                "cb": json.dumps({"type": "http", "url": "http://localhost:9/hook"}),
+            },
+        )[0]
+
+        async def claim_as_it_freezes() -> None:
+            pool = Pool(proxy.url(url), size=1, ping_after=3600, use_timeout=1.0)
+            notifier = Notifier(pool, CallbackPolicy(allow_http=True), SECRET)
+            try:
+                async with pool.connection() as conn:  # connected before the freeze
+                    await conn.execute("SELECT 1")
+                proxy.pause()
+                with pytest.raises(CONNECTION_ERRORS):
+                    await notifier.claim()  # waits in its socket; given up after 1 s
+            finally:
+                proxy.resume()
+                await pool.close()
+
+        try:
+            asyncio.run(claim_as_it_freezes())
+            time.sleep(1.0)  # the server has read the claim, and the connection's end
+            claims = "SELECT notification_attempts, notify_claimed_until FROM tasks"
+            assert platform.sql(f"{claims} WHERE task_id = %(t)s", {"t": task_id}) == [(0, None)]
+        finally:
+            proxy.close()
             remove_service(platform, amqp_url, svc)

@@ -101,32 +101,50 @@ async def test_cancels_reach_an_exchange_deleted_since_it_was_declared_and_the_n
 ) -> None:
     deleted, other = f"{queue_name}-a", f"{queue_name}-b"
     try:
-        assert await tell_dispatchers(broker, [deleted, other], [uuid.uuid4()])
+        assert await tell_dispatchers(broker, "s", [deleted, other], [uuid.uuid4()])
         await channel.exchange_delete(topology.control_exchange(deleted))
 
         task_ids = [uuid.uuid4() for _ in range(3)]
-        assert await tell_dispatchers(broker, [deleted, other], task_ids)
+        assert await tell_dispatchers(broker, "s", [deleted, other], task_ids)
 
         heard: dict[str, int] = {}
         for name in (deleted, other):
             await channel.get_exchange(topology.control_exchange(name))  # there again
-            heard[name] = await _stream_length(channel, topology.cancel_log(name))
+            heard[name] = len(await _stream_messages(channel, topology.cancel_log(name)))
         assert heard == {deleted: 1 + 3, other: 1 + 3}
     finally:
         await _cleanup(channel, [deleted, other])
 
 
-async def _stream_length(channel: aio_pika.abc.AbstractChannel, stream: str) -> int:
+async def _stream_messages(
+    channel: aio_pika.abc.AbstractChannel, stream: str
+) -> list[aio_pika.abc.AbstractIncomingMessage]:
     """The messages a `-cancels` stream holds, read from its start."""
     await channel.set_qos(prefetch_count=100)
     queue = await channel.declare_queue(stream, passive=True)
-    bodies: list[bytes] = []
+    messages: list[aio_pika.abc.AbstractIncomingMessage] = []
 
     async def receive(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        bodies.append(message.body)
+        messages.append(message)
         await message.ack()
 
     tag = await queue.consume(receive, arguments={"x-stream-offset": "first"})
     await asyncio.sleep(1.0)  # a stream has no end to wait for: what came within a second
     await queue.cancel(tag)
-    return len(bodies)
+    return messages
+
+
+async def test_a_cancel_names_its_service_as_its_source_not_the_queue(
+    broker: Broker, channel: aio_pika.abc.AbstractChannel, queue_name: str
+) -> None:
+    """SPEC §6.2: a task event's source is `/v1/services/<service>`; a cancel of a service
+    whose queue has another name said the queue's (a consumer routing on `source` saw two
+    values for one service)."""
+    task_id = uuid.uuid4()
+    try:
+        assert await tell_dispatchers(broker, "billing", [queue_name], [task_id])
+        (message,) = await _stream_messages(channel, topology.cancel_log(queue_name))
+        assert message.headers["ce-source"] == "/v1/services/billing"
+        assert message.headers["ce-subject"] == str(task_id)
+    finally:
+        await _cleanup(channel, [queue_name])

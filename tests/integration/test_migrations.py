@@ -33,6 +33,7 @@ TABLES = {
     "task_backlog_blocks",
     "poison_messages",
     "moved_queues",
+    "untold_cancels",
 }
 INDEXES = {
     "ix_tasks_pending",
@@ -45,6 +46,7 @@ INDEXES = {
     "ix_tasks_running",
     "ix_tasks_unpublished",
     "ix_tasks_pending_later",
+    "ix_untold_cancels_retry_at",
 }
 
 

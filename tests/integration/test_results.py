@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
+from itertools import permutations
 from typing import Any
 
 import aiormq.exceptions
@@ -1653,3 +1655,170 @@ def test_a_hand_back_whose_started_never_comes_renews_the_tasks_time_to_live(
     assert _poll(gateway, svc, task_id)["status"] == "PENDING"
     assert _history(platform, task_id, "outcome") == []
     assert _column(platform, task_id, "attempts") == 0
+
+
+def _in_any_order(
+    gateway: GatewayProcess,
+    svc: Service,
+    platform: Platform,
+    amqp_url: str,
+    life: list[tuple[EventKind, str, str | None]],
+    expected: tuple[str, int, list[tuple[str, str, str | None, bool]]],
+) -> dict[tuple[int, ...], Any]:
+    """`life` (kind, attempt, host), a second apart from 20 s ago, read in every order, one
+    task per order; the orders that did not end as `expected` (status, attempts, history)."""
+    first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    orders = list(permutations(range(len(life))))
+    task_ids = _submit_all(gateway, svc, [{"n": i} for i in range(len(orders))])
+    messages = []
+    for task_id, order in zip(task_ids, orders, strict=True):
+        events = [
+            _event(
+                svc,
+                kind,
+                task_id,
+                attempt=attempt,
+                time=first + timedelta(seconds=second),
+                **({"host": host} if kind is EventKind.STARTED else {}),
+                **({"response": {"ok": 1}} if kind is EventKind.SUCCEEDED else {}),
+            )
+            for second, (kind, attempt, host) in enumerate(life)
+        ]
+        messages += [events[i] for i in order]
+    _publish_one_by_one(amqp_url, svc, *messages)
+
+    def wrong() -> dict[tuple[int, ...], Any]:
+        polled = _poll_all(gateway, svc, task_ids)
+        found = {}
+        for task_id, order in zip(task_ids, orders, strict=True):
+            history = _history(platform, task_id, "worker_host, outcome, end_date >= start_date")
+            got = (
+                polled[task_id]["status"],
+                _column(platform, task_id, "attempts"),
+                [row[:4] for row in history],
+            )
+            if got != expected:
+                found[order] = got
+        return found
+
+    with contextlib.suppress(AssertionError):  # the last batches read are applied
+        wait_until(lambda: not wrong(), what="every order recorded")
+    return wrong()
+
+
+STARTED, REQUEUED, SUCCEEDED = EventKind.STARTED, EventKind.REQUEUED, EventKind.SUCCEEDED
+
+
+def test_a_hand_back_and_the_next_attempt_read_in_any_order_record_both_attempts(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by CI (`..._next_attempts_is_still_recorded` failed once under load): replicas
+    read `-out` side by side, and a batch held back for a locked row is read again after the
+    ones behind it, so a task's events are applied in any order. Read after the next attempt's
+    `started` or after the task's end, an attempt's `started` and `requeued` were ignored: 18
+    of the 24 orders of four events lost an attempt from the history and the count (the task's
+    end was right in all). Every order now records both attempts as read in order."""
+    life = [
+        (STARTED, "a", "pod-a"),
+        (REQUEUED, "a", None),
+        (STARTED, "b", "pod-b"),
+        (SUCCEEDED, "b", None),
+    ]
+    history = [("a", "pod-a", "requeued", True), ("b", "pod-b", "success", True)]
+    assert _in_any_order(gateway, svc, platform, amqp_url, life, ("SUCCESS", 2, history)) == {}
+    # the host of the attempt that ended the task, also when its `started` came last
+    assert platform.sql(
+        "SELECT count(*) FROM tasks WHERE service = %(s)s AND worker_host IS DISTINCT FROM 'pod-b'",
+        {"s": svc.name},
+    ) == [(0,)]
+
+
+def test_an_older_attempts_started_read_after_a_later_hand_back_leaves_the_task_pending(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a sweep: attempt a crashed, attempt b was handed back (SIGTERM), so the task
+    waits in `-in`. Read `b started, b requeued, a started` (or `b requeued, a started, b
+    started`), the stale `started` of a made the task IN_PROGRESS on a dead attempt, and the
+    watchdog failed it later while its message waited in the queue (4 of 4). Every order now
+    leaves it PENDING, a interrupted and b handed back."""
+    life = [(STARTED, "a", "pod-a"), (STARTED, "b", "pod-b"), (REQUEUED, "b", None)]
+    history = [("a", "pod-a", "interrupted", True), ("b", "pod-b", "requeued", True)]
+    assert _in_any_order(gateway, svc, platform, amqp_url, life, ("PENDING", 2, history)) == {}
+
+
+def test_two_hand_backs_read_before_their_started_in_any_order_record_both(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a sweep: a task kept one hand-back read before its `started`. Attempts a and b
+    both handed back, read `b requeued, a requeued, a started, b started`, left only a's: b's
+    `started` then set the task IN_PROGRESS while its message waited in `-in` (the watchdog
+    failed it), and other orders recorded a `interrupted`. 4 of the 24 orders were wrong."""
+    life = [
+        (STARTED, "a", "pod-a"),
+        (REQUEUED, "a", None),
+        (STARTED, "b", "pod-b"),
+        (REQUEUED, "b", None),
+    ]
+    history = [("a", "pod-a", "requeued", True), ("b", "pod-b", "requeued", True)]
+    assert _in_any_order(gateway, svc, platform, amqp_url, life, ("PENDING", 2, history)) == {}
+
+
+def test_a_legacy_end_read_before_its_started_is_that_attempts_end(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a sweep: a worker sending no attempt ids, its `succeeded` read before its
+    `started`: the task ended with no attempt known, and the late `started` was recorded as an
+    attempt `interrupted`. It is the attempt the task ended with."""
+    task_id = _submit(gateway, svc, {"n": 1})
+    first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    _publish_one_by_one(
+        amqp_url,
+        svc,
+        _event(
+            svc, EventKind.SUCCEEDED, task_id, response={"ok": 1}, time=first + timedelta(seconds=1)
+        ),
+        _event(svc, EventKind.STARTED, task_id, host="pod-a", time=first),
+    )
+    history = partial(_history, platform, task_id, "worker_host, outcome, end_date >= start_date")
+    wait_until(lambda: history(), what="the attempt recorded")
+    assert [row[1:] for row in history()] == [("pod-a", "success", True)]
+    assert _column(platform, task_id, "attempts") == 1
+    assert _column(platform, task_id, "worker_host") == "pod-a"
+    assert _poll(gateway, svc, task_id)["status"] == "SUCCESS"
+
+
+def test_a_failure_keeps_its_own_attempts_progress_not_anothers(
+    gateway: GatewayProcess, svc: Service, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a sweep: attempt a reported 30 % and crashed; attempt b, a short call (its
+    `failed` carries its start) or one whose `started` was not read yet, failed: the task
+    ended FAILURE at a's 30 %, even read in order. A FAILURE keeps its own attempt's progress;
+    one that failed on the attempt that reported keeps it."""
+    first = _ms(datetime.now(UTC) - timedelta(seconds=20))
+    at = [first + timedelta(seconds=s) for s in range(4)]
+    cases = {"stand-in": {"started": at[2], "host": "pod-b"}, "unseen start": {}, "own": None}
+    task_ids = _submit_all(gateway, svc, [{"n": n} for n in range(len(cases))])
+    for task_id, extra in zip(task_ids, cases.values(), strict=True):
+        _publish_one_by_one(
+            amqp_url,
+            svc,
+            _event(svc, EventKind.STARTED, task_id, host="pod-a", attempt="a", time=at[0]),
+            _event(svc, EventKind.PROGRESS, task_id, progress=30.0, attempt="a", time=at[1]),
+            _event(
+                svc,
+                EventKind.FAILED,
+                task_id,
+                error_message="boom",
+                time=at[3],
+                attempt="a" if extra is None else "b",
+                **(extra or {}),
+            ),
+        )
+    for task_id in task_ids:  # read off `-out`, perhaps not applied yet
+        _poll_until(gateway, svc, task_id, status="FAILURE")
+    ended = _poll_all(gateway, svc, task_ids)
+    assert [(ended[t]["status"], ended[t]["progress"]) for t in task_ids] == [
+        ("FAILURE", 0.0),
+        ("FAILURE", 0.0),
+        ("FAILURE", 30.0),
+    ]

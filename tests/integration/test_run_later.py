@@ -108,6 +108,27 @@ def test_a_task_not_yet_due_answers_position_0_behind_due_ones(
     assert after == 3  # and the delayed ones take no place from the next due one
 
 
+def test_delay_seconds_count_on_the_database_clock_as_every_other_date(
+    gateway: GatewayProcess, platform: Platform, amqp_url: str
+) -> None:
+    """Found by a sweep: `delaySeconds` was added to the gateway's own clock, where every
+    other date (the submission, its due time, the relay's) is the database's: a gateway an
+    hour behind ran tasks asked to wait 20 s at once. The due time is now the submission's
+    date plus the delay, to the microsecond, one and the other from one statement."""
+    svc = _service(platform, amqp_url)
+    url = gateway.tasks_url(svc.name)
+    with gateway.http(svc.clients[0]) as http:
+        single = http.post(url, json={"body": {}, "delaySeconds": 600}).json()["data"]["taskId"]
+        batch = http.post(f"{url}/batch", json={"tasks": [{"body": {}, "delaySeconds": 60}]})
+    in_batch = batch.json()["data"]["tasks"][0]["taskId"]
+    rows = platform.sql(
+        "SELECT task_id::text, extract(epoch FROM not_before - submission_date)::float8"
+        " FROM tasks WHERE task_id = ANY(%(ids)s::uuid[])",
+        {"ids": [single, in_batch]},
+    )
+    assert dict(rows) == {single: 600.0, in_batch: 60.0}
+
+
 def test_a_past_not_before_is_published_at_once(
     gateway: GatewayProcess, platform: Platform, amqp_url: str
 ) -> None:

@@ -7,6 +7,7 @@ Real processes on databases of the test's own (never the session's).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import httpx
 import pytest
@@ -108,6 +109,53 @@ def test_results_wait_for_a_schema_downgraded_under_a_running_gateway(
                     status = poll.json()["data"]["status"] if poll.status_code == 200 else None
                 assert status == "IN_PROGRESS"
             assert platform.sql("SELECT count(*) FROM poison_messages") == [(0,)]
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)
+
+
+@pytest.mark.timeout(120)
+def test_a_gateway_whose_schema_went_back_takes_no_result_until_it_is_back(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """Found by a sweep of a roll-back: a gateway whose schema went back under it took the
+    results its statements could still apply (the terminal events) while those they could not
+    (`started`) went back to the broker, and once it had let them all go it took them again as
+    soon as its catalog read answered; the previous release's gateways then dropped the
+    `started` read after the end (30 tasks without an attempt). It takes none until its
+    schema is back, and then applies them as read in order."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        try:
+            gateway = GatewayProcess(procs, gateway_env(url, amqp_url))
+            out = topology.out_queue(svc.queue_name)
+            with gateway.http(svc.clients[0]) as http:
+                assert _ready_within(http, 20).status_code == 200
+                created = http.post(gateway.tasks_url(svc.name), json={"body": {}})
+                task_id = created.json()["data"]["taskId"]
+                downgrade(url, "0017")  # a column a `started` reads is gone
+                time.sleep(2)  # the next refreshes of the results' subscriptions
+                event = partial(TaskEvent, task_id=task_id, host="pod-a", attempt="a")
+                ended = event(EventKind.SUCCEEDED, response={"ok": 1})
+                for message in (ended, event(EventKind.STARTED)):  # the end read first
+                    publish(amqp_url, out, [encode_event(message, svc.name)])
+                time.sleep(3)
+                poll = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+                assert poll.json()["data"]["status"] == "PENDING", poll.text
+                upgrade(url)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    poll = http.get(f"{gateway.tasks_url(svc.name)}/{task_id}")
+                    if poll.status_code == 200 and poll.json()["data"]["status"] == "SUCCESS":
+                        break
+                    time.sleep(0.3)
+                assert poll.json()["data"]["status"] == "SUCCESS", poll.text
+            history = platform.sql(
+                "SELECT attempt_id, worker_host, outcome FROM task_attempts WHERE task_id = %(t)s",
+                {"t": task_id},
+            )
+            assert history == [("a", "pod-a", "success")]
         finally:
             procs.stop_all()
             remove_service(platform, amqp_url, svc)

@@ -11,10 +11,20 @@ from typing import Any
 
 import pytest
 
+from conveyor.events import MAX_TIMEOUT
 from conveyor.inject import InjectOptions, Mode, inject_yaml, load_documents
 from conveyor.inject.documents import dump_documents
 from tests.k8s import checks
-from tests.k8s.test_inject import BARE_DEPLOYMENT, BARE_JOB, BARE_KSVC, MULTI, inject, one, run_cli
+from tests.k8s.test_inject import (
+    BARE,
+    BARE_DEPLOYMENT,
+    BARE_JOB,
+    BARE_KSVC,
+    MULTI,
+    inject,
+    one,
+    run_cli,
+)
 
 
 def refused(args: list[str], text: str, *says: str) -> str:
@@ -381,3 +391,159 @@ def test_an_exported_job_s_controller_labels_are_dropped() -> None:
     template = one(docs, "ScaledJob")["spec"]["jobTargetRef"]["template"]
     assert template["metadata"]["labels"] == {"app": "fnjob"}
     assert inject(dump_documents(docs)) == docs
+
+
+# ------------------------------------ 13. names Kubernetes refuses, and limits it sets
+
+INT64_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("secret", ["Bad_Secret", "My_Secret", "-mq", "mq-", "s" * 254])
+@pytest.mark.parametrize("text", [BARE_DEPLOYMENT, BARE_KSVC], ids=["sidecar", "knative"])
+def test_an_amqp_secret_kubernetes_refuses_is_refused(text: str, secret: str) -> None:
+    """Found by a black-box sweep: `Bad_Secret` went into the dispatcher's secretKeyRef and the
+    TriggerAuthentication, exit 0. A Secret's name is a DNS-1123 subdomain."""
+    refused(["--amqp-secret", secret], text, "--amqp-secret", "DNS-1123 subdomain")
+
+
+def test_an_amqp_secret_with_dots_is_taken() -> None:
+    docs = inject(BARE_DEPLOYMENT, amqp_secret="mq.prod")
+    assert one(docs, "TriggerAuthentication")["spec"]["secretTargetRef"][0]["name"] == "mq.prod"
+
+
+def test_an_existing_dispatcher_s_secret_kubernetes_refuses_is_refused() -> None:
+    ref = {"secretKeyRef": {"name": "Bad_Secret", "key": "amqp-url"}}
+    text = with_dispatcher_env(BARE_DEPLOYMENT, [{"name": "CONVEYOR_AMQP_URL", "valueFrom": ref}])
+    refused([], text, "CONVEYOR_AMQP_URL", "'Bad_Secret'")
+
+
+@pytest.mark.parametrize("mode", sorted(BARE))
+@pytest.mark.parametrize("drain", [str(MAX_TIMEOUT + 1), "9223372036854775800", "9" * 22])
+def test_a_drain_timeout_past_the_dispatcher_s_bound_is_refused(mode: str, drain: str) -> None:
+    """Found by a black-box sweep: 9223372036854775800 gave terminationGracePeriodSeconds
+    9223372036854775815, past int64. The dispatcher takes at most MAX_TIMEOUT seconds, and
+    what it would refuse at start inject refuses (as --concurrency past 1000)."""
+    text, args, _ = BARE[mode]
+    refused([*args, "--drain-timeout", drain], text, "DRAIN_TIMEOUT", str(MAX_TIMEOUT))
+
+
+@pytest.mark.parametrize("drain", ["9223372036854775800", "1e300", str(MAX_TIMEOUT + 1)])
+def test_an_existing_drain_timeout_past_the_dispatcher_s_bound_is_refused(drain: str) -> None:
+    text = with_dispatcher_env(BARE_JOB, [{"name": "CONVEYOR_DRAIN_TIMEOUT", "value": drain}])
+    refused([], text, "DRAIN_TIMEOUT", str(MAX_TIMEOUT))
+
+
+def test_the_longest_drain_timeout_gives_a_grace_period_within_int64() -> None:
+    docs = inject(BARE_JOB, drain_timeout=MAX_TIMEOUT)
+    pod = one(docs, "ScaledJob")["spec"]["jobTargetRef"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == MAX_TIMEOUT + 15 <= INT64_MAX
+
+
+def test_a_grace_period_past_int64_is_not_kept() -> None:
+    text = BARE_JOB.replace(
+        "    spec:\n", f"    spec:\n      terminationGracePeriodSeconds: {2**64}\n"
+    )
+    pod = one(inject(text), "ScaledJob")["spec"]["jobTargetRef"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 615
+
+
+def named(text: str, name: str) -> str:
+    (old,) = re.findall(r"metadata: \{name: (\w+)\}", text)
+    return text.replace(f"{{name: {old}}}", f"{{name: '{name}'}}", 1)
+
+
+@pytest.mark.parametrize("name", ["MyFn", "my_fn", "fn-", "-fn", "fné", "a..b", "x" * 254])
+@pytest.mark.parametrize(
+    ("text", "args"),
+    [(BARE_DEPLOYMENT, []), (BARE_DEPLOYMENT, ["--mode", "job"]), (BARE_JOB, []), (BARE_KSVC, [])],
+    ids=["sidecar", "job-from-deployment", "job", "knative"],
+)
+def test_a_workload_name_kubernetes_refuses_is_refused(
+    text: str, args: list[str], name: str
+) -> None:
+    """Found by a black-box sweep: `MyFn`, `my_fn` and `fn-` gave a Deployment, ScaledObject
+    and TriggerAuthentication of those names and a label value `fn-`; `-fn` was refused only
+    through the queue named after it. The queue is named here: the name itself is refused."""
+    refused([*args, "--queue", "fn"], named(text, name), repr(name), "metadata.name")
+
+
+@pytest.mark.parametrize("name", ["1fn", "fn.v2", "k" * 64])
+def test_a_knative_service_name_knative_refuses_is_refused(name: str) -> None:
+    """Knative names the Kubernetes Services of a Knative Service after it: a DNS-1035 label."""
+    refused(["--queue", "fn"], named(BARE_KSVC, name), repr(name), "DNS-1035 label")
+
+
+LONGEST = {
+    # a dot where a shortened name is cut: the cut must not end on it
+    "sidecar": (named(BARE_DEPLOYMENT, "x" * 44 + "." + "y" * 208), []),
+    "job-from-deployment": (named(BARE_DEPLOYMENT, "x" * 44 + "." + "y" * 208), ["--mode", "job"]),
+    "job": (named(BARE_JOB, "j" * 253), []),
+    "knative": (named(BARE_KSVC, "k" * 63), []),
+}
+KIND_NAME_LIMITS = {"ScaledObject": 54, "ScaledJob": 54}
+
+
+@pytest.mark.parametrize("mode", sorted(LONGEST))
+def test_the_longest_accepted_name_gives_names_within_each_kind_s_limits(mode: str) -> None:
+    """Every name inject derives (`<name>-dispatcher`, the KEDA objects', the labels) stays
+    valid for the longest workload name it accepts."""
+    text, args = LONGEST[mode]
+    done = run_cli(*args, "--queue", "fn", stdin=text)
+    assert done.returncode == 0, done.stderr
+    docs = load_documents(done.stdout)
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        limit = KIND_NAME_LIMITS.get(doc["kind"], 253)
+        assert len(name) <= limit and SUBDOMAIN.fullmatch(name), (doc["kind"], name)
+    for labels in (m for doc in docs for m in label_maps(doc)):
+        for key, value in labels.items():
+            assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), (key, value)
+    assert run_cli(*args, stdin=done.stdout).stdout == done.stdout
+
+
+def test_a_workload_name_with_dots_is_taken() -> None:
+    docs = inject(named(BARE_DEPLOYMENT, "fn.v2"), queue="fn")
+    assert one(docs, "ScaledObject")["spec"]["scaleTargetRef"]["name"] == "fn.v2"
+
+
+CLASHES = {
+    # knative mode's dispatcher Deployment (and its ScaledObject) is `<name>-dispatcher`
+    "knative-dispatcher": (
+        named(BARE_KSVC, "x") + "---\n" + named(BARE_DEPLOYMENT, "x-dispatcher"),
+        "Deployment x-dispatcher",
+    ),
+    "dispatcher-knative": (
+        named(BARE_DEPLOYMENT, "x-dispatcher") + "---\n" + named(BARE_KSVC, "x"),
+        "Deployment x-dispatcher",
+    ),
+    # a Deployment and a Job of one name: one TriggerAuthentication name for both
+    "deployment-job": (
+        named(BARE_DEPLOYMENT, "x") + "---\n" + named(BARE_JOB, "x"),
+        "TriggerAuthentication x-rabbitmq",
+    ),
+    "twice": (BARE_DEPLOYMENT + "---\n" + BARE_DEPLOYMENT, "Deployment fn"),
+    "passed-through": (
+        BARE_DEPLOYMENT + ("---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n") * 2,
+        "ConfigMap c",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLASHES))
+def test_two_objects_of_one_kind_namespace_and_name_are_refused(case: str) -> None:
+    """Found by a black-box sweep: a Knative Service `x` beside a Deployment `x-dispatcher` gave
+    two Deployments and two ScaledObjects `x-dispatcher` (applying one replaces the other), and
+    re-injecting that scaled `x` on `x-dispatcher-in`."""
+    text, clash = CLASHES[case]
+    refused(["--queue", "fn"], text, clash)
+
+
+def test_objects_of_one_name_in_other_namespaces_or_api_groups_are_taken() -> None:
+    other = named(BARE_DEPLOYMENT, "x-dispatcher").replace(
+        "metadata: {name: 'x-dispatcher'}", "metadata: {name: 'x-dispatcher', namespace: other}"
+    )
+    service = (
+        "---\napiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: 80}]}\n"
+    )
+    docs = inject(named(BARE_KSVC, "x") + "---\n" + other + service)
+    assert [d["kind"] for d in docs].count("Deployment") == 2

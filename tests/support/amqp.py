@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import aio_pika
 import aiormq.exceptions
@@ -30,7 +31,8 @@ import aiormq.exceptions
 from conveyor import topology
 from conveyor.amqp import from_amqp, to_amqp
 from conveyor.events import WireMessage
-from tests.support.gateway import Platform, Service, run_sync
+from tests.support.gateway import GatewayProcess, Platform, Service, gateway_env, run_sync
+from tests.support.processes import Processes
 
 T = TypeVar("T")
 
@@ -343,3 +345,48 @@ def scratch_database(like_url: str, migrate: bool = True) -> Iterator[str]:
         yield url
     finally:
         drop_database(url)
+
+
+def alter_database(admin_url: str, url: str, setting: str) -> None:
+    """`ALTER DATABASE <the database at url> <setting>`, run from the database at `admin_url`
+    (which stays as it is), and the sessions of the database at `url` ended: a gateway's next
+    ones have the setting, as after an operator's change and a restart or a failover."""
+    import psycopg
+
+    from gateway.database_url import libpq
+
+    database = urlsplit(url).path.lstrip("/")
+    with psycopg.connect(libpq(admin_url), autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{database}" {setting}')
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+            [database],
+        )
+
+
+@contextmanager
+def own_gateway(
+    database_url: str,
+    amqp_url: str,
+    procs: Processes,
+    name: str = "gateway",
+    database_via: Callable[[str], str] = str,
+    broker_via: Callable[[str], str] = str,
+    **env: str,
+) -> Iterator[tuple[GatewayProcess, Service, Platform]]:
+    """A gateway of its own, ready, on a database of its own with one service: no other
+    gateway relays, reaps or notifies for its tasks. It reaches each server at the URL
+    `*_via` makes of it (a `TcpProxy`'s, to cut or freeze it); the test reaches them directly."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        svc = platform.service()
+        try:
+            gw_env = gateway_env(database_via(url), broker_via(amqp_url), **env)
+            gw = GatewayProcess(procs, gw_env, name)
+            wait_for_queues(amqp_url, queues_of(svc.queue_name))
+            with gw.http() as http:
+                wait_until(lambda: http.get("/readyz").status_code == 200, what="gateway ready")
+            yield gw, svc, platform
+        finally:
+            procs.stop_all()
+            remove_service(platform, amqp_url, svc)

@@ -38,7 +38,7 @@ def test_the_heartbeat_is_added_unless_the_url_sets_its_own() -> None:
 
 
 def test_an_empty_setting_is_refused() -> None:
-    with pytest.raises(ValueError, match="names no broker node"):
+    with pytest.raises(ValueError, match="must name a broker node"):
         NodeList(" ; ")
 
 

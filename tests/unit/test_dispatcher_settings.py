@@ -23,6 +23,7 @@ from conveyor.dispatcher_settings import (
     DispatcherSettings,
     SettingsError,
     ShutdownMode,
+    amqp_nodes,
     dispatcher_variable,
     is_http_url,
 )
@@ -65,6 +66,11 @@ def _callable(cls: type, url: str | None) -> str | None:
     return url
 
 
+def _amqp_url(cls: type, setting: str) -> str:
+    amqp_nodes(setting)  # ValueError
+    return setting
+
+
 def _queue_name(cls: type, name: str) -> str:
     return check_name(name)
 
@@ -84,11 +90,13 @@ def reference() -> type[BaseSettings]:
         alias = AliasChoices(
             dispatcher_variable(f.name, prefixed=True), dispatcher_variable(f.name)
         )
-        checks = ("http_url", "queue_name", "ip_address")
+        checks = ("http_url", "amqp_url", "queue_name", "ip_address")
         bounds = {k: v for k, v in f.metadata.items() if k not in checks}
         fields[f.name] = (HINTS[f.name], Field(f.default, validation_alias=alias, **bounds))
         if f.metadata.get("http_url"):
             validators[f"{f.name}_callable"] = field_validator(f.name)(_callable)
+        if f.metadata.get("amqp_url"):
+            validators[f"{f.name}_amqp_url"] = field_validator(f.name)(_amqp_url)
         if f.metadata.get("queue_name"):
             validators[f"{f.name}_queue_name"] = field_validator(f.name)(_queue_name)
         if f.metadata.get("ip_address"):
@@ -191,12 +199,17 @@ def test_types_and_names() -> None:
         ("METRICS_PORT", "99999"),
         # more than the gateway reads in a result: the task would fail there instead
         *(("MAX_RESPONSE_ITEMS", v) for v in ("1000001", "0")),
+        # a grace period Kubernetes cannot hold, and a drain that never ends
+        *(("DRAIN_TIMEOUT", v) for v in ("inf", "1e22", str(2**31))),
+        # a sweep: a traceback from logging at start, or, empty, from the node list
+        *(("LOG_LEVEL", v) for v in ("debugx", "", "verbose")),
+        *(("AMQP_URL", v) for v in ("", " ; ", "garbage", "http://127.0.0.1:5672/")),
     ],
 )
 def test_values_the_dispatcher_cannot_run_with_are_refused(variable: str, value: str) -> None:
     """Found by a sweep: these passed start-up, then a one-shot Job left its task waiting, or a
     clock or a bind overflowed. Now each is a SettingsError naming the variable."""
-    with pytest.raises(SettingsError, match=f"^{variable} must be"):
+    with pytest.raises(SettingsError, match=f"^{variable}( must|=)"):
         DispatcherSettings.from_env({variable: value})
 
 
@@ -210,10 +223,14 @@ def test_the_largest_values_that_work_are_accepted() -> None:
             "FUNCTION_URL": "http://[::1]:8080/run?x=1",
             "FUNCTION_READY_URL": "https://fn.example/ready",
             "MAX_RESPONSE_ITEMS": "1000000",
+            "DRAIN_TIMEOUT": str(2**31 - 1),
+            "LOG_LEVEL": " warning ",
+            "AMQP_URL": "amqps://u:p@rabbit-0:5671/v;amqp://rabbit-1/v",
         }
     )
     assert (settings.task_timeout, settings.dispatcher_port) == (2**31 - 1, 65535)
     assert settings.max_response_items == 1_000_000
+    assert (settings.drain_timeout, settings.log_level) == (2**31 - 1, "WARNING")
 
 
 @pytest.mark.parametrize("variable", ["FUNCTION_URL", "FUNCTION_READY_URL"])

@@ -21,7 +21,7 @@ def test_debug_logs_no_chunk_a_library_sends(monkeypatch: pytest.MonkeyPatch, li
     root = logging.getLogger()
     saved = (root.handlers[:], root.level)
     try:
-        logs.configure("DEBUG", logs.LogFormat.JSON)
+        logs.configure(logs.LogLevel.DEBUG, logs.LogFormat.JSON)
         logging.getLogger(library).debug("chunk: %s", b"data: RESPONSE-MARKER")
         logging.getLogger("conveyor.test").debug("our own debug record")
     finally:

@@ -142,7 +142,10 @@ def test_submissions_behind_a_locked_table_are_answered_within_the_timeout_and_n
 
     refused = [took for status, took in answers[1:] if status == 503]
     assert refused, answers  # the lock outlived DB_TIMEOUT
-    assert max(took for _, took in answers) < 5.0, answers  # DB_TIMEOUT
+    # Within DB_TIMEOUT (5 s), and well short of the fault's twice: the client's clock also
+    # counts its own event loop and the gateway's answering of 80 requests at once, which a
+    # loaded machine stretched past 5 s by 0.1 s once (a full run, three files at a time).
+    assert max(took for _, took in answers) < 5.0 * 1.5, answers
     time.sleep(1.0)  # a batch given up on commits nothing afterwards
     created = sum(1 for status, _ in answers if status == 201)
     (count,) = platform.sql("SELECT count(*) FROM tasks WHERE service = %(s)s", {"s": svc.name})

@@ -60,7 +60,8 @@ _PAGE = """
     """
 # Every column of the row (SPEC §11.6: "everything the row ... holds").
 _TASK = """
-    SELECT id, task_id, client_id, service, status, request, response, error_message, progress,
+    SELECT id, task_id, client_id, service, status,
+           COALESCE(request_json, request::json) AS request, response, error_message, progress,
            callback, submission_date, start_date, end_date, notification_status,
            notification_attempts, notify_claimed_until, worker_host, attempt_id, attempts,
            idempotency_key, idempotency_fingerprint, not_before, traceparent, publish_at,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     CheckConstraint,
     Column,
@@ -133,6 +134,9 @@ tasks = Table(
     Column("service", Text, nullable=False),
     Column("status", Text, nullable=False, server_default="PENDING"),
     Column("request", JSONB, nullable=False),
+    # The body as accepted (0020): `json` keeps its text, which the relay publishes (jsonb
+    # wrote 1e308 out in 309 digits); NULL on older rows, published from `request`.
+    Column("request_json", JSON),
     Column("response", JSONB),
     Column("error_message", Text),
     Column("progress", Float, nullable=False, server_default="0"),

@@ -108,7 +108,10 @@ _CLAIM = """
                          WHERE publish_at IS NOT NULL AND publish_at <= now()
                          ORDER BY publish_at, id LIMIT %(limit)s
                          FOR UPDATE SKIP LOCKED)
-        RETURNING t.id, t.task_id, t.status, t.request, t.service, t.submission_date,
+        -- the body as accepted (`jsonb` rewrites numbers: 1e308 in 309 digits), or an older
+        -- row's `request`
+        RETURNING t.id, t.task_id, t.status, COALESCE(t.request_json, t.request::json) AS request,
+                  t.service, t.submission_date,
                   t.not_before, t.traceparent, t.expires_at, t.publish_attempts
     )
     SELECT c.id, c.task_id, c.status, c.request, c.service, s.name IS NULL AS orphan,

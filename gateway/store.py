@@ -95,9 +95,10 @@ def _insert(fingerprints: bool) -> str:
     ), ins AS (
         -- the row is its own outbox entry: the relay may take it after the fast path's grace,
         -- or at its time (a past notBefore is published at once)
-        INSERT INTO tasks (task_id, client_id, service, request, callback, idempotency_key,
+        INSERT INTO tasks (task_id, client_id, service, request, request_json, callback, idempotency_key,
                            not_before, traceparent, publish_at, time_limit, expires_at{fingerprint_col})
-        SELECT task_id, client_id, %(service)s, CAST(request AS jsonb), callback, key,
+        SELECT task_id, client_id, %(service)s, CAST(request AS jsonb), CAST(request AS json),
+               callback, key,
                -- a time already past means now: the time to live counts from the submission
                CASE WHEN not_before < now() THEN now() ELSE not_before END, traceparent,
                CASE WHEN not_before > now() THEN not_before

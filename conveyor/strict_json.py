@@ -58,6 +58,8 @@ def loads(raw: bytes | str) -> Any:
         return json.loads(raw, parse_constant=_reject, parse_float=_finite_float)
     except RecursionError:
         raise TooDeep("nested too deep") from None
+    except _Unfit as exc:  # the stdlib's hooks know no position: the message says no false one
+        raise NotJson(str(exc)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise NotJson(str(exc)) from None
     except ValueError:  # what remains: int() refusing a literal past Python's limit
@@ -103,12 +105,17 @@ def _finite(value: Any) -> bool:
     return True
 
 
+class _Unfit(ValueError):
+    """A literal the hooks below refuse (a sweep read "NaN is not JSON: line 1 column 1 (char
+    0)" wherever the NaN was)."""
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
-        raise json.JSONDecodeError(f"{text[:40]} is beyond a double", text, 0)
+        raise _Unfit(f"{text[:40]} is beyond a double")
     return value
 
 
 def _reject(name: str) -> Any:
-    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+    raise _Unfit(f"{name} is not JSON")

@@ -207,11 +207,12 @@ def _idempotency_key(request: Request) -> str | None:
     """The key, or None. Given on two header lines, it is refused: a proxy may join them
     into one (RFC 9110 §5.3), and which task a retry finds would then depend on the path.
     Its length is counted in bytes (HTTP header values are bytes; Starlette reads them as
-    Latin-1)."""
+    Latin-1). Spaces and tabs around it are not part of it (RFC 9110 §5.5): the server
+    dropped those before it only, so `k ` made another task than `k`."""
     keys = request.headers.getlist("idempotency-key")
     if len(keys) > 1:
         raise errors.invalid("Idempotency-Key", "given more than once")
-    key = keys[0] if keys else None
+    key = keys[0].strip(" \t") if keys else None
     if key is not None and not (0 < len(key) <= h.MAX_IDEMPOTENCY_KEY):
         raise errors.invalid("Idempotency-Key", f"1 to {h.MAX_IDEMPOTENCY_KEY} bytes")
     return key
@@ -621,7 +622,7 @@ async def events(service: str, task_id: str, request: Request) -> Response:
         await authenticated(request, rt.auth)
 
     stopping = anyio.Event()  # set by sse_starlette once the server shuts down
-    return EventSourceResponse(
+    response = EventSourceResponse(
         rt.task_events.stream(
             str(parsed),
             read,
@@ -636,3 +637,7 @@ async def events(service: str, task_id: str, request: Request) -> Response:
         shutdown_event=stopping,
         shutdown_grace_period=STREAM_STOP_GRACE,
     )
+    # sse_starlette writes `Connection: keep-alive`, the server's hop-by-hop header to write: a
+    # stream asked with `Connection: close` answered both.
+    del response.headers["connection"]
+    return response

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from conveyor.client import AsyncConveyorClient, ConveyorClient, Task, TaskWaitTimeout
+from tests.security.helpers import auth_header, request_bytes
 from tests.support.amqp import wait_until
 from tests.support.gateway import (
     Client,
@@ -168,6 +170,35 @@ def test_a_finished_task_gives_one_event_and_the_end(
     assert reader.ended.wait(5)
     assert [(e[1]["status"], e[1]["errorMessage"]) for e in reader.events] == [("FAILURE", "Argh!")]
     reader.close()
+
+
+def test_a_stream_answers_one_connection_header_the_servers(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """Found by a black-box sweep: a stream asked with `Connection: close` answered both
+    `connection: keep-alive` (sse_starlette's) and `connection: close` (the server's). The
+    header is the server's to write (RFC 9110 §7.6.1: hop-by-hop)."""
+    svc = platform.service()
+    task_id = _submit(gateway, svc)
+    _set(platform, task_id, status="FAILURE", error_message="Argh!", end_date="now()")
+    for asked, answered in (("close", ["close"]), ("keep-alive", [])):
+        headers = {"Authorization": auth_header(svc.clients[0]), "Connection": asked}
+        path = _events_url(gateway, svc.name, task_id)
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+            sock.sendall(request_bytes("GET", path, headers))
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = sock.recv(65536)
+                assert chunk, head
+                head += chunk
+        lines = head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+        assert lines[0].startswith("HTTP/1.1 200"), lines
+        values = [
+            v.strip()
+            for k, v in (ln.split(":", 1) for ln in lines[1:])
+            if k.lower() == "connection"
+        ]
+        assert values == answered, lines
 
 
 def test_a_revoked_grant_ends_the_open_stream(gateway: GatewayProcess, platform: Platform) -> None:

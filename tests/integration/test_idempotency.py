@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from tests.security.helpers import auth_header, raw_exchange, request_bytes
 from tests.support.gateway import GatewayProcess, Platform
 
 
@@ -323,3 +324,32 @@ def test_a_key_reused_for_an_invalid_request_is_refused_for_what_is_wrong_with_i
         "batch field": (400002, ["tasks/0/zzz"]),
     }
     assert _tasks(platform, svc.name) == 1
+
+
+def test_whitespace_around_a_key_is_not_part_of_it(
+    gateway: GatewayProcess, platform: Platform
+) -> None:
+    """Found by a black-box sweep: `Idempotency-Key: k ` made another task than `k` (the
+    server dropped the spaces before a value, not after it), so a retry through a client or
+    proxy that writes the header another way ran the task twice. Whitespace around a header's
+    value is not part of it (RFC 9110 §5.5)."""
+    svc = platform.service()
+    key = f"key-{uuid.uuid4().hex}"
+    statuses = []
+    for written in (key, f"{key} ", f"{key}\t \t", f"   {key}  "):
+        headers = {
+            "Authorization": auth_header(svc.clients[0]),
+            "Content-Type": "application/json",
+            "Content-Length": "11",
+            "Idempotency-Key": written,
+        }
+        answer = raw_exchange(
+            gateway, request_bytes("POST", gateway.tasks_url(svc.name), headers, b'{"body":{}}')
+        )
+        statuses.append(answer.status)
+    assert statuses == [201, 200, 200, 200], statuses
+    assert _tasks(platform, svc.name) == 1
+    [(stored,)] = platform.sql(
+        "SELECT idempotency_key FROM tasks WHERE service = %(s)s", {"s": svc.name}
+    )
+    assert stored == key

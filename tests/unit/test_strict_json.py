@@ -361,3 +361,18 @@ def test_event_data_writes_as_the_binding_wrote_it(value: Any, content_type: str
         assert same_json(ours, theirs)
     else:
         assert ours == theirs  # not JSON data: the binding's own bytes
+
+
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        (b'{"a": [1, 2, NaN]}', "NaN is not JSON"),
+        (b'{"a": -Infinity}', "-Infinity is not JSON"),
+        (b'{"b": {}, "a": 1e999}', "1e999 is beyond a double"),
+    ],
+)
+def test_a_refused_literal_is_named_with_no_made_up_position(raw: bytes, said: str) -> None:
+    """Found by a black-box sweep: each was said to be at "line 1 column 1 (char 0)"."""
+    with pytest.raises(strict_json.NotJson) as refused:
+        strict_json.loads(raw)
+    assert str(refused.value) == said

@@ -281,6 +281,19 @@ def _is_stream(response: httpx.Response) -> bool:
     return response.status_code == 200 and content_type.startswith("text/event-stream")
 
 
+def _compressed(response: httpx.Response) -> bool:
+    return response.headers.get("content-encoding", "identity").strip().lower() != "identity"
+
+
+def _uncompressed(response: httpx.Response) -> None:
+    """The SDK asks for answers as they are (`Accept-Encoding: identity`) and reads no other:
+    a decoder inflates a chunk whole before its size can be counted (a sweep: 658 bytes of
+    gzip in gzip took the SDK to 634 MB before MAX_ANSWER_BYTES refused them)."""
+    if _compressed(response):
+        encoding = response.headers.get("content-encoding", "")[:40]
+        raise _unexpected(response, f"a compressed answer ({encoding}), not asked for")
+
+
 def _no_stream(answer: _Answer) -> None:
     """Returns when a gateway has no event stream: an older one answers 404000 or
     405000, and something in between (a proxy, a test double) may answer 200 with JSON. The
@@ -906,7 +919,10 @@ class _Config:
             "base_url": self.base_url.rstrip("/"),
             "auth": httpx.BasicAuth(self.client_id, self.client_secret),
             "timeout": self.timeout,
-            "headers": {"User-Agent": f"conveyor-client/{__version__}"},
+            "headers": {
+                "User-Agent": f"conveyor-client/{__version__}",
+                "Accept-Encoding": "identity",  # see _uncompressed
+            },
         }
 
 
@@ -947,6 +963,7 @@ class ConveyorClient(_FromEnv):
         """`response` read whole (see _Body), then closed."""
         body = _Body(response)
         try:
+            _uncompressed(response)
             with _decoding(response):
                 for chunk in response.iter_bytes():
                     body.add(chunk)
@@ -957,6 +974,9 @@ class ConveyorClient(_FromEnv):
     def _open(self, request: httpx.Request) -> httpx.Response | None:
         """The event stream; None when there is none (see _no_stream), and the caller polls."""
         response = self._http.send(request, stream=True)
+        if _is_stream(response) and _compressed(response):
+            response.close()  # a stream in a codec not asked for is broken: the caller polls
+            return None
         if _is_stream(response):
             return response
         _no_stream(self._answer(response))
@@ -1118,6 +1138,7 @@ class AsyncConveyorClient(_FromEnv):
         """`response` read whole (see _Body), then closed."""
         body = _Body(response)
         try:
+            _uncompressed(response)
             with _decoding(response):
                 async for chunk in response.aiter_bytes():
                     body.add(chunk)
@@ -1128,6 +1149,9 @@ class AsyncConveyorClient(_FromEnv):
     async def _open(self, request: httpx.Request) -> httpx.Response | None:
         """The event stream; None when there is none (see _no_stream), and the caller polls."""
         response = await self._http.send(request, stream=True)
+        if _is_stream(response) and _compressed(response):
+            await response.aclose()  # a stream in a codec not asked for is broken: the caller polls
+            return None
         if _is_stream(response):
             return response
         _no_stream(await self._answer(response))

@@ -13,6 +13,7 @@ import gzip
 import json
 import time
 import tracemalloc
+import zlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -292,14 +293,60 @@ def test_a_stream_not_in_its_content_encoding_is_broken_and_follow_polls(
     serve: Any, flavour: str
 ) -> None:
     gzipped = {"Content-Encoding": "gzip"}
-    body = gzip.compress(success(SUCCESS))
     gateway = serve(
         routed(
             lambda h: h.raw(200, "text/event-stream", b"not gzip", gzipped),
-            lambda h: h.raw(200, "application/json", body, gzipped),
+            lambda h: h.raw(200, "application/json", success(SUCCESS)),
         )
     )
     assert follow_with(flavour, gateway.url, 5, timeout=5) == ["SUCCESS"]
+
+
+def _gzip_in_gzip(inflated_mib: int) -> bytes:
+    """A few hundred bytes that inflate to `inflated_mib` MiB of zeros, once both layers are
+    undone."""
+    inner = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zeros = b"\0" * 2**20
+    layer = b"".join(inner.compress(zeros) for _ in range(inflated_mib)) + inner.flush()
+    return gzip.compress(layer, 9)
+
+
+@FLAVOURS
+def test_a_compressed_answer_is_refused_before_it_is_inflated(serve: Any, flavour: str) -> None:
+    """Found by a black-box sweep: 658 bytes of gzip in gzip took the SDK to 634 MB before
+    MAX_ANSWER_BYTES refused them (each chunk is inflated whole before its size is counted).
+    The SDK asks for answers as they are, and refuses any other: a poll, and a stream, which
+    `follow` then polls for."""
+    bomb = _gzip_in_gzip(300)
+    assert len(bomb) < 2048
+    twice = {"Content-Encoding": "gzip, gzip"}
+    asked: list[str] = []
+
+    def answer(h: Handler) -> None:
+        asked.append(h.headers.get("Accept-Encoding", ""))
+        h.raw(200, "application/json", bomb, twice)
+
+    gateway = serve(answer)
+    raised: list[ConveyorError] = []
+
+    def get() -> None:
+        with pytest.raises(ConveyorError) as error:
+            call_with(flavour, gateway.url, "get")
+        raised.append(error.value)
+
+    assert peak_memory(get) < 16
+    assert raised[0].number == 0
+    assert "compressed" in raised[0].description
+    assert asked == ["identity"]
+    streamed = serve(
+        routed(
+            lambda h: h.raw(200, "text/event-stream", bomb, twice),
+            lambda h: h.raw(200, "application/json", success(SUCCESS)),
+        )
+    )
+    seen: list[list[str]] = []
+    assert peak_memory(lambda: seen.append(follow_with(flavour, streamed.url, 5, timeout=5))) < 16
+    assert seen == [["SUCCESS"]]
 
 
 # --- 6. an outage with interval 0 ----------------------------------------------------------

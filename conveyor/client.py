@@ -607,9 +607,12 @@ _BROKEN_STREAM = (httpx.StreamError, httpx.TransportError, httpx.DecodingError)
 def _built(
     http: httpx.Client | httpx.AsyncClient, call: _Call, timeouts: httpx.Timeout
 ) -> httpx.Request:
-    return http.build_request(
-        call.method, call.path, json=call.json, headers=call.headers, timeout=timeouts
-    )
+    try:
+        return http.build_request(
+            call.method, call.path, json=call.json, headers=call.headers, timeout=timeouts
+        )
+    except httpx.InvalidURL as exc:  # a segment of 70,000 characters: what the SDK cannot send
+        raise ValueError(f"the request's URL cannot be sent: {exc}") from None
 
 
 def _cancel_call(service: str, task_id: str) -> _Call:

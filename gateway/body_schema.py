@@ -27,6 +27,7 @@ Validators are compiled once per (service, updated_at): service definitions chan
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -40,10 +41,11 @@ import referencing.exceptions
 import referencing.jsonschema
 from jsonschema_specifications import REGISTRY as META_SCHEMAS
 
-from conveyor import strict_json
+from conveyor import storable, strict_json
 from gateway.catalog import Service
 
 MAX_ERRORS = 20
+MAX_SCHEMA_VALUES = 200_000  # objects, arrays and values of a service's schema
 MAX_MESSAGE = 500
 CHECK_BUDGET = 2.0  # seconds of the event loop one body's check may take
 _REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
@@ -56,10 +58,47 @@ class SchemaRefused(ValueError):
 def check(schema: dict[str, Any]) -> None:
     """Raise SchemaRefused unless `schema` is a valid JSON Schema whose every reference
     resolves without fetching anything."""
+    _storable(schema)
     try:
         _check(schema)
     except RecursionError:
         raise SchemaRefused("invalid JSON Schema: nested too deep") from None
+
+
+def _storable(schema: dict[str, Any]) -> None:
+    """JSON that PostgreSQL can store, of MAX_SCHEMA_VALUES values at most, counted as they are
+    used, before anything else walks it. A sweep found a platform file's YAML that jsonSchema
+    took for a schema and the database did not (a NUL, `!!binary`, `!!set`, `.nan`: tracebacks),
+    and 549 bytes of YAML aliases that expanded to a schema of 80 MB, stored, then read by every
+    gateway at each refresh of its catalog (1.75 GB, its event loop held 3 s each time)."""
+    values = 0
+    stack: list[Any] = [schema]
+    while stack:
+        item = stack.pop()
+        values += 1
+        if values > MAX_SCHEMA_VALUES:
+            raise SchemaRefused(
+                f"more than {MAX_SCHEMA_VALUES} values (YAML aliases count where they are used)"
+            )
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if not isinstance(key, str):
+                    raise SchemaRefused(f"a key that is not a string ({type(key).__name__})")
+                _storable_text(key)
+                stack.append(value)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            _storable_text(item)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise SchemaRefused("NaN and Infinity are not JSON")
+        elif not (item is None or isinstance(item, bool | int | float)):
+            raise SchemaRefused(f"a {type(item).__name__} is not JSON")
+
+
+def _storable_text(text: str) -> None:
+    if storable.text(text) != text:
+        raise SchemaRefused("a NUL character or a lone surrogate, which the database cannot store")
 
 
 def _check(schema: dict[str, Any]) -> None:

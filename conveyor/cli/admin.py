@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
+from conveyor.cli.input_files import read_text
 from conveyor.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -232,7 +232,7 @@ def apply_file(
     from gateway.platform_file import PlatformError, load
 
     try:
-        text = sys.stdin.read() if str(file) == "-" else file.read_text()
+        text = read_text(file)
         spec = load(text)
     except (OSError, UnicodeDecodeError, PlatformError) as exc:
         _fail(str(exc))
@@ -267,7 +267,7 @@ def service_create(
     _not_both(capacity is not None, unlimited, "--capacity", "--unlimited")
     _not_both(schema is not None, no_schema, "--schema", "--no-schema")
     try:
-        body_schema = json.loads(schema.read_text()) if schema else None
+        body_schema = json.loads(read_text(schema)) if schema else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         _fail(str(exc))
     except RecursionError:

@@ -8,18 +8,16 @@ message on stderr with exit code 2 (never a traceback).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import typer
 
+from conveyor.cli.input_files import read_text
 from conveyor.inject import InjectError, InjectOptions, Mode, ShutdownMode, inject_yaml
 
 
 def _read_input(source: str) -> str:
-    if source == "-":
-        return sys.stdin.read()
     try:
-        return Path(source).read_text(encoding="utf-8")
+        return read_text(source)
     except (OSError, UnicodeDecodeError) as exc:
         raise InjectError(f"cannot read {source}: {exc}") from None
 

@@ -15,12 +15,10 @@ import json
 import math
 import os
 import re
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import httpx
@@ -31,6 +29,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.text import Text
 
 from conveyor import rfc3339
+from conveyor.cli.input_files import read_text
 from conveyor.client import (
     DEFAULT_GATEWAY_URL,
     ConveyorClient,
@@ -192,10 +191,8 @@ def _read_json(text: str, option: str) -> Any:
     Input that is not UTF-8, is nested too deep for Python's json or escapes a lone surrogate
     is a one-line usage error, as NaN is, not a traceback."""
     try:
-        if text == "-":
-            text = sys.stdin.read()
-        elif text.startswith("@"):
-            text = Path(text[1:]).read_text(encoding="utf-8")
+        if text == "-" or text.startswith("@"):
+            text = read_text(text.removeprefix("@"))
         # A strict stdin raises UnicodeDecodeError; the command line and a surrogateescape
         # stdin (POSIX) keep each byte that is not UTF-8 as a lone surrogate: encode refuses it.
         text.encode("utf-8")

@@ -163,6 +163,16 @@ def test_a_service_name_that_is_not_one_path_segment_is_refused(flavour: str, se
     assert "service" in refused(flavour, "submit", service, {})
 
 
+@FLAVOURS
+@pytest.mark.parametrize("method", ["get", "cancel", "submit"])
+def test_an_id_too_long_for_a_url_is_a_value_error(flavour: str, method: str) -> None:
+    """Found by a black-box sweep: 70,000 characters raised httpx.InvalidURL, which no caller
+    of the SDK expects (the CLI printed its traceback)."""
+    long = "a" * 70_000
+    args = (long, {}) if method == "submit" else ("sleeper", long)
+    assert "URL" in refused(flavour, method, *args)
+
+
 @pytest.mark.parametrize("task_id", ["not-a-uuid", "a b", "%2F", "...", "ключ"])
 def test_an_id_the_gateway_never_issued_still_goes_to_the_gateway(task_id: str) -> None:
     """The gateway answers 404002 for those: refusing them is its call, not the SDK's."""

@@ -5,9 +5,11 @@ wrong value of the file is; the spellings YAML gives for the right types still l
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from gateway.platform_file import PlatformError, ServiceSpec, load, validate
+from gateway.platform_file import PlatformError, PlatformSpec, ServiceSpec, load, validate
 
 CLIENT = "clients:\n- id: c\n  secret: secretsecret\n"
 
@@ -89,3 +91,63 @@ def test_a_file_nested_past_the_stack_is_refused_not_a_traceback(
     nested = opening * 5000 + "1" + closing * 5000
     with pytest.raises(PlatformError, match="nested too deep"):
         load("services:\n  - name: s\n    jsonSchema: " + nested)
+
+
+def _laughs(levels: int) -> str:
+    """A schema of 10**levels strings in a few hundred bytes of YAML aliases."""
+    lines = [
+        "services:",
+        "  - name: laughs",
+        "    jsonSchema:",
+        "      type: object",
+        "      x-defs:",
+    ]
+    lines.append("        d0: &d0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]")
+    for i in range(1, levels):
+        lines.append(f"        d{i}: &d{i} [{', '.join([f'*d{i - 1}'] * 10)}]")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_schema_that_aliases_expand_past_the_bound_is_refused_at_once() -> None:
+    """Found by a black-box sweep: 549 bytes of aliases were applied as a schema of 80 MB,
+    which every gateway then read at each refresh of its catalog (1.75 GB)."""
+    text = _laughs(9)  # 10**9 strings were it expanded
+    assert len(text) < 1024
+    began = time.monotonic()
+    with pytest.raises(PlatformError, match="more than 200000 values"):
+        load(text)
+    assert time.monotonic() - began < 10
+    assert load(_laughs(3)).services[0].jsonSchema is not None  # 1,000 strings: a schema
+
+
+@pytest.mark.parametrize(
+    ("value", "refusal"),
+    [
+        ('"a\\0b"', "NUL character"),
+        ("!!binary aGVsbG8=", "bytes is not JSON"),
+        ("!!set {a, b}", "set is not JSON"),
+        (".nan", "NaN and Infinity"),
+        ("-.inf", "NaN and Infinity"),
+        ("2020-01-01", "date is not JSON"),
+        ("{1: a}", "not a string"),
+    ],
+)
+def test_a_schema_the_database_cannot_store_is_refused_in_one_line(
+    value: str, refusal: str
+) -> None:
+    """Found by a black-box sweep: each was a traceback of `admin apply` (the database's or
+    the JSON encoder's error), where every other wrong value is one line."""
+    text = f"services:\n  - name: s\n    jsonSchema:\n      description: x\n      x-v: {value}\n"
+    with pytest.raises(PlatformError, match=refusal):
+        load(text)
+
+
+def test_many_clients_are_checked_for_twins_in_linear_time() -> None:
+    """Found by a black-box sweep: the check counted each id in the whole list (8.5 s for
+    20,000 ids)."""
+    clients = [{"id": f"c{n}", "secretHash": "$2b$04$" + "a" * 53} for n in range(40_000)]
+    began = time.monotonic()
+    validate(PlatformSpec, {"clients": clients})
+    assert time.monotonic() - began < 10
+    with pytest.raises(PlatformError, match="client declared twice: c7"):
+        validate(PlatformSpec, {"clients": [*clients, clients[7]]})

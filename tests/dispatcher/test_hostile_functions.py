@@ -4,6 +4,8 @@ function's failure, on its first delivery, and nothing else in flight is disturb
 from __future__ import annotations
 
 import asyncio
+import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -302,3 +304,58 @@ async def test_a_requeue_while_the_function_could_not_be_reached_spends_no_deliv
     launch(again.url)
     assert (await rabbit.wait_terminal(task_id, timeout=20)).kind is EventKind.SUCCEEDED
     assert [c["headers"]["x-conveyor-attempt"] for c in again.calls(task_id)] == ["1"]
+
+
+class _ClosesIdleConnections:
+    """A function that answers each call, then closes its connection after 0 to 6 ms unless
+    another call came meanwhile (a server's keep-alive timeout, a graceful restart): a call
+    sent on a connection as it closes is never read. Records the task ids it read."""
+
+    def __init__(self) -> None:
+        self.read: set[str] = set()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?im)^content-length: *(\d+)", head)
+                await reader.readexactly(int(length[1]) if length else 0)
+                task = re.search(rb"(?im)^ce-id: *([^\r]+)", head)
+                self.read.add(task[1].decode() if task else "")
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+                await asyncio.sleep(random.uniform(0, 0.006))
+                if not reader._buffer:  # nothing came meanwhile: close the idle connection
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_call_the_function_closed_an_idle_connection_under_is_made_again(
+    rabbit: Rabbit, launch: Launch
+) -> None:
+    """Found by a black-box sweep: a function that closes idle keep-alive connections
+    (gunicorn after 2 s, any server on a graceful restart) failed tasks it never read, the
+    call sent on a connection as it closed ("Server disconnected", "Can not write request
+    body"): 32 of 200 with `maxAttempts` 1. A call that fails so on a reused connection is
+    made again on another, not counted as an attempt."""
+    function = _ClosesIdleConnections()
+    url = await function.start()
+    dispatcher = launch(url, concurrency=1, prefetch_buffer=4)
+    await dispatcher.wait_ready()
+    tasks = [await rabbit.submit({"n": n}, max_attempts=1) for n in range(200)]
+    ends = [await rabbit.wait_terminal(task, timeout=60) for task in tasks]
+    failed = [
+        (end.task_id, end.error_message) for end in ends if end.kind is not EventKind.SUCCEEDED
+    ]
+    assert failed == [], (len(failed), failed[:3], len(function.read & {t for t, _ in failed}))
+    assert function.server is not None
+    function.server.close()

@@ -249,6 +249,7 @@ _SHOWN_AS = {
     "notification_status": "callback.status",
     "notification_attempts": "callback.rounds",
     "notify_claimed_until": "callback.claimedUntil",
+    "request_json": "request",  # the body as accepted (0020); an older row's `request`
 }
 
 

@@ -22,6 +22,7 @@ from dispatcher.invoker import (
     Outcome,
     Success,
     classify,
+    error_message,
     network_failure,
     response_value,
 )
@@ -496,3 +497,18 @@ def test_a_start_reads_every_cancel_the_memory_holds_and_a_reconnection_a_minute
     assert recall_since(lost, 60.0, now) == now - timedelta(minutes=1)  # never past the memory
     ahead = now + timedelta(minutes=5)  # a clock ahead of ours: from now, never the future
     assert recall_since(ahead, day, now) == now
+
+
+@pytest.mark.parametrize("charset", ["ISO-8859-1", "latin-1", "cp1252"])
+def test_json_in_its_declared_charset_is_read_as_json(charset: str) -> None:
+    """Found by a black-box sweep: `{"name": "caf\\xe9"}` declared ISO-8859-1 was stored as a
+    string (the same in ASCII was an object), and a 400's errorMessage in it not read."""
+    assert response_value(b'{"name": "caf\xe9"}', charset) == {"name": "café"}
+    assert error_message(b'{"errorMessage": "caf\xe9 refus\xe9"}', charset) == "café refusé"
+
+
+@pytest.mark.parametrize("charset", [None, "utf-8", "zlib", "no-such-codec"])
+def test_bytes_that_are_no_utf_8_json_without_a_charset_for_them_are_text(
+    charset: str | None,
+) -> None:
+    assert response_value(b'{"name": "caf\xe9"}', charset) == '{"name": "caf\ufffd"}'

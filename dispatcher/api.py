@@ -3,8 +3,11 @@
 On `127.0.0.1:DISPATCHER_PORT` only (the function is in the same pod; nothing
 else has any business posting progress):
 
-* `POST /tasks/{taskId}/progress` with `{"progress": 42.5}` -> 204
-  (404 for a task not in flight here, 400 for anything but a finite 0..100)
+* `POST /tasks/{taskId}/progress/{token}` with `{"progress": 42.5}` -> 204, the URL the
+  function is given: the token is its attempt's, so a call a dead dispatcher left running
+  reports to no later attempt (404 for a task not in flight here or an attempt that is over,
+  400 for anything but a finite 0..100); `POST /tasks/{taskId}/progress` for a function that
+  builds the URL itself: the task's running attempt takes it
 * `GET /healthz` 200 while the process loop runs (it answers, so it runs)
 * `GET /readyz` 200 when connected to the broker, the function is reachable
   and the dispatcher is not shutting down; 503 otherwise, with the details
@@ -107,11 +110,17 @@ class Endpoints:
         self.read_timeout = read_timeout
 
     async def progress(self, request: web.Request) -> web.Response:
+        """On loopback. With the attempt's token (the URL the function is given), a report
+        of an attempt that is over is 404, as one of a task that is not here; without one
+        (a URL a function built itself), the task's running attempt takes it."""
         try:
             task_id = str(uuid.UUID(request.match_info["task_id"]))
         except ValueError:
             task_id = ""
-        if task_id not in self.board:
+        token = request.match_info.get("token")
+        if task_id not in self.board or (
+            token is not None and not self.board.allows(task_id, token)
+        ):
             return _error(404, 404002, "Task not found.")
         return await self._report(request, task_id)
 
@@ -175,7 +184,13 @@ class Endpoints:
         ]
 
     def local_app(self) -> web.Application:
-        return _app([web.post("/tasks/{task_id}/progress", self.progress), *self.probe_routes()])
+        return _app(
+            [
+                web.post("/tasks/{task_id}/progress", self.progress),
+                web.post("/tasks/{task_id}/progress/{token}", self.progress),
+                *self.probe_routes(),
+            ]
+        )
 
     def probe_app(self) -> web.Application:
         return _app(self.probe_routes())

@@ -16,6 +16,7 @@ kept, and only the deadline bounds a call (aiohttp's own timeouts are off).
 | 2xx                                  | Success(JSON body / string / None)|
 | 2xx, JSON nested too deep to carry   | Failure, final                   |
 | 4xx except 408, 429 (and 1xx, 3xx)   | Failure, final                   |
+| (its body cut or undecodable too)    |                                  |
 | 408, 429, 5xx, network error, an     | Failure, retryable               |
 | answer that is not valid HTTP        |                                  |
 | no whole answer by the deadline      | Failure, retryable (time allowing)|
@@ -60,6 +61,17 @@ class Unparseable(ValueError):
 
 class TooLarge(Exception):
     """The answer is longer than the dispatcher's cap."""
+
+
+class UnreadBody(Exception):
+    """An answer that is not a success whose body could not be read (cut, or in a
+    Content-Encoding it is not in): its status still decides, as the table says."""
+
+    def __init__(self, status: int, headers: Mapping[str, str], cause: aiohttp.ClientError):
+        super().__init__(status)
+        self.status = status
+        self.headers = headers
+        self.cause = cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +203,16 @@ def network_failure(exc: aiohttp.ClientError) -> Failure:
         detail = f"cannot connect to the function: {detail}"
         return Failure(truncate(detail), retryable=True, unreachable=True)
     return Failure(truncate(detail), retryable=True)
+
+
+def _unread_body(exc: UnreadBody) -> Failure:
+    """A 400 in a broken gzip is still the function's refusal: final, not made again (a sweep
+    found it retried as an answer that is not HTTP, the status lost from its error)."""
+    outcome = classify(exc.status, b"", exc.headers)  # not a 2xx (_post_once): a Failure
+    retryable = isinstance(outcome, Failure) and outcome.retryable
+    retry_after = outcome.retry_after if isinstance(outcome, Failure) else None
+    detail = f"HTTP {exc.status} (its body could not be read: {_parse_error(exc.cause)})"
+    return Failure(truncate(detail), retryable, retry_after)
 
 
 def _parse_error(exc: aiohttp.ClientError) -> str:
@@ -392,6 +414,8 @@ class Invoker:
         except TooLarge:
             limit = self.max_response_bytes
             return Failure(f"The function's answer exceeded {limit} bytes.", retryable=False)
+        except UnreadBody as exc:
+            return _unread_body(exc)
         except aiohttp.ClientError as exc:
             return network_failure(exc)
         except ValueError as exc:
@@ -427,7 +451,12 @@ class Invoker:
             allow_redirects=False,
             trace_request_ctx=sent_on,
         ) as answer:
-            return answer, await self._read(answer)
+            try:
+                return answer, await self._read(answer)
+            except aiohttp.ClientPayloadError as exc:
+                if 200 <= answer.status < 300:
+                    raise  # no result to record: made again, as an answer cut short is
+                raise UnreadBody(answer.status, answer.headers, exc) from exc
 
     async def _read(self, answer: aiohttp.ClientResponse) -> bytes:
         """The body up to the cap; leaving early closes the connection (aiohttp does not

@@ -99,10 +99,10 @@ class ProgressReporter:
 class ProgressBoard:
     """Reporters of the tasks in flight, by task id, and each attempt's token.
 
-    In knative mode the function runs in another pod and reaches the progress endpoint on
-    the pod's IP (SPEC §11.5): a report must then carry its attempt's token, an unguessable
-    string that lives as long as the attempt. A wrong token, a finished attempt's, or another
-    task's is refused.
+    Every attempt's progress URL carries its token, a string that lives as long as the
+    attempt: a report of an attempt that is over (its dispatcher killed while the function ran
+    on) is refused. In knative mode the function runs in another pod and reaches the endpoint
+    on the pod's IP (SPEC §11.5): the token is then unguessable, and the only way in.
     """
 
     def __init__(self) -> None:

@@ -86,7 +86,7 @@ class Attempt:
     abort: AbortToken
     started_at: float
     began: datetime  # wall clock, for a terminal event that stands in for `started`
-    progress_token: str | None = None  # knative mode: what the progress URL must carry
+    progress_token: str | None = None  # what its progress URL carries: this attempt's alone
     traceparent: str | None = None  # its events': the `consume` span's, or the submission's
     confirmed: bool = False  # its terminal event was confirmed by the broker
     started: asyncio.Task[None] | None = None  # its `started` going out: the task is IN_PROGRESS
@@ -370,7 +370,9 @@ class Worker:
         wall_deadline = datetime.now(UTC) + timedelta(seconds=deadline - time.monotonic())
         headers = delivery.headers
         legacy = submission.message_format is MessageFormat.LEGACY
-        token = secrets.token_urlsafe(32) if self.remote_base else None
+        # Every attempt's progress URL is its own: a call a dead dispatcher left running (or a
+        # redelivery's predecessor here) reports to no later attempt of the task.
+        token = secrets.token_urlsafe(32 if self.remote_base else 12)
         invocation = Invocation(
             task_id=submission.task_id,
             attempt=delivery.previous_deliveries() + 1,
@@ -396,10 +398,8 @@ class Worker:
             traceparent=tracing.current() or submission.traceparent,
         )
 
-    def _progress_url(self, task_id: str, token: str | None) -> str:
-        if self.remote_base is not None and token is not None:
-            return f"{self.remote_base}/{task_id}/progress/{token}"
-        return f"{self.progress_base}/{task_id}/progress"
+    def _progress_url(self, task_id: str, token: str) -> str:
+        return f"{self.remote_base or self.progress_base}/{task_id}/progress/{token}"
 
     # -- events ---------------------------------------------------------------
 

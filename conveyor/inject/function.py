@@ -9,6 +9,7 @@ changes nothing. The values are those of the shipped sleeper (keda/sleeper-sidec
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any
 
 from conveyor.inject.documents import Doc, InjectError
@@ -106,11 +107,23 @@ def _fill_security_context(container: Doc, pod: Doc, where: str, *, read_only: b
 
 def _mount_tmp(container: Doc, pod: Doc) -> None:
     """A read-only root still needs a writable /tmp (uploads, temporary files)."""
-    mounts = container.setdefault("volumeMounts", [])
-    if any(m.get("mountPath") == "/tmp" for m in mounts):
+    if mounts_tmp(container):
         return
-    mounts.append({"name": FUNCTION_TMP_VOLUME, "mountPath": "/tmp"})
+    container.setdefault("volumeMounts", []).append(
+        {"name": FUNCTION_TMP_VOLUME, "mountPath": "/tmp"}
+    )
     own_empty_dir(pod, FUNCTION_TMP_VOLUME, {})
+
+
+def mounts_tmp(container: Doc) -> bool:
+    """Whether a volume of the container's is on /tmp however its path is spelled (`/tmp/`,
+    `//tmp`): the API server compares the strings, so a second volume there would pass."""
+    return any(
+        isinstance(m, dict)
+        and isinstance(m.get("mountPath"), str)
+        and posixpath.normpath(m["mountPath"]) in {"/tmp", "//tmp"}
+        for m in container.get("volumeMounts") or []
+    )
 
 
 def own_empty_dir(pod: Doc, name: str, empty_dir: Doc) -> None:

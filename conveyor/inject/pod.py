@@ -8,7 +8,7 @@ from typing import Any
 
 from conveyor.dispatcher_settings import DispatcherSettings, SettingsError
 from conveyor.inject.documents import Doc, InjectError
-from conveyor.inject.function import harden_function, own_empty_dir, restrict_pod
+from conveyor.inject.function import harden_function, mounts_tmp, own_empty_dir, restrict_pod
 from conveyor.inject.wiring import (
     AMQP_URL,
     CONCURRENCY,
@@ -353,9 +353,8 @@ def upsert_dispatcher(pod: Doc, wiring: Wiring, function_url: str, port: int) ->
     metrics = metrics_port(container)
     container["readinessProbe"] = _probe(port, metrics, "/readyz", 10)
     container["livenessProbe"] = _probe(port, metrics, "/healthz", 20)
-    mounts = container.setdefault("volumeMounts", [])
-    if not any(m.get("mountPath") == "/tmp" for m in mounts):
-        mounts.append({"name": TMP_VOLUME, "mountPath": "/tmp"})
+    if not mounts_tmp(container):
+        container.setdefault("volumeMounts", []).append({"name": TMP_VOLUME, "mountPath": "/tmp"})
     own_empty_dir(pod, TMP_VOLUME, {"sizeLimit": "64Mi"})
     return container
 

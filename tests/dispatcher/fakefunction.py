@@ -15,7 +15,8 @@ every scenario of a test:
      "response": {...},             # 2xx JSON body (default: {"echo": <body>})
      "rawResponse": "text",         # 2xx raw body instead
      "hostile": "deep" | "trickle" | "huge" | "crowded" | "twice" | "garbage" | "latin1-location"
-                | "cut-headers",
+                | "cut-headers" | "bad-gzip",
+     "status": 400,                 # with "bad-gzip": the status of that answer
      "size": 1000000}               # bytes of a huge answer
 
 Every call is logged twice to the JSON-lines file: `"phase": "start"` with its
@@ -135,8 +136,9 @@ class Handler(BaseHTTPRequestHandler):
         a second, a body of `size` bytes, (crowded) an array of `count` empty objects, (twice) a second, stray answer written on the
         idle keep-alive connection 50 ms after the real one, logged as `"phase": "stray"`,
         (garbage) a status line that is not HTTP, (latin1-location) a 302 whose Location
-        header holds bytes that are not UTF-8, or (cut-headers) a connection closed in the
-        middle of the answer's headers."""
+        header holds bytes that are not UTF-8, (cut-headers) a connection closed in the
+        middle of the answer's headers, or (bad-gzip) an answer of `status` whose body says
+        `Content-Encoding: gzip` and is not."""
         kind = spec["hostile"]
         try:
             if kind == "deep":
@@ -153,6 +155,9 @@ class Handler(BaseHTTPRequestHandler):
                     b"HTTP/1.1 302 Found\r\nLocation: http://x/caf\xe9\xff\r\n"
                     b"Content-Length: 0\r\n\r\n"
                 )
+            elif kind == "bad-gzip":
+                status = int(spec.get("status", 400))
+                self._answer(status, b"not gzip at all", {"Content-Encoding": "gzip"})
             elif kind == "cut-headers":
                 self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Le")
                 self.close_connection = True

@@ -354,3 +354,35 @@ async def test_not_ready_while_the_broker_has_cancelled_its_consumer(
         )
     task_id = await rabbit.submit({})
     assert (await rabbit.wait_terminal(task_id, timeout=20)).kind is EventKind.SUCCEEDED
+
+
+async def test_a_call_a_dead_dispatcher_left_running_reports_to_no_later_attempt(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a black-box test: a dispatcher SIGKILLed (an OOM) while its function kept
+    running the call; the next dispatcher on the same port took the redelivery, and the old
+    call's reports (9, 10, 11) became the new attempt's progress, whose own lower reports
+    were then dropped as going backwards. Each attempt's progress URL is now its own."""
+    first = launch(function.url, concurrency=1)
+    await first.wait_ready()
+    task_id = await rabbit.submit({"sleep": 20})
+    (call,) = await function.wait_calls(task_id)
+    stale_url = call["headers"]["x-conveyor-progress-url"]
+
+    first.signal(signal.SIGKILL)
+    assert await first.exit_code(10) == -signal.SIGKILL
+    second = launch(function.url, concurrency=1, dispatcher_port=first.port)
+    await eventually(lambda: len(function.calls(task_id)) >= 2, 30, "the redelivery's call")
+    fresh_url = function.calls(task_id)[1]["headers"]["x-conveyor-progress-url"]
+    assert fresh_url != stale_url
+
+    async with httpx.AsyncClient() as client:
+        stale = await client.post(stale_url, json={"progress": 90})
+        assert stale.status_code == 404, stale.text
+        assert stale.json()["error"]["number"] == 404002, stale.text
+        assert (await client.post(fresh_url, json={"progress": 20})).status_code == 204
+    await eventually(
+        lambda: any(e.progress == 20 for e in rabbit.of(task_id)), 10, "the attempt's progress"
+    )
+    assert all(e.progress != 90 for e in rabbit.of(task_id))
+    second.signal(signal.SIGKILL)

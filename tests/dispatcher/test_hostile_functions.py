@@ -263,6 +263,26 @@ async def test_an_answer_cut_in_its_headers_is_said_in_words(
     assert len(function.calls(task_id)) == 2  # retried, as a connection cut is
 
 
+@pytest.mark.parametrize(("status", "calls"), [(400, 1), (422, 1), (503, 2)])
+async def test_a_refusal_whose_body_cannot_be_decoded_is_still_final(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch, status: int, calls: int
+) -> None:
+    """Found by a black-box test: a 400 whose body said `Content-Encoding: gzip` and was not
+    gzip read as an answer that is not HTTP, and was retried: the function ran again for a
+    refusal it had already given, and the task's error lost the status."""
+    dispatcher = launch(function.url)
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"hostile": "bad-gzip", "status": status}, max_attempts=2)
+
+    done = await rabbit.wait_terminal(task_id)
+
+    assert done.kind is EventKind.FAILED
+    message = done.error_message or ""
+    assert message.startswith(f"HTTP {status}"), message
+    assert "gzip" in message, message
+    assert len(function.calls(task_id)) == calls  # a 5xx is retried, a refusal is not
+
+
 async def test_a_redirect_whose_location_is_not_utf8_fails_its_task_once(
     rabbit: Rabbit, function: FakeFunction, launch: Launch
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import UTC, datetime
 
@@ -55,8 +56,9 @@ async def test_success_started_progress_succeeded_then_acked(
     assert headers["traceparent"].startswith("00-0af7651916cd43dd8448eb211c80319c")
     deadline = datetime.fromisoformat(headers["x-conveyor-deadline"].replace("Z", "+00:00"))
     assert 200 < (deadline - datetime.now(UTC)).total_seconds() <= 300
-    assert headers["x-conveyor-progress-url"] == (
-        f"http://127.0.0.1:{dispatcher.port}/tasks/{task_id}/progress"
+    assert re.fullmatch(  # on loopback, and the attempt's own (its token)
+        rf"http://127\.0\.0\.1:{dispatcher.port}/tasks/{task_id}/progress/[-\w]{{16}}",
+        headers["x-conveyor-progress-url"],
     )
     assert call["body"]["response"] == {"hello": "world"}  # the task's body, as plain JSON
     [end] = function.calls(task_id, "end")

@@ -5,6 +5,7 @@ its exit code and the one line it prints on stderr."""
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -281,6 +282,28 @@ def test_a_user_volume_with_inject_s_volume_name_is_refused(volume: str) -> None
 def test_inject_s_own_tmp_volumes_are_reused() -> None:
     once, _ = inject_yaml(BARE_DEPLOYMENT)
     assert inject_yaml(once)[0] == once
+
+
+@pytest.mark.parametrize("path", ["/tmp", "/tmp/", "//tmp", "/tmp/.", "/./tmp"])
+def test_a_user_volume_on_tmp_however_spelled_is_kept_alone(path: str) -> None:
+    """A sweep found inject adding its own emptyDir on /tmp beside the user's volume mounted at
+    `/tmp/`: two volumes on one directory, which the API server's string check lets through."""
+    text = (
+        BARE_DEPLOYMENT.replace(
+            "ports: [{containerPort: 8080}]\n",
+            "ports: [{containerPort: 8080}]\n"
+            f"          volumeMounts: [{{name: scratch, mountPath: '{path}'}}]\n",
+        )
+        + "      volumes: [{name: scratch, persistentVolumeClaim: {claimName: data}}]\n"
+    )
+    pod = inject(text)[0]["spec"]["template"]["spec"]
+    containers = pod["containers"] + pod.get("initContainers", [])
+    (fn,) = [c for c in containers if c["name"] == "fn"]
+    assert fn["volumeMounts"] == [{"name": "scratch", "mountPath": path}]
+    assert [v["name"] for v in pod["volumes"] if v["name"] == "conveyor-function-tmp"] == []
+    for container in containers:
+        mounted = [m["mountPath"] for m in container.get("volumeMounts", [])]
+        assert len({posixpath.normpath(p) for p in mounted}) == len(mounted), container["name"]
 
 
 # ------------------------------------------ 6. job mode beside another regular container

@@ -402,6 +402,16 @@ async def revoke(conn: AsyncConnection[Any], client_id: str, service: str) -> bo
     return bool(cursor.rowcount)
 
 
+async def left_behind(conn: AsyncConnection[Any]) -> list[str]:
+    """The queue names cloudevents services moved away from, which they still read."""
+    cursor = await conn.execute(
+        "SELECT m.queue_name FROM moved_queues m JOIN services s ON s.name = m.service"
+        " WHERE s.message_format <> %s ORDER BY 1",
+        (MessageFormat.LEGACY.value,),
+    )
+    return [row[0] for row in await cursor.fetchall()]
+
+
 async def listing(conn: AsyncConnection[Any]) -> dict[str, list[dict[str, Any]]]:
     services = await conn.execute(
         "SELECT name, queue_name, capacity, message_format, task_timeout, max_attempts,"

@@ -45,6 +45,7 @@ UNFINISHED = ("PENDING", "IN_PROGRESS")
 # What tells a cancelled task from one its function failed with the same message.
 _MARK_CANCELLED = "UPDATE tasks SET cancelled_at = now() WHERE task_id = %(task_id)s"
 _CANCELLED = "SELECT cancelled_at IS NOT NULL FROM tasks WHERE task_id = %(task_id)s"
+_LOCK = "SELECT 1 FROM tasks WHERE task_id = %(task_id)s FOR UPDATE"
 
 
 async def _cancelled(pool: Pool, task_id: uuid.UUID) -> bool:
@@ -62,8 +63,12 @@ async def cancel_task(
     finished_now = False
     queue_names = await _queue_names(pool, service.name)
     if status in UNFINISHED:
-        change = lifecycle.failure(task_id, CANCELLED)
         async with pool.connection() as conn, conn.transaction():
+            # Its endDate is when it takes effect: after the waits for a connection and for
+            # the row (a result being applied), not when it was decided (a sweep found
+            # cancels ended seconds before they took effect, before their call had begun).
+            await conn.execute(_LOCK, {"task_id": task_id})
+            change = lifecycle.failure(task_id, CANCELLED)
             outcome = await lifecycle.apply(conn, change)
             finished_now = outcome.applied is lifecycle.Applied.FINISHED
             if finished_now:

@@ -91,6 +91,31 @@ async def migrate_service(
     ]
 
 
+async def migrate_left_behind(
+    connection: AbstractConnection, queue_name: str, delivery_limit: int, gateways: Gateways
+) -> list[Moved]:
+    """The queues a service moved away from (`moved_queues`), migrated as its own are: a
+    sweep found them left with their old arguments, so that moving the service back was
+    refused however often this ran. A queue deleted since is not declared again, and one of
+    another type (a legacy service's classic queues) is left as it is."""
+    submissions = topology.in_queue(queue_name)
+    probe = await connection.channel()
+    try:
+        if not await topology.queue_exists(probe, submissions):
+            return []
+    finally:
+        await _close(probe)
+    arguments = next(
+        spec.arguments
+        for spec in topology.service_queues(queue_name, MessageFormat.CLOUDEVENTS, delivery_limit)
+        if spec.name == submissions
+    )
+    refusal = await _refusal(connection, submissions, arguments)
+    if refusal is not None and "x-queue-type" in refusal:
+        return []
+    return await migrate_service(connection, queue_name, delivery_limit, gateways)
+
+
 async def migrate_queue(
     connection: AbstractConnection,
     name: str,

@@ -449,7 +449,8 @@ def list_all() -> None:
 
 @app.command("migrate-queues")
 def migrate_queues() -> None:
-    """Give every service's queues the arguments this version declares, losing nothing.
+    """Give every service's queues the arguments this version declares, losing nothing
+    (the queues a service moved away from too, while they exist).
 
     An older installation's classic -out and -dlq become quorum queues, and an -in declared
     by an older version (or with another DELIVERY_LIMIT) is declared anew. Stop the gateways
@@ -460,13 +461,14 @@ def migrate_queues() -> None:
     from conveyor.events import MessageFormat
     from gateway import admin
     from gateway.pgpool import connect as database
-    from gateway.queue_migration import InUse, migrate_service
+    from gateway.queue_migration import InUse, migrate_left_behind, migrate_service
 
     queues = [
         row["queue_name"]
         for row in _run(admin.listing)["services"]
         if row["message_format"] != MessageFormat.LEGACY.value
     ]
+    left_behind = _run(admin.left_behind)
     settings = GatewaySettings()
 
     async def main() -> None:
@@ -481,8 +483,11 @@ def migrate_queues() -> None:
         async with connection:
             if queues:  # the gateways' must be the same, or they take the queues for others
                 typer.echo(f"-in queues get x-delivery-limit {settings.delivery_limit}")
-            for queue_name in queues:
-                for moved in await migrate_service(
+            # then the old queues of a moved service, which it still reads
+            jobs = [(migrate_service, q) for q in queues]
+            jobs += [(migrate_left_behind, q) for q in left_behind]
+            for migrate, queue_name in jobs:
+                for moved in await migrate(
                     connection, queue_name, settings.delivery_limit, gateways
                 ):
                     typer.echo(f"{moved.queue}: {moved.state}, {moved.messages} message(s) moved")

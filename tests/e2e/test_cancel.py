@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -513,3 +514,32 @@ def test_a_repeated_cancel_tells_the_dispatchers_again(
     assert wait_until(lambda: _in_queue_empty(stack), 15)
     time.sleep(1.0)
     assert calls_of(call_log, task_id) == []
+
+
+def test_a_cancel_that_waited_for_the_task_s_row_ends_it_when_it_took_effect(
+    stack: Stack, platform: Platform
+) -> None:
+    """Found by a black-box test: under load, a cancelled task's endDate was the moment the
+    cancel was decided, before it waited for a database connection and for the task's row
+    (held by a result being applied): 1 to 3.4 s before it took effect, before the function's
+    call had even begun, which then read as a task that ran after it ended."""
+    import psycopg
+
+    from gateway.database_url import libpq
+
+    task_id = stack.submit({"sleep": 0.1})  # no dispatcher runs: PENDING
+    answers: list[httpx.Response] = []
+    with psycopg.connect(libpq(platform.database_url)) as holder:
+        holder.execute("SELECT 1 FROM tasks WHERE task_id = %s FOR UPDATE", (task_id,))
+        cancel = threading.Thread(target=lambda: answers.append(_cancel(stack, task_id)))
+        cancel.start()
+        time.sleep(1.5)  # the cancel waits for the row meanwhile
+        assert not answers
+        released = datetime.now(UTC)
+        holder.commit()
+    cancel.join(30)
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    ended = datetime.fromisoformat(answer.json()["data"]["endDate"].replace("Z", "+00:00"))
+    assert ended >= released - timedelta(seconds=0.1), (ended, released)
+    assert _cancelled(stack.poll(task_id))

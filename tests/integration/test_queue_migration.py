@@ -329,3 +329,39 @@ def test_an_api_only_gateway_is_seen_and_nothing_moves(
     finally:
         api_only.proc.stop()
         delete_queues(amqp_url, [*queues_of(queue_name), f"{submissions}.migrating"])
+
+
+def test_queues_a_service_moved_away_from_are_migrated_too(scratch_db: str, amqp_url: str) -> None:
+    """Found by a black-box test: a service moved to another queueName left its older queues
+    behind; `migrate-queues` gave only the new ones this version's arguments, so moving the
+    service back was refused ("run migrate-queues") however often it was run. The queues a
+    service still reads after a move are migrated too, their submissions kept."""
+    left = _older_service(scratch_db, amqp_url, 20)
+    moved_to = f"{left}-b"
+    submissions = topology.in_queue(left)
+    platform = Platform(scratch_db)
+    try:
+        platform.sql(
+            "UPDATE services SET queue_name = %(to)s WHERE queue_name = %(q)s",
+            {"to": moved_to, "q": left},
+        )
+        assert platform.sql(
+            "SELECT queue_name FROM moved_queues WHERE queue_name = %(q)s", {"q": left}
+        )
+        done = _migrate(scratch_db, amqp_url)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"{submissions}: declared anew, 20 message(s) moved" in done.stdout, done.stdout
+        assert _declares(amqp_url, submissions, _in_spec(left).arguments)
+        assert message_count(amqp_url, submissions) == 20
+        assert f"{topology.in_queue(moved_to)}: up to date" in done.stdout, done.stdout
+
+        # A service whose old queues are gone: nothing is declared again for them.
+        delete_queues(amqp_url, [*queues_of(left)])
+        again = _migrate(scratch_db, amqp_url)
+        assert again.returncode == 0, again.stderr
+        assert submissions not in again.stdout, again.stdout
+        assert message_count(amqp_url, submissions) is None
+    finally:
+        delete_queues(
+            amqp_url, [*queues_of(left), *queues_of(moved_to), f"{submissions}.migrating"]
+        )

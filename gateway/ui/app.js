@@ -30,6 +30,8 @@ function el(tag, attrs, ...children) {
 }
 
 class Forbidden extends Error {}
+// A task or a service that is not there (any more): said in the page, not only the indicator.
+class NotFound extends Error {}
 
 async function api(path) {
   const auth = sessionStorage.getItem(KEY);
@@ -46,7 +48,8 @@ async function api(path) {
   } finally {
     clearTimeout(timeout);
   }
-  if (body.status !== "success") throw new Error(body.error ? body.error.description : "error");
+  const said = body.error ? body.error.description : "error";
+  if (body.status !== "success") throw body.error && body.error.number >= 404000 && body.error.number < 405000 ? new NotFound(said) : new Error(said);
   return body.data;
 }
 
@@ -304,6 +307,13 @@ async function refresh() {
       const tried = sessionStorage.getItem(KEY) !== null;
       sessionStorage.removeItem(KEY);
       login(tried ? "Wrong operator id or secret." : "");
+    } else if (err instanceof NotFound) {
+      main().replaceChildren(
+        el("p", { class: "error", role: "alert", text: err.message }),
+        el("p", {}, el("a", { href: "/ui/", text: "Services" })),
+      );
+      live.textContent = "live · " + new Date().toLocaleTimeString();
+      live.classList.remove("stale");
     } else {
       live.textContent = "not refreshed: " + err.message;
       live.classList.add("stale");

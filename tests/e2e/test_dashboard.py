@@ -15,6 +15,7 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -256,3 +257,21 @@ def test_the_pages_log_no_errors(stack: Stack, page: Page, platform: Platform) -
         _drawn(page)
         page.wait_for_timeout(1_000)  # the icon is asked for after the load; its error comes later
     assert errors == []
+
+
+def test_a_page_of_a_task_or_service_that_does_not_exist_says_so(
+    stack: Stack, page: Page, platform: Platform
+) -> None:
+    """Found by a black-box test: /ui/tasks/<unknown> and /ui/services/<unknown> kept
+    `Loading…` in the page for good; only the small indicator said `not found`."""
+    base = stack.gateway.url
+    _log_in(page, f"{base}/ui/", platform.operator())
+    _drawn(page)
+    for path, said in (
+        (f"/ui/tasks/{uuid.uuid4()}", "Task not found."),
+        ("/ui/services/no-such-service", "Service not found."),
+    ):
+        page.goto(base + path)
+        expect(page.locator("#main [role=alert]")).to_have_text(said)
+        expect(page.locator("#main")).not_to_contain_text("Loading")
+        expect(page.locator("#main a[href='/ui/']")).to_be_visible()

@@ -259,14 +259,16 @@ async def tell_dispatchers(
     operator, or with its service's queues) is declared again and the batch sent once more;
     if it still cannot be, the next queue name's are sent all the same."""
     for queue_name in queue_names:
-        await _declare_log(broker, queue_name, again=False)
+        if not await _declare_log(broker, queue_name, again=False):
+            return False  # sent now, they could reach no log: kept for when it can be declared
         for start in range(0, len(task_ids), _PIPELINED):
             chunk = task_ids[start : start + _PIPELINED]
             try:
                 try:
                     await _broadcast(broker, service, queue_name, chunk)
                 except ExchangeMissing:
-                    await _declare_log(broker, queue_name, again=True)
+                    if not await _declare_log(broker, queue_name, again=True):
+                        return False
                     await _broadcast(broker, service, queue_name, chunk)
             except PublishError as exc:
                 log.warning(
@@ -279,22 +281,31 @@ async def tell_dispatchers(
     return True
 
 
-async def _declare_log(broker: Broker, queue_name: str, again: bool) -> None:
+async def _declare_log(broker: Broker, queue_name: str, again: bool) -> bool:
     """The queue name's `-control` exchange and `-cancels` stream, once per process (or
-    `again`, once found deleted); a failure is logged: the broadcast reports its own."""
+    `again`, once found deleted); whether they are there. Not while the broker is away (a
+    declaration would wait out its timeout). A cancel is not told before: the exchange
+    comes with the service's queues, and a broadcast to it with no log bound was confirmed,
+    counted as told, and heard by no dispatcher started later (found right after an outage,
+    the publishing channel not restored yet)."""
     key = topology.cancel_log(queue_name)
     if again:
         broker.forget(key)
+    if not broker.connected:
+        log.warning(
+            "cancels not broadcast; the tasks stay ended",
+            extra={"queue": queue_name, "error": "the broker is not connected"},
+        )
+        return False
     try:
-        if broker.connected:  # else the publish reports the outage, in its own time
-            await broker.declare_once(
-                key, partial(topology.declare_cancel_log, queue_name=queue_name)
-            )
+        await broker.declare_once(key, partial(topology.declare_cancel_log, queue_name=queue_name))
     except PublishError as exc:
         log.warning(
             "cancel log not declared; a dispatcher started later would not know these cancels",
             extra={"queue": queue_name, "error": str(exc)},
         )
+        return False
+    return True
 
 
 async def _broadcast(

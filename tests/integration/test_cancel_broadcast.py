@@ -148,3 +148,24 @@ async def test_a_cancel_names_its_service_as_its_source_not_the_queue(
         assert message.headers["ce-subject"] == str(task_id)
     finally:
         await _cleanup(channel, [queue_name])
+
+
+async def test_a_cancel_is_told_only_once_its_log_is_declared(
+    broker: Broker, channel: aio_pika.abc.AbstractChannel, queue_name: str
+) -> None:
+    """Found by a flaky end-to-end test: right after a broker outage, while the gateway's
+    publishing channel was still being restored, the cancel log's declaration was skipped
+    (`connected` said no), and the broadcast went to the `-control` exchange the service's
+    queues come with, which nothing was bound to yet: confirmed, counted as told, heard by
+    no dispatcher started later. A cancel is told only once its log is declared."""
+    await topology.declare_control(channel, queue_name)  # as a service's queues leave it
+    publishing = broker._publishing  # the channel a reconnection has not restored yet
+    assert publishing is not None and publishing.channel is not None
+    await publishing.channel.close()
+    assert not broker.connected
+    try:
+        told = await tell_dispatchers(broker, "s", [queue_name], [uuid.uuid4()])
+        if told:  # then it must be in the log a later dispatcher reads
+            assert len(await _stream_messages(channel, topology.cancel_log(queue_name))) == 1
+    finally:
+        await _cleanup(channel, [queue_name])

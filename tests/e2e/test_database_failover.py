@@ -180,7 +180,10 @@ def test_readiness_says_a_synchronous_standby_is_missing(
         procs, gateway_env(url, amqp_url, CONVEYOR_DB_TIMEOUT="3"), "gateway-standby-away"
     )
     with gateway.http() as http:
-        assert _ready(http) == (200, True)
+        deadline = time.monotonic() + 30  # its loops connect after it answers: ready soon after
+        while (seen := _ready(http)) != (200, True) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert seen == (200, True)
         standby.kill()
         deadline = time.monotonic() + 30
         while (seen := _ready(http)) != (503, False) and time.monotonic() < deadline:

@@ -230,7 +230,12 @@ def _task_id(value: Any) -> str:
         raise WireError("taskId is not a UUID") from None
 
 
-def _parse_time(value: Any) -> datetime | None:
+def _worker_time(value: Any) -> datetime | None:
+    """A time a worker's clock wrote on an event (`time`, `conveyorstarted`), or None if the
+    gateway cannot date by it: not RFC 3339 (epoch seconds, an HTTP date, garbage), or beyond
+    what UTC holds (year 1 at +14:00 is 1 BC). Such a time is dropped, as CloudEvents lets
+    `time` be, and the event is dated when read: a worker's clock fails no task (an unreadable
+    `conveyorstarted` FAILed a successful one, "time is not RFC 3339")."""
     if value is None:
         return None
     try:
@@ -240,13 +245,13 @@ def _parse_time(value: Any) -> datetime | None:
             else datetime.fromisoformat(str(value).replace("Z", "+00:00"))
         )
     except ValueError:
-        raise WireError("time is not RFC 3339") from None
+        return None
     if parsed.tzinfo is None:
         return parsed.replace(tzinfo=UTC)
-    try:  # a time Python cannot read back in UTC (year 1 at +14:00 is 1 BC) is no time
+    try:
         return parsed.astimezone(UTC)
     except OverflowError:
-        raise WireError("time out of range") from None
+        return None
 
 
 def _progress(value: Any) -> float:
@@ -536,13 +541,13 @@ def _decode_ce_event(message: WireMessage) -> TaskEvent:
         task_id=event.get_subject(),
         data=data,
         attempt=_optional_str(event.get_extension(EXT_ATTEMPT)),
-        time=_parse_time(event.get_time()),
+        time=_worker_time(event.get_time()),
         event_id=event.get_id(),
     )
     started = event.get_extension(EXT_STARTED)
     if kind.terminal and started is not None:
         return replace(
-            decoded, started=_parse_time(str(started)), host=_host(event.get_extension(EXT_HOST))
+            decoded, started=_worker_time(str(started)), host=_host(event.get_extension(EXT_HOST))
         )
     return decoded
 
@@ -551,12 +556,14 @@ def _decode_legacy_event(message: WireMessage) -> TaskEvent:
     try:
         payload = _load_json(message.body)
     except WireError:
-        # A worker writing Latin-1 (or any bytes that are not UTF-8): its words, with U+FFFD
-        # where they cannot be read, rather than its task left IN_PROGRESS until the watchdog.
-        readable = message.body.decode("utf-8", errors="replace").encode()
-        if readable == message.body:
-            raise
-        payload = _load_json(readable)
+        # A worker writing Latin-1 (or any bytes that are not UTF-8), or a newline, a tab or a
+        # NUL inside a string as the byte itself: its words as written, with U+FFFD where they
+        # cannot be read, rather than its task left IN_PROGRESS until the watchdog.
+        readable = message.body.decode("utf-8", errors="replace")
+        try:
+            payload = strict_json.loads(readable, control_characters=True)
+        except strict_json.NotJson as exc:
+            raise WireError(f"body is not JSON: {exc.__class__.__name__}") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("data"), dict):
         raise WireError("legacy event must be an object with a data object")
     data = payload["data"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from conveyor.dispatcher_settings import DEFAULT_AMQP_HEARTBEAT, DEFAULT_AMQP_URL, amqp_nodes
@@ -205,6 +205,19 @@ class GatewaySettings(CommonSettings):
         url = normalize_database_url(value)
         _names_a_database(url)
         return url
+
+    @field_validator("purge_max_age")
+    @classmethod
+    def _outlives_a_waiting_task(cls, value: float, info: ValidationInfo) -> float:
+        """Shorter, the purge would delete tasks still waiting to run before they expire
+        (FAILURE, and their callback): they would vanish, never ended."""
+        pending_ttl = info.data.get("pending_ttl")
+        if pending_ttl is not None and value < pending_ttl:
+            raise ValueError(
+                f"must be at least CONVEYOR_PENDING_TTL ({pending_ttl:g} s): the purge would"
+                " delete tasks still waiting to run before they expire"
+            )
+        return value
 
     @field_validator("callback_allowed_hosts", mode="before")
     @classmethod

@@ -48,14 +48,21 @@ _SHAPE = bytes(
 _LONG_NUMBER = b"0" * 19  # 2**63 has 19 digits
 
 
-def loads(raw: bytes | str) -> Any:
+def loads(raw: bytes | str, *, control_characters: bool = False) -> Any:
+    """`control_characters`: a control character inside a string, which JSON wants escaped,
+    is read as itself (the stdlib's `strict=False`): for writers known to be careless."""
     if isinstance(raw, bytes) and _orjson_reads(raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # refused by orjson: the stdlib decides, and says why
     try:
-        return json.loads(raw, parse_constant=_reject, parse_float=_finite_float)
+        return json.loads(
+            raw,
+            parse_constant=_reject,
+            parse_float=_finite_float,
+            strict=not control_characters,
+        )
     except RecursionError:
         raise TooDeep("nested too deep") from None
     except _Unfit as exc:  # the stdlib's hooks know no position: the message says no false one

@@ -48,9 +48,13 @@ _PURGE_FINISHED = """
            AND (t.idempotency_key IS NULL OR t.submission_date < %(keys_since)s)
          LIMIT %(batch)s)
     """
+# A task to run later is as old as the time it has been due: counted from its submission, a
+# PURGE_MAX_AGE shorter than its delay deleted it before it ran, failed or called back.
 _PURGE_ANCIENT = """
     DELETE FROM tasks WHERE id IN (
-        SELECT id FROM tasks WHERE submission_date < now() - make_interval(secs => %(max_age)s)
+        SELECT id FROM tasks
+         WHERE submission_date < now() - make_interval(secs => %(max_age)s)
+           AND (not_before IS NULL OR not_before < now() - make_interval(secs => %(max_age)s))
          LIMIT %(batch)s)
     """
 _PURGE_POISON = (

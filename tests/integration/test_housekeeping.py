@@ -113,12 +113,13 @@ def _counts(platform: Platform) -> dict[str, int]:
     return dict(rows)
 
 
-def _purge(database_url: str) -> subprocess.CompletedProcess[str]:
+def _purge(database_url: str, **settings: str) -> subprocess.CompletedProcess[str]:
     env = {
         "CONVEYOR_DATABASE_URL": database_url,
         "CONVEYOR_PURGE_BATCH_SIZE": "5000",
         "CONVEYOR_PURGE_MAX_AGE": str(MAX_AGE_DAYS * DAY),
         "CONVEYOR_LOG_FORMAT": "json",
+        **{f"CONVEYOR_{name.upper()}": value for name, value in settings.items()},
     }
     return subprocess.run(
         [sys.executable, "-m", "conveyor", "purge"],
@@ -336,6 +337,45 @@ async def _expire_reading_only_the_old(url: str) -> None:
 def test_the_reaper_reads_only_the_pending_tasks_old_enough_to_expire(database_url: str) -> None:
     with scratch_database(database_url) as url:
         asyncio.run(_expire_reading_only_the_old(url))
+
+
+def test_purge_counts_a_task_to_run_later_from_when_it_is_due(database_url: str) -> None:
+    """Found by a black-box sweep: with PURGE_MAX_AGE shorter than a task's delay, the purge
+    deleted the task before it was due (counted from its submission): it never ran, never
+    failed, and its callback never went out. A task to run later is as old as the time it
+    has been due."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        platform.apply({"services": [{"name": "later", "retention": "7d"}]})
+        rows = {
+            # label: (submitted days ago, due days from now, purged?)
+            "due-next-week": (MAX_AGE_DAYS + 5, 7, False),
+            "due-yesterday": (MAX_AGE_DAYS + 5, -1, False),
+            "due-long-ago": (MAX_AGE_DAYS + 5, -(MAX_AGE_DAYS + 1), True),
+        }
+        for label, (submitted, due, _) in rows.items():
+            platform.sql(
+                "INSERT INTO tasks (task_id, client_id, service, status, request,"
+                " submission_date, not_before)"
+                " VALUES (gen_random_uuid(), 'c', 'later', 'PENDING',"
+                " jsonb_build_object('label', %(label)s::text),"
+                " now() - make_interval(days => %(submitted)s),"
+                " now() + make_interval(days => %(due)s))",
+                {"label": label, "submitted": submitted, "due": due},
+            )
+        done = _purge(url)
+        assert done.returncode == 0, done.stderr + done.stdout
+        assert set(_counts(platform)) == {label for label, row in rows.items() if not row[2]}
+
+
+def test_purge_refuses_a_maximum_age_shorter_than_a_waiting_tasks_time_to_live(
+    database_url: str,
+) -> None:
+    """A PURGE_MAX_AGE under PENDING_TTL would delete tasks still waiting to run, before they
+    expire (FAILURE, and their callback): refused at start, naming both."""
+    done = _purge(database_url, pending_ttl=str(2 * DAY), purge_max_age=str(DAY))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "CONVEYOR_PURGE_MAX_AGE" in done.stderr and "CONVEYOR_PENDING_TTL" in done.stderr
 
 
 def test_purge_keeps_a_finished_task_its_callback_or_idempotency_key_still_needs(

@@ -178,6 +178,18 @@ def test_text_is_read_as_well_as_bytes() -> None:
         strict_json.loads('{"a": NaN}')
 
 
+def test_raw_control_characters_are_read_only_when_asked() -> None:
+    """A newline, a tab or a NUL inside a string, unescaped, is not JSON; a careless writer's
+    (a legacy worker's) is read as written when asked, and nothing else changes."""
+    for raw in (b'{"e": "a\nb"}', '{"e": "a\tb\x00c"}'):
+        with pytest.raises(NotJson):
+            strict_json.loads(raw)
+    assert strict_json.loads(b'{"e": "a\nb"}', control_characters=True) == {"e": "a\nb"}
+    assert strict_json.loads('{"e": "a\tb\x00c"}', control_characters=True) == {"e": "a\tb\x00c"}
+    with pytest.raises(NotJson):
+        strict_json.loads(b'{"e": NaN}', control_characters=True)
+
+
 def test_orjson_reads_ordinary_documents_and_the_stdlib_the_rest() -> None:
     fast = strict_json._orjson_reads
     assert fast(b'{"sleep": 1, "id": 123456789012345678, "big": "1234567890"}')

@@ -112,12 +112,11 @@ class ProgressBoard:
     def __contains__(self, task_id: str) -> bool:
         return task_id in self._reporters
 
-    def open(self, task_id: str, reporter: ProgressReporter, token: str | None = None) -> None:
+    def open(self, task_id: str, reporter: ProgressReporter, token: str) -> None:
         # A redelivery of a task still running here (after a reconnection)
-        # takes over: reports go to the newest attempt.
+        # takes over: reports go to the newest attempt, under its token alone.
         self._reporters[task_id] = reporter
-        if token is not None:
-            self._tokens[task_id] = token
+        self._tokens[task_id] = token
 
     def remove(self, task_id: str, reporter: ProgressReporter) -> None:
         if self._reporters.get(task_id) is reporter:

@@ -86,7 +86,7 @@ class Attempt:
     abort: AbortToken
     started_at: float
     began: datetime  # wall clock, for a terminal event that stands in for `started`
-    progress_token: str | None = None  # what its progress URL carries: this attempt's alone
+    progress_token: str  # what its progress URL carries: this attempt's alone
     traceparent: str | None = None  # its events': the `consume` span's, or the submission's
     confirmed: bool = False  # its terminal event was confirmed by the broker
     started: asyncio.Task[None] | None = None  # its `started` going out: the task is IN_PROGRESS

@@ -449,10 +449,14 @@ async def test_board_routes_reports_to_the_task_in_flight() -> None:
     sink = Sink()
     reporter = ProgressReporter(sink, interval=0)
     assert not board.report("t1", 5)
-    board.open("t1", reporter)
+    board.open("t1", reporter, "first")
     assert board.report("t1", 5)
+    assert board.allows("t1", "first") and not board.allows("t1", "other")
+    board.open("t1", reporter, "second")  # a redelivery taking over: its token alone
+    assert board.allows("t1", "second") and not board.allows("t1", "first")
     board.remove("t1", reporter)
     assert not board.report("t1", 6)
+    assert not board.allows("t1", "second")
     await reporter.close(flush=True)
     assert sink.values == [5]
 

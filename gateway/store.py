@@ -69,6 +69,12 @@ class Accepted:
 # counts it, plus the run-later tasks already due (counted live: no trigger sees a time pass). Both
 # read the snapshot taken before the statement, which holds none of the new rows (the
 # triggers add them after it): those are numbered within the batch instead.
+# A task's time is the statement's start (`statement_timestamp()`), which comes after its
+# service's writer lock, not its transaction's (`now()`), which may come before: a
+# transaction begun before another writer's, and locked after it, dated its rows earlier
+# than that writer's though their ids came later, and a task due at once (`delaySeconds: 0`)
+# then shared a `taskPosition` with its neighbour. Within a service, times and ids now
+# follow each other, as `_place` assumes.
 # The service is a scalar, not grouped out of the rows: with it, PostgreSQL's generic plan
 # costs no more than a custom one, so the prepared statement stops being planned again at
 # every execution (its planning took ~0.4 ms, more than its execution; bench/README.md).
@@ -91,25 +97,28 @@ def _insert(fingerprints: bool) -> str:
                                     traceparent{fingerprint}, n)
     ), input AS (
         -- a delay counts from the submission, on the database's clock (as its date does)
-        SELECT *, COALESCE(at, now() + make_interval(secs => delay)) AS not_before FROM given
+        SELECT *, statement_timestamp() AS submitted,
+               COALESCE(at, statement_timestamp() + make_interval(secs => delay)) AS not_before
+          FROM given
     ), ins AS (
         -- the row is its own outbox entry: the relay may take it after the fast path's grace,
         -- or at its time (a past notBefore is published at once)
         INSERT INTO tasks (task_id, client_id, service, request, request_json, callback, idempotency_key,
-                           not_before, traceparent, publish_at, time_limit, expires_at{fingerprint_col})
+                           submission_date, not_before, traceparent, publish_at, time_limit,
+                           expires_at{fingerprint_col})
         SELECT task_id, client_id, %(service)s, CAST(request AS jsonb), CAST(request AS json),
-               callback, key,
+               callback, key, submitted,
                -- a time already past means now: the time to live counts from the submission
-               CASE WHEN not_before < now() THEN now() ELSE not_before END, traceparent,
-               CASE WHEN not_before > now() THEN not_before
-                    ELSE now() + make_interval(secs => %(grace)s) END,
+               CASE WHEN not_before < submitted THEN submitted ELSE not_before END, traceparent,
+               CASE WHEN not_before > submitted THEN not_before
+                    ELSE submitted + make_interval(secs => %(grace)s) END,
                %(time_limit)s,
-               GREATEST(not_before, now()) + make_interval(secs => %(time_to_live)s){fingerprint}
+               GREATEST(not_before, submitted) + make_interval(secs => %(time_to_live)s){fingerprint}
           FROM input
          -- a service deleted while this waited for its writer lock takes no more tasks
          WHERE EXISTS (SELECT FROM services WHERE name = %(service)s)
          ORDER BY n
-        RETURNING id, task_id, not_before, COALESCE(not_before > now(), false) AS delayed,
+        RETURNING id, task_id, not_before, COALESCE(not_before > submission_date, false) AS delayed,
                   expires_at
     )
     SELECT ins.task_id, ins.id AS row_id, ins.delayed, ins.expires_at,
@@ -118,7 +127,7 @@ def _insert(fingerprints: bool) -> str:
                   WHERE b.service = %(service)s)
                 + (SELECT count(*) FROM tasks t
                     WHERE t.service = %(service)s AND t.status = 'PENDING'
-                      AND t.not_before IS NOT NULL AND t.not_before <= now())
+                      AND t.not_before IS NOT NULL AND t.not_before <= statement_timestamp())
                 + count(*) FILTER (WHERE NOT ins.delayed) OVER (ORDER BY ins.id)
            END AS position
       FROM ins

@@ -256,6 +256,36 @@ def test_a_position_behind_a_deep_backlog_is_exact_without_reading_it(database_u
         asyncio.run(_deep(url))
 
 
+async def _due_at_once_beside_an_earlier_writer(url: str) -> None:
+    async with await connect(url) as batch, await connect(url) as intake:
+        await _submit(intake, "svc", "c1", 1)  # the service, and one task ahead of both
+        # A batch's transaction began (`now()` fixed) before an immediate submission took the
+        # service's writer lock and committed: the batch's row comes after, its id higher.
+        await batch.set_autocommit(False)
+        await batch.execute("SELECT 1")
+        await asyncio.sleep(0.05)
+        [immediate] = await _submit(intake, "svc", "c1", 1)
+        rows = await batch.execute(
+            _INSERT, {**_batch("c1", 1), "delays": [0.0], "service": "svc"}
+        )  # `delaySeconds: 0`: due at once
+        [due_now] = await rows.fetchall()
+        await batch.commit()
+        places = [await _positions(intake, "svc", row.row_id) for row in (immediate, due_now)]
+        # Each counted the other ahead of it (the immediate one by time, the other by row
+        # id), and both answered 3: one place twice, one never.
+        assert places == [(2, 2), (3, 3)], places
+
+
+def test_a_task_due_at_once_takes_its_own_place_beside_an_earlier_writer(database_url: str) -> None:
+    """Found by a black-box sweep: batches of `delaySeconds: 0` racing single submissions
+    gave two PENDING tasks one `taskPosition` (and skipped another), 25 times in 1,000. A
+    task's time was its transaction's start, before it waited for its service's writer lock,
+    while its row id is taken after: the two orders disagreed. Its time is now taken once it
+    holds the lock (the insert's own start), so they follow each other."""
+    with scratch_database(database_url) as url:
+        asyncio.run(_due_at_once_beside_an_earlier_writer(url))
+
+
 def test_the_triggers_are_in_place(database_url: str) -> None:
     """A database without them would count wrong silently: the migration installs four."""
     with psycopg.connect(libpq(database_url)) as conn:

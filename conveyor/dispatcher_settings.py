@@ -32,6 +32,7 @@ DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 # Short enough that a frozen broker node is left within a minute, long enough that a
 # busy 2-core machine never misses one.
 DEFAULT_AMQP_HEARTBEAT = 15
+MAX_AMQP_HEARTBEAT = 65535  # AMQP carries it in 16 bits
 PREFIX = "CONVEYOR_"
 MAX_PORT = 65535
 
@@ -42,7 +43,12 @@ class ShutdownMode(enum.StrEnum):
 
 
 class SettingsError(ValueError):
-    """The environment sets something the dispatcher cannot run with."""
+    """The environment sets something the dispatcher cannot run with: `problems`, one per
+    setting, each naming its variable."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
 
 
 def _bounded(
@@ -76,7 +82,7 @@ def _queue_name(default: str) -> Any:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DispatcherSettings:
     amqp_url: str = _amqp_url(DEFAULT_AMQP_URL)
-    amqp_heartbeat: int = _bounded(DEFAULT_AMQP_HEARTBEAT, ge=0)
+    amqp_heartbeat: int = _bounded(DEFAULT_AMQP_HEARTBEAT, ge=0, le=MAX_AMQP_HEARTBEAT)
     queue: str = _queue_name("sleeper")
     function_url: str = _http_url("http://127.0.0.1:8080/")
     function_ready_url: str | None = _http_url(None)
@@ -110,9 +116,9 @@ class DispatcherSettings:
     # Used when a message does not carry its service's values (legacy format).
     max_attempts: int = _bounded(3, ge=1)
     task_timeout: float = _bounded(300.0, gt=0, le=MAX_TIMEOUT)
-    retry_backoff: float = _bounded(0.5, ge=0)
-    retry_backoff_max: float = _bounded(30.0, ge=0)
-    progress_interval: float = _bounded(0.5, ge=0)
+    retry_backoff: float = _bounded(0.5, ge=0, le=MAX_TIMEOUT)
+    retry_backoff_max: float = _bounded(30.0, ge=0, le=MAX_TIMEOUT)
+    progress_interval: float = _bounded(0.5, ge=0, le=MAX_TIMEOUT)
     # `started` goes out only once a call has run this long (0: always at once); a shorter
     # call sends its terminal event alone, carrying the host and start time. One confirmed
     # publish and one row write fewer per short task (legacy services always get `started`).
@@ -124,7 +130,9 @@ class DispatcherSettings:
     # once read (8 MiB of `[{},…]`: 200 MB); a crowded answer fails its task. No more than the
     # gateway reads in a result (`storable.MAX_ITEMS`), or the task would fail there instead.
     max_response_items: int = _bounded(storable.MAX_ITEMS, ge=1, le=storable.MAX_ITEMS)
-    function_wait_timeout: float = _bounded(300.0, ge=0)
+    # Before consuming, how long to wait for the function to answer (SPEC §7): then exit 1.
+    # Not 0: a dispatcher that consumed at once failed the tasks of a function still starting.
+    function_wait_timeout: float = _bounded(300.0, gt=0, le=MAX_TIMEOUT)
     # How long a cancelled task's id is remembered (SPEC §11.1): its message may still be
     # queued, or requeued by another dispatcher, meanwhile.
     cancel_memory_seconds: float = _bounded(24 * 3600.0, gt=0, le=MAX_TIMEOUT)
@@ -140,7 +148,7 @@ class DispatcherSettings:
                 " dispatcher at) unless FUNCTION_URL is on this host"
             )
         if problems:
-            raise SettingsError("; ".join(problems))
+            raise SettingsError(problems)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> DispatcherSettings:
@@ -162,9 +170,13 @@ class DispatcherSettings:
                 except ValueError as exc:
                     problems.append(f"{variable}={text!r}: {exc}")
                 break
+        try:
+            settings = cls(**values)
+        except SettingsError as exc:  # the values that did read: all refusals at once
+            problems.extend(exc.problems)
         if problems:
-            raise SettingsError("; ".join(problems))
-        return cls(**values)
+            raise SettingsError(problems)
+        return settings
 
 
 def dispatcher_variable(field: str, prefixed: bool = False) -> str:

@@ -14,7 +14,12 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from conveyor.dispatcher_settings import DEFAULT_AMQP_HEARTBEAT, DEFAULT_AMQP_URL, amqp_nodes
+from conveyor.dispatcher_settings import (
+    DEFAULT_AMQP_HEARTBEAT,
+    DEFAULT_AMQP_URL,
+    MAX_AMQP_HEARTBEAT,
+    amqp_nodes,
+)
 from conveyor.events import MAX_TIMEOUT
 from conveyor.logs import LogFormat, LogLevel
 
@@ -85,7 +90,7 @@ class CommonSettings(BaseSettings):
     # One broker URL, or several nodes of a cluster separated by `;` (conveyor/connection.py).
     amqp_url: str = DEFAULT_AMQP_URL
     # AMQP heartbeat, seconds: a frozen node is noticed after a few of them.
-    amqp_heartbeat: int = Field(DEFAULT_AMQP_HEARTBEAT, ge=0)
+    amqp_heartbeat: int = Field(DEFAULT_AMQP_HEARTBEAT, ge=0, le=MAX_AMQP_HEARTBEAT)
     log_level: LogLevel = LogLevel.INFO
     log_format: LogFormat = LogFormat.AUTO
 

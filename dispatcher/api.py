@@ -256,8 +256,9 @@ EVERY_ADDRESS = ""  # a server the pod's other containers and pods reach
 def _listening(host: str, port: int) -> socket.socket:
     """`EVERY_ADDRESS`: IPv6 and IPv4 where the kernel has both (a pod's IP may be either:
     progress posted to an IPv6 POD_IP was refused by a socket listening on IPv4 alone)."""
-    if host != EVERY_ADDRESS:
-        return socket.create_server((host, port), backlog=128)
+    if host != EVERY_ADDRESS:  # one address (POD_IP: either family)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, backlog=128)
     if socket.has_dualstack_ipv6():
         return socket.create_server(
             ("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128

@@ -63,12 +63,13 @@ RECONSUME_IDLE_LIMIT = 3600.0
 
 
 def main() -> int:
-    """The settings from the environment, then `run`. A setting it cannot run with is one line
+    """The settings from the environment, then `run`. Each setting it cannot run with is a line
     on stderr (no traceback: the operator needs the variable's name, nothing else), exit 1."""
     try:
         settings = DispatcherSettings.from_env()
     except SettingsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
         return 1
     return run(settings)
 
@@ -369,7 +370,8 @@ class Dispatcher:
             self.servers.append(
                 ApiServer(
                     self.endpoints.remote_progress_app(),
-                    EVERY_ADDRESS,
+                    # the pod IP alone (SPEC §11.5), or this host when the function is here
+                    self.settings.pod_ip or "127.0.0.1",
                     self.settings.progress_port,
                     read_timeout,
                 )

@@ -49,6 +49,22 @@ async def test_the_function_reports_progress_on_the_pod_ip_with_its_token(
     assert _get(f"http://127.0.0.1:{port}/metrics") == 404
 
 
+async def test_the_progress_port_listens_on_the_pod_ip_alone(
+    rabbit: Rabbit, function: FakeFunction, launch: Launch
+) -> None:
+    """Found by a sweep: PROGRESS_PORT listened on every address (`*:PORT`), where SPEC §11.5
+    serves it on the pod IP. Now only POD_IP:PROGRESS_PORT answers."""
+    port = free_port()
+    dispatcher = launch(function.url, progress_port=port, pod_ip="127.0.0.2")
+    await dispatcher.wait_ready()
+    task_id = await rabbit.submit({"progress": [10, 50], "progressPause": 0.1})
+    assert (await rabbit.wait_terminal(task_id)).kind is EventKind.SUCCEEDED
+    [end] = function.calls(task_id, "end")
+    assert end["progress"] == [204, 204]  # reported to 127.0.0.2
+    with pytest.raises(httpx.ConnectError):
+        _get(f"http://127.0.0.1:{port}/tasks/{task_id}/progress/x")
+
+
 async def test_wrong_other_and_expired_tokens_are_refused(
     rabbit: Rabbit, function: FakeFunction, launch: Launch
 ) -> None:

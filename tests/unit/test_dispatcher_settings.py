@@ -167,6 +167,39 @@ def test_every_problem_is_reported_at_once() -> None:
     assert "SHUTDOWN_MODE='later': one of requeue, drain" in str(refused.value)
     with pytest.raises(SettingsError, match="CONCURRENCY must be at least 1; TASK_TIMEOUT"):
         DispatcherSettings.from_env({"CONCURRENCY": "0", "TASK_TIMEOUT": "0"})
+    # Found by a sweep: a value that does not read hid the others' ranges, to be found one
+    # restart at a time.
+    with pytest.raises(SettingsError) as refused:
+        DispatcherSettings.from_env(
+            {"CONCURRENCY": "0", "DRAIN_TIMEOUT": "nan", "SHUTDOWN_MODE": "x"}
+        )
+    assert [p.split(" ")[0].split("=")[0] for p in refused.value.problems] == [
+        "SHUTDOWN_MODE",
+        "CONCURRENCY",
+        "DRAIN_TIMEOUT",
+    ]
+
+
+def test_each_refused_setting_is_a_line_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the gateway prints its own (README): found by a sweep on one line, `; `-joined."""
+    from dispatcher import main
+
+    for variable, value in (
+        ("CONCURRENCY", "abc"),
+        ("PREFETCH_BUFFER", "x"),
+        ("TASK_TIMEOUT", "0"),
+    ):
+        monkeypatch.setenv(variable, value)
+    assert main.main() == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[1].split("=")[0].split(" ")[1] for line in lines] == [
+        "CONCURRENCY",
+        "PREFETCH_BUFFER",
+        "TASK_TIMEOUT",
+    ], lines
+    assert all(line.startswith("error: ") for line in lines)
 
 
 def test_bounds_hold_however_the_settings_are_made() -> None:
@@ -204,6 +237,13 @@ def test_types_and_names() -> None:
         # a sweep: a traceback from logging at start, or, empty, from the node list
         *(("LOG_LEVEL", v) for v in ("debugx", "", "verbose")),
         *(("AMQP_URL", v) for v in ("", " ; ", "garbage", "http://127.0.0.1:5672/")),
+        # a sweep: 0 consumed at once with the function down (its tasks failed), inf waited
+        # for ever; backoffs and intervals a clock cannot hold; a heartbeat AMQP cannot carry
+        *(("FUNCTION_WAIT_TIMEOUT", v) for v in ("0", "inf")),
+        *(("RETRY_BACKOFF", v) for v in ("inf", "1e300")),
+        ("RETRY_BACKOFF_MAX", "inf"),
+        ("PROGRESS_INTERVAL", "inf"),
+        ("AMQP_HEARTBEAT", "65536"),
     ],
 )
 def test_values_the_dispatcher_cannot_run_with_are_refused(variable: str, value: str) -> None:

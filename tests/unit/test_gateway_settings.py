@@ -39,6 +39,7 @@ HOSTILE = [
     ("RESULTS_MEMORY", "0"),
     ("SILENCE_MARGIN", "-5"),
     ("PENDING_TTL", "1e300"),
+    ("AMQP_HEARTBEAT", "65536"),  # AMQP carries a heartbeat in 16 bits
     ("DATABASE_URL", "garbage"),  # libpq reads neither a URL nor a conninfo in it
     ("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/"),  # no database named
     ("DATABASE_URL", "host=127.0.0.1 user=postgres"),

@@ -891,11 +891,25 @@ class _Pacer:
         return min(self._interval, left)
 
 
+def _gateway_url(url: str) -> str:
+    """The gateway's URL as requests use it. http(s) only, checked here: `localhost:8000` is
+    a URL of scheme `localhost` to httpx, and each call would then fail as an unreachable
+    gateway (ridden out 30 s by `wait`). Its userinfo is dropped: the client's own
+    credentials authenticate, and httpx logs every request's URL."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"the gateway's URL is not a URL: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError("the gateway's URL must start with http:// or https:// and name a host")
+    return str(parsed.copy_with(username=None, password=None)).rstrip("/")
+
+
 @dataclass(frozen=True)
 class _Config:
     base_url: str
     client_id: str
-    client_secret: str
+    client_secret: str = field(repr=False)
     timeout: float
 
     @classmethod
@@ -918,10 +932,13 @@ class _Config:
         return REQUEST_TIMEOUTS * self.timeout
 
     def httpx_options(self) -> dict[str, Any]:
+        """No cap on connections: each followed task holds one for its life, and httpx's
+        default pool of 100 made the 101st `wait` fail as an outage (httpx.PoolTimeout)."""
         return {
-            "base_url": self.base_url.rstrip("/"),
+            "base_url": _gateway_url(self.base_url),
             "auth": httpx.BasicAuth(self.client_id, self.client_secret),
             "timeout": self.timeout,
+            "limits": httpx.Limits(max_connections=None, max_keepalive_connections=20),
             "headers": {
                 "User-Agent": f"conveyor-client/{__version__}",
                 "Accept-Encoding": "identity",  # see _uncompressed
@@ -950,9 +967,25 @@ class ConveyorClient(_FromEnv):
         timeout: float = DEFAULT_TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.config = _Config(base_url, client_id, client_secret, timeout)
-        self._http = httpx.Client(transport=transport, **self.config.httpx_options())
-        _bound_sockets(self._http)
+        self.config = _Config(_gateway_url(base_url), client_id, client_secret, timeout)
+        self._transport = transport
+        self._pid = os.getpid()
+        self._client = self._new_client()
+
+    def _new_client(self) -> httpx.Client:
+        http = httpx.Client(transport=self._transport, **self.config.httpx_options())
+        _bound_sockets(http)
+        return http
+
+    @property
+    def _http(self) -> httpx.Client:
+        """The connections of this process: a fork's child (a preload-style parent's client)
+        would send on the parent's pooled sockets, which every child shares, and read other
+        processes' answers. The parent's are left to it, not closed."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._client = self._new_client()
+        return self._client
 
     def _send(self, call: _Call, seconds: float | None = None) -> _Answer:
         """The whole answer, within `seconds` (REQUEST_TIMEOUTS of the client's timeout by
@@ -1124,8 +1157,26 @@ class AsyncConveyorClient(_FromEnv):
         timeout: float = DEFAULT_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.config = _Config(base_url, client_id, client_secret, timeout)
-        self._http = httpx.AsyncClient(transport=transport, **self.config.httpx_options())
+        self.config = _Config(_gateway_url(base_url), client_id, client_secret, timeout)
+        self._transport = transport
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pid = os.getpid()
+        self._client = httpx.AsyncClient(transport=transport, **self.config.httpx_options())
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        """The connections of the running event loop (and process): a connection opened by
+        another loop is bound to it, and once that loop closed (one `asyncio.run` after
+        another) a request sent on it raised RuntimeError for a task then stored. Another
+        loop's connections are left to it: they cannot be closed from this one."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None and self._pid == os.getpid():
+            self._loop = loop
+        elif self._loop is not loop or self._pid != os.getpid():
+            self._loop, self._pid = loop, os.getpid()
+            options = self.config.httpx_options()
+            self._client = httpx.AsyncClient(transport=self._transport, **options)
+        return self._client
 
     async def _send(self, call: _Call, seconds: float | None = None) -> _Answer:
         """The whole answer, within `seconds` (REQUEST_TIMEOUTS of the client's timeout by
@@ -1278,6 +1329,7 @@ class AsyncConveyorClient(_FromEnv):
         return last
 
     async def aclose(self) -> None:
+        """Closes this loop's connections (another, closed loop's are only dropped)."""
         await self._http.aclose()
 
     async def __aenter__(self) -> Self:

@@ -127,10 +127,11 @@ def clean(text: object) -> str:
     return _CONTROL.sub("", str(text))
 
 
-def json_text(value: Any, indent: int | None = 2) -> str:
+def json_text(value: Any, indent: int | None = 2, ascii_only: bool = False) -> str:
     """JSON from the gateway's data for a terminal: the same JSON, every control character
-    in it escaped (json.dumps leaves C1 characters and DEL as they are)."""
-    text = json.dumps(value, indent=indent, ensure_ascii=False)
+    in it escaped (json.dumps leaves C1 characters and DEL as they are); `ascii_only`, every
+    character past ASCII too."""
+    text = json.dumps(value, indent=indent, ensure_ascii=ascii_only)
     return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
@@ -147,8 +148,8 @@ class Credentials:
             )
         try:
             return ConveyorClient(self.gateway, self.client_id, self.client_secret)
-        except httpx.InvalidURL as exc:
-            fail(f"--gateway (CONVEYOR_GATEWAY_URL) is not a URL: {clean(exc)}", 2)
+        except ValueError as exc:
+            fail(f"--gateway (CONVEYOR_GATEWAY_URL): {clean(exc)}", 2)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -287,8 +288,12 @@ def print_json(value: Any, console: Console | None = None) -> None:
     text = json_text(value)
     if console.is_terminal and len(text) <= MAX_HIGHLIGHTED:
         console.print(JSONHighlighter()(Text(text, no_wrap=True)), soft_wrap=True)
-    else:
-        typer.echo(text, file=console.file)
+        return
+    try:
+        text.encode(getattr(console.file, "encoding", None) or "utf-8")
+    except UnicodeEncodeError:  # a stdout in ASCII or Latin-1: the same JSON, escaped
+        text = json_text(value, ascii_only=True)
+    typer.echo(text, file=console.file)
 
 
 def print_outcome(task: Task) -> None:

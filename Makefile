@@ -32,6 +32,7 @@ up: install services
 test: install services
 	@command -v node >/dev/null || bash scripts/ensure-services.sh apt nodejs || true
 	@command -v chromium >/dev/null || bash scripts/ensure-services.sh apt chromium
+	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || bash scripts/ensure-services.sh apt pgbouncer
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 ## ruff, the type checker and the import rules (gateway and dispatcher never import each other)

@@ -69,9 +69,35 @@ def drop_database(database_url: str) -> None:
 _SCHEMA_LOCK = "SELECT pg_advisory_lock(hashtext('conveyor.schema'))"
 
 
+# The schemas holding Conveyor's tables that the session's search_path does not name: an
+# operator's `ALTER ROLE … SET search_path` left them out, and an upgrade would have made a
+# second, empty catalog in the schema named instead (found by a sweep).
+OUT_OF_PATH = (
+    "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+    " WHERE c.relname = 'alembic_version' AND c.relkind = 'r'"
+    " AND to_regclass(format('%I.tasks', n.nspname)) IS NOT NULL"
+    " AND n.nspname <> ALL (current_schemas(false)) AND to_regclass('alembic_version') IS NULL"
+    " ORDER BY 1"
+)
+
+
+class SchemaOutOfPath(Exception):
+    """Conveyor's tables are in a schema the session's search_path does not name."""
+
+    def __init__(self, schemas: list[str], search_path: str) -> None:
+        super().__init__(
+            f"Conveyor's tables are in schema {', '.join(schemas)}, which the session's"
+            f" search_path ({search_path}) does not name: add it (ALTER ROLE … SET search_path),"
+            " rather than migrate again"
+        )
+
+
 def upgrade(database_url: str, revision: str = "head") -> None:
     with psycopg.connect(libpq(database_url), autocommit=True) as holder:
         holder.execute(_SCHEMA_LOCK)  # released when `holder` closes
+        if schemas := [row[0] for row in holder.execute(OUT_OF_PATH)]:
+            search_path = holder.execute("SHOW search_path").fetchone()
+            raise SchemaOutOfPath(schemas, search_path[0] if search_path else "")
         for attempt in _while_locked_out():
             with attempt:
                 command.upgrade(alembic_config(database_url), revision)

@@ -6,7 +6,7 @@ statement is its own transaction; statements that commit together on the hot pat
 open one connection with `connect()`. Only three things are ours: a liveness check that
 pings only a connection that looks dead (readable while idle, or idle for long), instead of a
 round trip per checkout; a connection given back mid-transaction is closed, not reused; and
-every connection has the JIT off (`_set_up`).
+every connection has the same session settings (`set_up`).
 `reconnect_timeout` is short so that after an outage the next checkout retries at once
 rather than waiting out the pool's own backoff.
 
@@ -89,18 +89,33 @@ async def connect(database_url: str, connect_timeout: int = 5) -> psycopg.AsyncC
         row_factory=namedtuple_row,
         connect_timeout=connect_timeout,
     )
-    await _set_up(conn)
+    await set_up(conn)
     return conn
 
 
-async def _set_up(conn: psycopg.AsyncConnection[Any]) -> None:
-    """JSON through conveyor.strict_json, and no JIT: every statement here reads a few rows
-    through an index, but an estimate over a big table woke the JIT, whose compiling cost far
-    more than the statement (the reaper's pass at a million PENDING rows: 0.2-0.3 s of JIT for
-    a scan of three pages)."""
+# What a session's reading depends on, whatever an operator gave the database or the role
+# (`ALTER ROLE … SET`, found by a sweep): psycopg reads dates in ISO only (`SQL, DMY` made every
+# request 500), and conveyor.strict_json reads JSON in UTF-8 (a LATIN1 client_encoding made a
+# stored body unreadable: the outbox relay stopped at its row, with every task behind it); its
+# transactions are written for READ COMMITTED (`serializable` refused two thirds of concurrent
+# submissions as serialization failures, answered 503). And
+# no JIT: every statement here reads a few rows through an index, but an estimate over a big
+# table woke the JIT, whose compiling cost far more than the statement (the reaper's pass at a
+# million PENDING rows: 0.2-0.3 s of JIT for a scan of three pages).
+_SESSION = (
+    "SELECT set_config('jit', 'off', false) AS jit,"
+    " set_config('DateStyle', 'ISO, MDY', false) AS dates,"
+    " set_config('IntervalStyle', 'postgres', false) AS intervals,"
+    " set_config('client_encoding', 'UTF8', false) AS encoding,"
+    " set_config('default_transaction_isolation', 'read committed', false) AS isolation"
+)
+
+
+async def set_up(conn: psycopg.AsyncConnection[Any]) -> None:
+    """JSON through conveyor.strict_json, and the session's settings (_SESSION)."""
     set_json_dumps(strict_json.dumps, conn)
     set_json_loads(strict_json.loads, conn)
-    await conn.execute("SET jit = off")
+    await conn.execute(_SESSION)
 
 
 async def commits(conn: psycopg.AsyncConnection[Any]) -> bool:
@@ -239,7 +254,7 @@ class Pool:
         await self._pool.close()  # a no-op if never opened
 
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        await _set_up(conn)
+        await set_up(conn)
         await conn.execute(_LIMITS, self._limits)
         self._since[conn] = time.monotonic()
 

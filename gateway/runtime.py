@@ -26,7 +26,7 @@ from gateway.credentials import Credentials
 from gateway.hearing import Hearing
 from gateway.housekeeping import reaper_loop
 from gateway.intake import Intake
-from gateway.listener import Listener
+from gateway.listener import PROBE_CHANNEL, Listener
 from gateway.notifier import Notifier
 from gateway.outbox import Outbox
 from gateway.pgpool import Pool, commits
@@ -51,7 +51,7 @@ class Runtime:
             settings.database_url, settings.db_pool_size, use_timeout=settings.db_timeout
         )
         self.intake = Intake(self.pool, settings.outbox_grace)
-        self.listener = Listener(settings.database_url)  # one LISTEN connection
+        self.listener = Listener(settings.database_url, probe=self._probe)  # one LISTEN
         self.access = AccessCache(self.pool, self.listener)
         self.task_events = TaskEvents(self.listener)
         self.broker = Broker(
@@ -239,7 +239,14 @@ class Runtime:
             "schema": self.schema_problem is None,
             "broker": self.broker.connected,
             "loops": not self.loops.down(),
+            "notifications": self.listener.deaf is None,
         }
+
+    async def _probe(self, payload: str) -> None:
+        """The listener's probe (gateway.listener), sent as any NOTIFY is: on a pool's
+        connection, another server session than the listener's."""
+        async with self.pool.connection() as conn:
+            await conn.execute("SELECT pg_notify(%s, %s)", [PROBE_CHANNEL, payload])
 
     def problems(self) -> dict[str, dict[str, str] | str | None]:
         """What /readyz names: the schema the database lacks, loops waiting for a restart,
@@ -247,6 +254,7 @@ class Runtime:
         whose queues exist with other arguments (their results are still consumed)."""
         return {
             "schema": self.schema_problem,
+            "notifications": self.listener.deaf,
             "loops": self.loops.down(),
             "failing": self.loops.failing(),
             "services": self.results.broken(),

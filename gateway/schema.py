@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from alembic.script import ScriptDirectory
 
-from gateway.migrate import MIGRATIONS
+from gateway.migrate import MIGRATIONS, OUT_OF_PATH, SchemaOutOfPath
 
 # What a statement meets on a schema older than the code (a table or a column not made yet).
 MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)
@@ -36,6 +36,10 @@ async def problem(conn: psycopg.AsyncConnection[Any]) -> str | None:
     try:
         row = await (await conn.execute("SELECT version_num FROM alembic_version")).fetchone()
     except psycopg.errors.UndefinedTable:
+        schemas = [row[0] for row in await (await conn.execute(OUT_OF_PATH)).fetchall()]
+        if schemas:
+            search_path = await (await conn.execute("SHOW search_path")).fetchone()
+            return str(SchemaOutOfPath(schemas, search_path[0] if search_path else ""))
         return f"the database has no Conveyor schema: {UPGRADE}"
     try:
         head, known = _revisions()

@@ -15,10 +15,18 @@ def explain(exc: BaseException) -> str | None:
         import psycopg
         from alembic.util import CommandError
 
+        from gateway.migrate import SchemaOutOfPath
         from gateway.schema import UPGRADE
     except ModuleNotFoundError:
         return None
     exc = getattr(exc, "orig", None) or exc  # what SQLAlchemy wrapped (a migration's)
+    if isinstance(exc, SchemaOutOfPath):
+        return str(exc)
+    if isinstance(exc, psycopg.errors.InvalidSchemaName):
+        return (
+            f"the session's search_path names no schema to create Conveyor's tables in: set it"
+            f" (ALTER ROLE … SET search_path) to one that exists, then {UPGRADE}"
+        )
     if isinstance(exc, psycopg.errors.LockNotAvailable):
         return (
             "a long transaction holds a lock on a table the migration changes (each try waits"

@@ -360,6 +360,7 @@ def test_operations_endpoints(gateway: GatewayProcess) -> None:
             "schema": True,
             "broker": True,
             "loops": True,
+            "notifications": True,
         }
         assert "conveyor_gateway_requests_total" in http.get("/metrics").text
         spec = http.get("/openapi.json").json()

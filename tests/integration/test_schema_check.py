@@ -6,6 +6,9 @@ Real processes on databases of the test's own (never the session's).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from functools import partial
 
@@ -15,7 +18,7 @@ import pytest
 from conveyor import topology
 from conveyor.events import EventKind, TaskEvent, encode_event
 from gateway.migrate import downgrade, upgrade
-from tests.support.amqp import publish, remove_service, scratch_database
+from tests.support.amqp import alter_database, publish, remove_service, scratch_database
 from tests.support.gateway import GatewayProcess, Platform, gateway_env
 from tests.support.processes import Processes
 
@@ -159,3 +162,38 @@ def test_a_gateway_whose_schema_went_back_takes_no_result_until_it_is_back(
         finally:
             procs.stop_all()
             remove_service(platform, amqp_url, svc)
+
+
+def test_a_search_path_without_conveyors_schema_is_named_and_upgrade_makes_no_second_one(
+    database_url: str, amqp_url: str, procs: Processes
+) -> None:
+    """`ALTER ROLE|DATABASE … SET search_path` to a schema without Conveyor's tables (found by
+    a sweep): the gateway said to run `conveyor db upgrade`, which printed a traceback of 141
+    lines (no schema to create in) or, with CREATE on that schema, made a second, empty
+    catalog there that the gateway then served: ready, every client refused, every PENDING
+    task out of sight. Both now name the schema holding the tables; the upgrade makes none."""
+    with scratch_database(database_url) as url:
+        platform = Platform(url)
+        platform.sql("CREATE SCHEMA elsewhere")
+        alter_database(database_url, url, "SET search_path = 'elsewhere'")
+        env = {**os.environ, "CONVEYOR_DATABASE_URL": url}
+        ran = subprocess.run(
+            [sys.executable, "-m", "conveyor", "db", "upgrade"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ran.returncode == 1, (ran.stdout, ran.stderr)
+        lines = ran.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), ran.stderr
+        assert "public" in lines[0] and "search_path" in lines[0], lines
+        made = platform.sql("SELECT count(*) FROM pg_tables WHERE schemaname = 'elsewhere'")
+        assert made[0][0] == 0
+
+        gateway = GatewayProcess(procs, gateway_env(url, amqp_url))
+        with gateway.http() as http:
+            ready = http.get("/readyz")
+            assert ready.status_code == 503, ready.text
+            said = ready.json()["data"]["schema"]
+            assert "public" in said and "search_path" in said and UPGRADE not in said, said

@@ -13,8 +13,9 @@ their own, on free ports, with their own data directories, and kill those by pid
 * `PostgresServer`: one PostgreSQL cluster (`initdb`, run as the `postgres` user
   when we are root), `kill()` SIGKILLs the postmaster and its backends, `start()`
   recovers from the crash.
+* `PgBouncer`: a PgBouncer in front of a PostgreSQL server, in session or transaction mode.
 
-Both clean up after themselves (`stop()`, and at interpreter exit).
+All clean up after themselves (`stop()`, and at interpreter exit).
 """
 
 from __future__ import annotations
@@ -447,6 +448,58 @@ class PostgresServer:
 
     def stop(self) -> None:
         self.shut_down()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+class PgBouncer:
+    """PgBouncer in `mode` (session, transaction) in front of the server of `database_url`,
+    which every database name reaches; `url(database_url)` is that URL through it. Run as
+    the `postgres` user when we are root (it refuses root)."""
+
+    def __init__(self, database_url: str, mode: str) -> None:
+        from urllib.parse import urlsplit
+
+        found = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
+        if not found:
+            raise RuntimeError("pgbouncer is not installed")
+        server = urlsplit(database_url)
+        self.user = server.username or "postgres"
+        self.base = Path(tempfile.mkdtemp(prefix="conveyor-pgbouncer-"))
+        self.port = free_port()
+        (self.base / "users.txt").write_text(f'"{self.user}" "{server.password or ""}"\n')
+        (self.base / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"* = host={server.hostname or '127.0.0.1'} port={server.port or 5432}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            f"auth_type = trust\nauth_file = {self.base / 'users.txt'}\npool_mode = {mode}\n"
+            f"max_client_conn = 200\ndefault_pool_size = 20\nlogfile = {self.base / 'log'}\n"
+        )
+        command = [found, str(self.base / "pgbouncer.ini")]
+        if os.geteuid() == 0:
+            shutil.chown(self.base, "postgres", "postgres")
+            for path in self.base.iterdir():
+                shutil.chown(path, "postgres", "postgres")
+            command[1:1] = ["-u", "postgres"]
+        self._proc = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        atexit.register(self.stop)
+        _wait_port(self.port, 30)
+
+    def url(self, database_url: str) -> str:
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(database_url)
+        return urlunsplit(parts._replace(netloc=f"{self.user}@127.0.0.1:{self.port}"))
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
         shutil.rmtree(self.base, ignore_errors=True)
 
 

@@ -132,7 +132,11 @@ class TaskEvents:
         self.listener = listener
         self._tasks: dict[str, _Task] = {}
         self._reads: asyncio.Semaphore | None = None  # sized from the pool at the first read
-        listener.subscribe(CHANNEL, self._changed, on_connected=self._reconnected)
+        # Lost: a stream waiting out its heartbeat would keep waiting (15 s of changes unsent,
+        # found by a sweep); woken, each reads again and then re-reads every UNHEARD_POLL.
+        listener.subscribe(
+            CHANNEL, self._changed, on_connected=self._reconnected, on_lost=self._wake_all
+        )
         # A grant revoked, a client deleted or its secret changed: every stream reads again,
         # which checks its client's credentials and access first, and ends the ones that
         # lost them.

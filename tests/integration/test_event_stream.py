@@ -17,13 +17,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from conveyor.client import AsyncConveyorClient, ConveyorClient, Task, TaskWaitTimeout
 from tests.security.helpers import auth_header, request_bytes
-from tests.support.amqp import wait_until
+from tests.support.amqp import own_gateway, wait_until
 from tests.support.gateway import (
     Client,
     GatewayProcess,
@@ -33,6 +34,7 @@ from tests.support.gateway import (
     gateway_env,
 )
 from tests.support.processes import Processes
+from tests.support.servers import PostgresServer
 from tests.support.tcpproxy import TcpProxy
 
 
@@ -668,3 +670,41 @@ def test_a_gateway_stopping_ends_its_open_streams_cleanly(
         assert '"level": "error"' not in logs.lower().replace('"level":"', '"level": "')
     finally:
         procs.stop_all()
+
+
+@pytest.mark.timeout(150)
+def test_a_stream_waiting_its_heartbeat_polls_once_the_listener_is_lost(
+    amqp_url: str, procs: Processes
+) -> None:
+    """The listener's connection ended and kept from coming back (the gateway's role at its
+    connection limit), the pool's still serving: a stream already waiting out its heartbeat
+    (15 s) kept waiting, and the task's changes meanwhile went unsent until then (found by a
+    sweep). Losing the listener now wakes every stream, which then re-reads every second."""
+    server = PostgresServer().start()
+    try:
+        server.sql("CREATE ROLE gw LOGIN CREATEDB")
+        role_url = f"postgresql://gw@127.0.0.1:{server.port}/postgres"
+        with own_gateway(role_url, amqp_url, procs, CONVEYOR_DB_POOL_SIZE="2") as (gw, svc, pf):
+            task_id = _submit(gw, svc)
+            reader = Reader(gw, svc.clients[0], _events_url(gw, svc.name, task_id))
+            reader.wait_for(1)
+            time.sleep(0.5)  # the stream waits for a change, or its heartbeat
+            database = urlsplit(pf.database_url).path.lstrip("/")
+            admin = Platform(f"postgresql://postgres@127.0.0.1:{server.port}/{database}")
+            admin.sql("ALTER ROLE gw CONNECTION LIMIT 2")  # the pool's two, no third
+            admin.sql(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = 'conveyor-listener'"
+            )
+            with gw.http() as http:
+                wait_until(
+                    lambda: "listener" in http.get("/readyz").json()["data"]["failing"],
+                    10,
+                    what="the listener down",
+                )
+            _set(admin, task_id, status="IN_PROGRESS", progress=50.0, start_date="now()")
+            events = reader.wait_for(2, timeout=5)  # was: at the heartbeat, 15 s
+            assert events[-1][1]["progress"] == 50.0, events
+            reader.close()
+    finally:
+        server.stop()

@@ -101,6 +101,8 @@ TimeoutOpt = Annotated[
 ]
 
 
+# The bytes of a command line its locale could not decode, each kept as a lone surrogate.
+_UNDECODED = re.compile("[\udc80-\udcff]")
 # C0 and C1 control characters and DEL, but newline and tab.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # A URL's userinfo (`user:password@`), up to the authority's last '@'.
@@ -194,6 +196,8 @@ def _read_json(text: str, option: str) -> Any:
     try:
         if text == "-" or text.startswith("@"):
             text = read_text(text.removeprefix("@"))
+        elif _UNDECODED.search(text):  # a locale not UTF-8 (LC_ALL=C): its bytes, as UTF-8
+            text = os.fsencode(text).decode("utf-8")
         # A strict stdin raises UnicodeDecodeError; the command line and a surrogateescape
         # stdin (POSIX) keep each byte that is not UTF-8 as a lone surrogate: encode refuses it.
         text.encode("utf-8")

@@ -22,6 +22,7 @@ from rich.console import Console
 from conveyor.cli import task as task_cli
 from conveyor.client import AsyncConveyorClient, ConveyorClient
 from tests.unit import test_client_following as following
+from tests.unit import test_client_hostile_gateway as hostile
 from tests.unit.test_client_following import PENDING, SUCCESS, TASK_ID, Handler, event
 
 serve = following.serve  # the fixture: serve(script) starts a Gateway
@@ -178,3 +179,19 @@ def test_the_cli_prints_a_non_ascii_result_to_a_stdout_that_is_not_utf8(encoding
     task_cli.print_json(value, Console(file=stdout, force_terminal=False))
     stdout.flush()
     assert json.loads(raw.getvalue().decode(encoding)) == value
+
+
+def test_the_cli_reads_a_utf8_body_from_a_command_line_its_locale_cannot_decode(
+    serve: Any,
+) -> None:
+    """`LC_ALL=C PYTHONUTF8=0 conveyor task submit svc --body '{"n": "é"}'`: Python decoded the
+    command line as ASCII, keeping each byte past it as a lone surrogate, and the CLI refused
+    valid UTF-8 as "not UTF-8". Such bytes are read back as UTF-8 now (only bytes that are
+    not UTF-8 are refused)."""
+    gateway = serve(submitted_as_marked)
+    body = '{"marker": "\udcc3\udca9"}'  # b'\xc3\xa9', "é" in UTF-8, as ASCII decoded it
+    result = hostile.cli(gateway.url, "submit", "svc", "--body", body, "-q")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == task_of("é")
+    refused = hostile.cli(gateway.url, "submit", "svc", "--body", '{"marker": "\udce9"}')
+    assert refused.exit_code == 2 and "not UTF-8" in refused.stderr, refused.output

@@ -98,10 +98,10 @@ async def connect(database_url: str, connect_timeout: int = 5) -> psycopg.AsyncC
 # request 500), and conveyor.strict_json reads JSON in UTF-8 (a LATIN1 client_encoding made a
 # stored body unreadable: the outbox relay stopped at its row, with every task behind it); its
 # transactions are written for READ COMMITTED (`serializable` refused two thirds of concurrent
-# submissions as serialization failures, answered 503). And
-# no JIT: every statement here reads a few rows through an index, but an estimate over a big
-# table woke the JIT, whose compiling cost far more than the statement (the reaper's pass at a
-# million PENDING rows: 0.2-0.3 s of JIT for a scan of three pages).
+# submissions as serialization failures, answered 503). And no JIT: every statement here reads
+# a few rows through an index, but an estimate over a big table woke the JIT, whose compiling
+# cost far more than the statement (the reaper's pass at a million PENDING rows: 0.2-0.3 s of
+# JIT for a scan of three pages).
 _SESSION = (
     "SELECT set_config('jit', 'off', false) AS jit,"
     " set_config('DateStyle', 'ISO, MDY', false) AS dates,"

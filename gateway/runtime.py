@@ -249,7 +249,8 @@ class Runtime:
             await conn.execute("SELECT pg_notify(%s, %s)", [PROBE_CHANNEL, payload])
 
     def problems(self) -> dict[str, dict[str, str] | str | None]:
-        """What /readyz names: the schema the database lacks, loops waiting for a restart,
+        """What /readyz names: the schema the database lacks, why NOTIFY is not heard (a
+        pooler in transaction mode, gateway.listener), loops waiting for a restart,
         loops whose last pass failed (not a reason for 503: see gateway.supervisor), services
         whose queues exist with other arguments (their results are still consumed)."""
         return {

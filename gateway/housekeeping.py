@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -144,10 +143,6 @@ async def _delete_in_batches(
             return total, batches
 
 
-# A reaper pass this late (seconds past its interval) means the process was not running: the
-# watchdog's silence then counts from now (found by a black-box test: a gateway thawed after a
-# SIGSTOP failed tasks whose results waited on `-out`, its pass coming before their read).
-LATE_PASS = 5.0
 TELL_PATIENCE = 10.0  # for telling the dispatchers of the watchdog's failures, all services
 
 
@@ -167,48 +162,64 @@ async def reaper_loop(
     tasks go to `on_abandoned` once their failure is committed: their dispatchers are told.
     `takes_results` asks the broker whether a worker could publish a result now: while an
     alarm blocks publishes (the connection up), silence counts from the pass after it."""
-    while True:
-        try:
-            if takes_results is not None and not await takes_results():
-                hearing.restarted()  # asked before the connection is taken: it may wait
-            async with pool.connection(MAINTENANCE_TIMEOUT) as conn:  # one statement each
-                expired = await lifecycle.expire_pending(conn, ttl)
-                abandoned: dict[str, list[uuid.UUID]] = {}
-                heard_since = hearing.since()  # read now: the statements above may have waited
-                if heard_since is not None:
-                    async with conn.transaction():  # their cancels kept with their failure
-                        abandoned = await lifecycle.abandon_silent(
-                            conn, silence_margin, heard_since
+    with hearing.keeping_time():  # what tells it the process did not run
+        while True:
+            try:
+                expired, abandoned = await _reap(pool, ttl, hearing, silence_margin, takes_results)
+                _count(expired, abandoned, on_expired)
+                if abandoned and on_abandoned is not None:
+                    try:  # best effort, bounded: the next pass must not wait on the broker
+                        async with asyncio.timeout(TELL_PATIENCE):
+                            await on_abandoned(abandoned)
+                    except Exception as exc:  # TimeoutError too: the tasks stay ended
+                        log.warning(
+                            "watchdog's failures not told", extra={"error": logs.describe(exc)}
                         )
-                        await cancel.keep_ended(conn, abandoned)
-                await compact_backlog(conn)
-            silent_per_service = {service: len(ids) for service, ids in abandoned.items()}
-            for failed in (expired, silent_per_service):  # no durations: the platform ended them
-                for service, count in failed.items():
-                    metrics.task_finished(service, "FAILURE", None, None, count)
-            reaped, silent = sum(expired.values()), sum(silent_per_service.values())
-            if reaped:
-                metrics.REAPED.inc(reaped)
-                log.info("expired pending tasks", extra={"count": reaped})
-            if silent:
-                metrics.ABANDONED.inc(silent)
-                log.warning("failed silent in-progress tasks", extra={"count": silent})
-            if reaped or silent:
-                on_expired()
-            if abandoned and on_abandoned is not None:
-                try:  # best effort, bounded: the reaper's next pass must not wait on the broker
-                    async with asyncio.timeout(TELL_PATIENCE):
-                        await on_abandoned(abandoned)
-                except Exception as exc:  # TimeoutError too: the tasks stay ended
-                    log.warning("watchdog's failures not told", extra={"error": logs.describe(exc)})
-            supervisor.pass_succeeded()
-        except Exception as exc:
-            supervisor.pass_failed(exc)
-            log.warning("reaper pass failed", extra={"error": logs.describe(exc)})
-        paused = time.monotonic()
-        await asyncio.sleep(interval)
-        if (late := time.monotonic() - paused - interval) > LATE_PASS:
-            # The process did not run (frozen, a paused VM): results that waited on `-out`
-            # meanwhile are only now being read, and this pass would come first.
-            hearing.restarted()
-            log.warning("reaper pass late; silence counts from now", extra={"late_s": late})
+                supervisor.pass_succeeded()
+            except Exception as exc:
+                supervisor.pass_failed(exc)
+                log.warning("reaper pass failed", extra={"error": logs.describe(exc)})
+            await asyncio.sleep(interval)
+
+
+async def _reap(
+    pool: Pool,
+    ttl: float,
+    hearing: Hearing,
+    silence_margin: float,
+    takes_results: Callable[[], Awaitable[bool]] | None,
+) -> tuple[dict[str, int], dict[str, list[uuid.UUID]]]:
+    """One pass: the PENDING expired per service, the IN_PROGRESS failed per service."""
+    if takes_results is not None and not await takes_results():
+        hearing.restarted()  # asked before the connection is taken: it may wait
+    abandoned: dict[str, list[uuid.UUID]] = {}
+    async with pool.connection(MAINTENANCE_TIMEOUT) as conn:  # one statement each
+        expired = await lifecycle.expire_pending(conn, ttl)
+        heard_since = hearing.since()  # read now: the statements above may have waited
+        if heard_since is not None:
+            async with conn.transaction():  # their cancels kept with their failure
+                abandoned = await lifecycle.abandon_silent(conn, silence_margin, heard_since)
+                await cancel.keep_ended(conn, abandoned)
+                if hearing.since() != heard_since:  # it changed meanwhile (e.g. a stall)
+                    abandoned = {}
+                    raise psycopg.Rollback()
+        await compact_backlog(conn)
+    return expired, abandoned
+
+
+def _count(
+    expired: dict[str, int], abandoned: dict[str, list[uuid.UUID]], on_expired: Callable[[], None]
+) -> None:
+    silent_per_service = {service: len(ids) for service, ids in abandoned.items()}
+    for failed in (expired, silent_per_service):  # no durations: the platform ended them
+        for service, count in failed.items():
+            metrics.task_finished(service, "FAILURE", None, None, count)
+    reaped, silent = sum(expired.values()), sum(silent_per_service.values())
+    if reaped:
+        metrics.REAPED.inc(reaped)
+        log.info("expired pending tasks", extra={"count": reaped})
+    if silent:
+        metrics.ABANDONED.inc(silent)
+        log.warning("failed silent in-progress tasks", extra={"count": silent})
+    if reaped or silent:
+        on_expired()

@@ -196,31 +196,46 @@ def _released(gateway: GatewayProcess) -> float:
     )
 
 
+@pytest.mark.parametrize("mid_pass", [False, True], ids=["between-passes", "mid-pass"])
 def test_a_gateway_frozen_past_the_limit_does_not_fail_tasks_whose_results_wait(
-    procs: Processes, make_service: Any, database_url: str, amqp_url: str
+    procs: Processes, make_service: Any, database_url: str, amqp_url: str, mid_pass: bool
 ) -> None:
     """Found by a black-box test: a gateway frozen (SIGSTOP) longer than a task's limit ran
     its overdue reaper pass first thing once thawed, before it read the results that had
     waited on `-out`, and failed tasks that had succeeded: nothing told its hearing that
-    the process had not been running. A pass that comes late says so: silence counts again
-    from then."""
+    the process had not been running. Then found in CI: frozen in the middle of a pass
+    (here: its first statement waits on a table lock, released while it is frozen), the pass
+    went on with the silence counted from before. Hearing watches the event loop's clock, and
+    the watchdog's transaction is rolled back when hearing changed while it ran."""
     gateway = GatewayProcess(
         procs,
         gateway_env(
-            database_url, amqp_url, CONVEYOR_SILENCE_MARGIN="2", CONVEYOR_REAPER_INTERVAL="0.3"
+            database_url,
+            amqp_url,
+            CONVEYOR_SILENCE_MARGIN="2",
+            CONVEYOR_REAPER_INTERVAL="0.3",
+            CONVEYOR_DB_TIMEOUT="60",
         ),
         "gateway-frozen",
     )
     service = make_service(taskTimeout=1, maxAttempts=1)
     task_ids = [_running(gateway, service, amqp_url, host=f"pod-{n}") for n in range(5)]
     pid = gateway.proc.popen.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        for task_id in task_ids:  # their workers answer while the gateway is frozen
-            _send(amqp_url, service, EventKind.SUCCEEDED, task_id, attempt="a1", response={"n": 1})
-        time.sleep(6)  # past each task's limit and margin (3 s)
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    with psycopg.connect(libpq(database_url)) as holder:
+        if mid_pass:
+            holder.execute("LOCK TABLE tasks IN SHARE MODE")  # the reaper's UPDATEs wait
+            time.sleep(1)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for task_id in task_ids:  # their workers answer while the gateway is frozen
+                _send(
+                    amqp_url, service, EventKind.SUCCEEDED, task_id, attempt="a1", response={"n": 1}
+                )
+            time.sleep(6)  # past each task's limit and margin (3 s)
+            holder.rollback()  # the pass goes on at once: its statement's answer waits
+            time.sleep(0.5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
     for task_id in task_ids:
         assert _until(gateway, service, task_id, "SUCCESS")["response"] == {"n": 1}
 

@@ -224,6 +224,13 @@ class Subscription:
 # under `failing`) and the next one starts from a fresh channel.
 REFRESH_LIMIT = 60.0
 
+# How long a consumer's making or cancelling may take: aio-pika's robust channel waits, before
+# each, for the channel to be restored, and a channel closed meanwhile (replaced by a refresh)
+# is never restored. A pace raising a prefetch on the channel a refresh had just replaced
+# waited for good, holding `_pacing`: no result was applied again, and every refresh after it
+# stalled (found in CI: a queueName changed while results flowed).
+CONSUMER_LIMIT = 10.0
+
 
 class RefreshStalled(Exception):
     """A refresh of the subscriptions did not end within REFRESH_LIMIT."""
@@ -582,9 +589,12 @@ class ResultConsumer:
         return receive
 
     async def _consume(self, queue: AbstractQueue, dead: bool, prefetch: int) -> Consumer:
-        """A service's result queue consumed with `prefetch`, paced from now on."""
+        """A service's result queue consumed with `prefetch`, paced from now on (unless its
+        channel was replaced meanwhile: the fresh one's subscriptions pace their own)."""
+        generation = self._generation
         tag = await self._consumed(queue, self._receiver(queue.name, dead), prefetch)
-        self._pace[queue.name] = _Pace(queue, tag, dead, prefetch)
+        if self._generation == generation:
+            self._pace[queue.name] = _Pace(queue, tag, dead, prefetch)
         return queue, tag
 
     async def _consumed(
@@ -599,14 +609,17 @@ class ResultConsumer:
         reconnection gives the consumers it restores."""
         channel = queue.channel
         async with self._qos:
-            await channel.set_qos(prefetch_count=prefetch)
+            await asyncio.wait_for(channel.set_qos(prefetch_count=prefetch), CONSUMER_LIMIT)
             try:
                 if robust:
-                    tag = await queue.consume(receiver)
+                    consuming = queue.consume(receiver)
                 else:
-                    tag = await cast(AbstractRobustQueue, queue).consume(receiver, robust=False)
+                    consuming = cast(AbstractRobustQueue, queue).consume(receiver, robust=False)
+                tag = await asyncio.wait_for(consuming, CONSUMER_LIMIT)
             finally:
-                await channel.set_qos(prefetch_count=START_PREFETCH)
+                await asyncio.wait_for(
+                    channel.set_qos(prefetch_count=START_PREFETCH), CONSUMER_LIMIT
+                )
         self._made[tag] = queue
         return tag
 
@@ -644,7 +657,10 @@ class ResultConsumer:
             await self._pace_each()
 
     async def _pace_each(self) -> None:
+        generation = self._generation
         for pace in list(self._pace.values()):
+            if self._generation != generation:
+                return  # the channel replaced meanwhile, its paces with it: the fresh one's own
             fits = max(1, min(PREFETCH, (self._memory // 2) // max(1, pace.largest)))
             if not pace.paused:
                 # Four times at most: from 1 to 400 on one small result, a queue whose next
@@ -665,6 +681,8 @@ class ResultConsumer:
                 # channel aio-pika reopened restored no consumer it had been told was cancelled:
                 # the queue was never consumed again (found by a sweep).
                 pace.cancelled = True
+                if self._generation != generation:
+                    return
             try:
                 await self._consume(pace.queue, pace.dead, fits)  # its new pace replaces this one
             except Exception as exc:  # the connection lost: the next batch or refresh tries
@@ -681,7 +699,7 @@ class ResultConsumer:
 
     async def _cancel(self, pace: _Pace) -> None:
         try:
-            await pace.queue.cancel(pace.tag)
+            await asyncio.wait_for(pace.queue.cancel(pace.tag), CONSUMER_LIMIT)
         except Exception as exc:  # a channel closed meanwhile took the consumer with it
             log.debug("consumer not cancelled", extra={"error": logs.describe(exc)})
 
@@ -1090,8 +1108,8 @@ def _result_queues(queue_name: str) -> list[tuple[str, bool]]:
 async def _consumer_tags(channel: AbstractChannel) -> set[str]:
     """The consumers the broker still delivers to on the channel: it cancels the consumers
     of a deleted queue, and a channel restored after a reconnection has its robust ones only."""
-    underlay = cast(aiormq.Channel, await channel.get_underlay_channel())
-    return set(underlay.consumers)
+    underlay = await asyncio.wait_for(channel.get_underlay_channel(), CONSUMER_LIMIT)
+    return set(cast(aiormq.Channel, underlay).consumers)
 
 
 def _counted(kind: str, outcome: lifecycle.Outcome) -> bool:

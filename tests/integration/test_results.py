@@ -592,6 +592,7 @@ def test_catalog_changes_while_results_flow_crash_nothing_and_move_each_submissi
     moved = Service(svc.name, f"{svc.queue_name}-moved", svc.clients)
     names = [other.queue_name]
     flooding = threading.Event()
+    leftovers: list[Service] = []
 
     def flood() -> None:  # results a batch at a time, all along
         for _ in range(20):
@@ -620,10 +621,19 @@ def test_catalog_changes_while_results_flow_crash_nothing_and_move_each_submissi
         moved_ids = [decode_submission(m, svc.name).task_id for m in taken]
         assert sorted(moved_ids) == sorted(waiting), "each waiting submission moved once"
         assert [_restarts(g) for g in replicas] == before
+        # Every replica still subscribes: in CI one replica's results pacing waited for good on
+        # a channel a refresh had replaced, and no later service was ever consumed there.
+        later = Service(f"{svc.name}-later", f"{svc.queue_name}-later", svc.clients)
+        leftovers.append(later)
+        platform.apply({"services": [{"name": later.name, "queueName": later.queue_name}]})
+        later_out = topology.out_queue(later.queue_name)
+        wait_until(lambda: consumer_count(amqp_url, later_out) == len(replicas), 30, what="later")
     finally:
         remove_service(platform, amqp_url, moved)
         for name in names:
             remove_service(platform, amqp_url, Service(other.name, name, svc.clients))
+        for leftover in leftovers:
+            remove_service(platform, amqp_url, leftover)
 
 
 @pytest.mark.timeout(60)

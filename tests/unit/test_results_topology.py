@@ -188,3 +188,43 @@ def test_a_refresh_that_never_ends_is_cut_named_failing_and_its_channel_replaced
     assert len(calls) >= 3 and calls[1] - calls[0] >= 0.2, calls
     assert "results-subscriptions" in failing, failing
     assert old.closed and consumer._channel is None
+
+
+class _Unrestored:
+    """A robust channel closed while it waited to be restored: every call waits for a restore
+    that never comes (aio-pika's `RobustChannel.ready`)."""
+
+    is_closed = False
+
+    async def set_qos(self, **_: Any) -> None:
+        await asyncio.Event().wait()
+
+
+class _QueueOnIt:
+    name = "svc.out"
+
+    def __init__(self) -> None:
+        self.channel = _Unrestored()
+
+    async def cancel(self, tag: str) -> None:
+        await asyncio.Event().wait()
+
+
+def test_a_pace_on_a_channel_that_is_never_restored_gives_up_and_frees_the_next_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each call a pace makes on its channel is bounded: one that waited for good held
+    `_pacing`, and with it the loop applying results and every refresh (found in CI)."""
+    monkeypatch.setattr(results, "CONSUMER_LIMIT", 0.2)
+    consumer = _consumer(None)
+    queue = _QueueOnIt()
+    consumer._channel = queue.channel  # type: ignore[assignment]
+    pace = results._Pace(queue, "tag", dead=False, prefetch=1, seen=1, largest=10)  # type: ignore[arg-type]
+    consumer._pace[queue.name] = pace
+
+    async def run() -> bool:
+        await asyncio.wait_for(consumer._pace_queues(), 2.0)
+        return consumer._pacing.locked()
+
+    assert asyncio.run(run()) is False
+    assert pace.cancelled, "the next batch or refresh makes its consumer"

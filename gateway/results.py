@@ -413,11 +413,15 @@ class ResultConsumer:
             self._made = {tag: q for tag, q in self._made.items() if tag in held}  # the rest ended
             for tag, queue in strays.items():
                 try:
-                    if queue is not None:
-                        await queue.cancel(tag)  # and forgotten by its queue's restore
+                    if queue is not None:  # and forgotten by its queue's restore
+                        await asyncio.wait_for(queue.cancel(tag), CONSUMER_LIMIT)
                     else:
-                        underlay = cast(aiormq.Channel, await channel.get_underlay_channel())
-                        await underlay.basic_cancel(tag)
+                        underlay = await asyncio.wait_for(
+                            channel.get_underlay_channel(), CONSUMER_LIMIT
+                        )
+                        await cast(aiormq.Channel, underlay).basic_cancel(
+                            tag, timeout=CONSUMER_LIMIT
+                        )
                 except Exception as exc:  # the channel closed meanwhile: nothing to cancel
                     log.debug("consumer not cancelled", extra={"error": logs.describe(exc)})
                     return

@@ -4,7 +4,9 @@ It is what a person uses to try a service by hand: submit a body, then watch the
 task move PENDING -> IN_PROGRESS -> SUCCESS/FAILURE with a live progress bar.
 Credentials and the gateway come from CONVEYOR_GATEWAY_URL, CONVEYOR_CLIENT_ID and
 CONVEYOR_CLIENT_SECRET (or the matching options). Errors print the gateway's
-error number and description and exit 1, never a traceback. Text from the gateway is
+error number and description and exit 1, never a traceback. `watch` and `submit --wait` exit
+0 on SUCCESS, 1 on FAILURE, and GAVE_UP (124, as `timeout(1)` does) when `--timeout` passed
+first: a script tells a task still running from one that failed. Text from the gateway is
 printed without its control characters (an escape sequence would drive the terminal), and cut
 at MAX_SHOWN characters; the gateway's URL without its userinfo (a password).
 """
@@ -96,7 +98,7 @@ TimeoutOpt = Annotated[
         "--timeout",
         parser=parse_timeout,
         metavar="SECONDS",
-        help="Give up after this many seconds.",
+        help="Give up after this many seconds (exit code 124).",
     ),
 ]
 
@@ -154,6 +156,10 @@ class Credentials:
             fail(f"--gateway (CONVEYOR_GATEWAY_URL): {clean(exc)}", 2)
 
 
+# The exit code of a wait that ended before its task did (`--timeout`).
+GAVE_UP = 124
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     err.print(Text.assemble(("error:", "red"), " ", message), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -183,7 +189,7 @@ def reported_errors(gateway: str) -> Iterator[None]:
         fail(f"unreadable answer from the gateway at {shown_url(gateway)}: {clean(exc)}")
     except TaskWaitTimeout as exc:
         task = exc.task
-        fail(f"gave up waiting: task {clean(task.task_id)} is still {clean(task.status)}")
+        fail(f"gave up waiting: task {clean(task.task_id)} is still {clean(task.status)}", GAVE_UP)
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130) from None
@@ -459,7 +465,7 @@ def watch(
     client_id: ClientIdOpt = "",
     client_secret: SecretOpt = "",
 ) -> None:
-    """Follow a task live until it ends; exit 0 on SUCCESS, 1 on FAILURE."""
+    """Follow a task live until it ends; exit 0 on SUCCESS, 1 on FAILURE, 124 on --timeout."""
     service_name, task_id = resolve_target(targets, service)
     watch_task(
         Credentials(gateway, client_id, client_secret), service_name, task_id, timeout, interval

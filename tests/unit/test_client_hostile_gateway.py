@@ -113,9 +113,9 @@ def cli(url: str, *args: str, client_timeout: float = 5.0) -> Any:
         return CliRunner().invoke(task_cli.app, full)
 
 
-def error_lines(result: Any) -> list[str]:
+def error_lines(result: Any, code: int = 1) -> list[str]:
     """The CLI's lines on stderr; fails on a traceback, another exception or another exit."""
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == code, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(
         result.exception
     )
@@ -156,7 +156,7 @@ def test_cli_watch_ends_at_its_timeout_when_the_gateway_trickles(serve: Any) -> 
     result = cli(gateway.url, "watch", "sleeper", TASK_ID, "--timeout", "1.5")
 
     assert time.monotonic() - began < 1.5 + 2
-    assert "gave up waiting" in error_lines(result)[-1]
+    assert "gave up waiting" in error_lines(result, task_cli.GAVE_UP)[-1]
 
 
 @FLAVOURS

@@ -21,7 +21,10 @@ Every message ends, and no service can stop another's:
   once its results prove small (`_pace_queues`);
 * each service's queues are declared and consumed on their own: one whose
   queues were declared with other arguments is reported (`broken()`, /readyz,
-  metrics) and its existing queues are still consumed;
+  metrics) and its existing queues are still consumed; one the broker does not let this
+  gateway consume (ACCESS_REFUSED) is reported and left out until it may;
+* no consumer is aio-pika's to restore: after a reconnection a fresh channel subscribes
+  every service again;
 * a service given another queue name or message format is consumed as it now is,
   and the result queues it left are still consumed while they exist; submissions
   still waiting in the `-in` it left go to its new one, where its dispatchers are.
@@ -30,6 +33,7 @@ Every message ends, and no service can stop another's:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -308,24 +312,35 @@ class ResultConsumer:
         self._memory = memory
         self._holding = 0
         self._pace: dict[str, _Pace] = {}  # each service's result queue as it is consumed
-        self._made: dict[str, AbstractQueue] = {}  # every consumer made on the channel: its queue
+        # Services whose result queues this gateway may not consume (ACCESS_REFUSED), and why:
+        # left out of the results channel, whose consumers a refusal would all end.
+        self._refused: dict[str, str] = {}
+        # The results channel reopened (a reconnection, a channel error) without its consumers,
+        # which are never aio-pika's to restore: the next refresh, woken at once, replaces it.
+        self._emptied = False
+        self._wake = asyncio.Event()
         self._qos = asyncio.Lock()  # a prefetch set for one consumer is no one else's
         self._pacing = asyncio.Lock()
 
     def broken(self) -> dict[str, str]:
-        """Services whose queues could not be declared as this gateway would, and why."""
+        """Services whose queues could not be declared as this gateway would, or consumed,
+        and why."""
         return dict(self._broken)
 
     # -- subscriptions -----------------------------------------------------
 
     async def subscriptions_loop(self) -> None:
+        """A refresh every `refresh_interval`, and at once when the results channel must be
+        replaced (`_empty`), unless the last one failed: a failure does not spin."""
         while True:
             limit = asyncio.timeout(REFRESH_LIMIT)
+            failed = False
             try:
                 async with limit:
                     await self.refresh()
                 supervisor.pass_succeeded()
             except Exception as exc:
+                failed = True
                 error: Exception = exc
                 if limit.expired():
                     error = RefreshStalled(f"a refresh did not end within {REFRESH_LIMIT:g} s")
@@ -334,7 +349,12 @@ class ResultConsumer:
                 log.warning(
                     "could not refresh subscriptions", extra={"error": logs.describe(error)}
                 )
-            await asyncio.sleep(self.refresh_interval)
+            if failed:
+                await asyncio.sleep(self.refresh_interval)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.refresh_interval)
+            self._wake.clear()
 
     async def _let_go(self) -> None:
         """A refresh cut for good measure lets the results channel go: the next one starts
@@ -368,11 +388,10 @@ class ResultConsumer:
             for name, subscription in self._subscribed.items()
             if name not in services or not subscription.serves(services[name])
         }
-        if self._channel is None or self._channel.is_closed or stale:
-            # A robust channel re-declares every queue it ever declared when it is restored,
-            # so a removed service's queues (or a changed one's, as they were) would come back
-            # after any reconnection, even once deleted. A fresh channel forgets them; unacked
-            # results go back to their queues.
+        if self._channel is None or self._channel.is_closed or stale or self._emptied:
+            # A fresh channel, on which every service is subscribed again (its queues declared
+            # again first: a broker that crashed may have lost them); unacked results go back
+            # to their queues.
             async with self._applying:
                 if self._releases != releases:
                     return  # the next refresh reads the database again first
@@ -388,45 +407,42 @@ class ResultConsumer:
                     log.info("database available again; consuming results")
         for name in set(self._broken) - set(services):
             del self._broken[name]
+        for name in set(self._refused) - set(services):
+            del self._refused[name]
         if (channel := self._channel) is None:
             return  # released meanwhile: the next refresh opens one
         await self._pace_queues()  # if the loop applying results could not (a reconnection)
+        await self._notice_cancelled(channel)
         unsubscribed = [s for s in services.values() if s.name not in self._subscribed]
         await self._restore_lost(unsubscribed)
         for service in unsubscribed:
-            await self._subscribe(channel, service)
+            if service.name in self._refused and not await self._may_consume(service):
+                continue
+            if not await self._subscribe(channel, service):
+                return  # the refusal closed the channel: a fresh one at once, without it
         await self._consume_retired(channel, {s.queue_name for s in services.values()}, moved)
-        await self._cancel_strays(channel)
 
-    async def _cancel_strays(self, channel: AbstractRobustChannel) -> None:
-        """The consumers on the results channel that no pace or retired queue holds, cancelled.
-        aio-pika's restore after a reconnection copies a queue's consumers, then consumes each
-        again: one cancelled meanwhile (its queue paused for memory) came back untracked, its
-        queue never paused for it, and every later reconnection restored it again (found by a
-        black-box sweep: two consumers of one `-out` on one channel, through five
-        reconnections). Under `_pacing`: a consumer being made is held by its pace once made."""
+    async def _notice_cancelled(self, channel: AbstractRobustChannel) -> None:
+        """A consumer the broker cancelled (its queue deleted) is not made again by aio-pika
+        (none of ours is robust): the channel is replaced at once, and the fresh one declares
+        the service's queues again and consumes them (found by a sweep: `-out` deleted, and
+        the service's results waited there until a restart). Under `_pacing`: a consumer being
+        made again with another prefetch is not live for a moment, and is not lost."""
         async with self._pacing:
-            held = {pace.tag for pace in self._pace.values()}
-            held |= {tag for consumers in self._retired.values() for _, tag in consumers}
             live = await _consumer_tags(channel)
-            strays = {tag: self._made.get(tag) for tag in live - held}
-            self._made = {tag: q for tag, q in self._made.items() if tag in held}  # the rest ended
-            for tag, queue in strays.items():
-                try:
-                    if queue is not None:  # and forgotten by its queue's restore
-                        await asyncio.wait_for(queue.cancel(tag), CONSUMER_LIMIT)
-                    else:
-                        underlay = await asyncio.wait_for(
-                            channel.get_underlay_channel(), CONSUMER_LIMIT
-                        )
-                        await cast(aiormq.Channel, underlay).basic_cancel(
-                            tag, timeout=CONSUMER_LIMIT
-                        )
-                except Exception as exc:  # the channel closed meanwhile: nothing to cancel
-                    log.debug("consumer not cancelled", extra={"error": logs.describe(exc)})
-                    return
-                name = None if queue is None else queue.name
-                log.warning("a stray consumer of results cancelled", extra={"queue": name})
+            lost = [
+                name
+                for name, pace in self._pace.items()
+                if not pace.paused and not pace.cancelled and pace.tag not in live
+            ]
+        if lost:
+            log.warning("the broker cancelled a results consumer", extra={"queue": lost[0]})
+            self._empty()
+
+    def _empty(self) -> None:
+        """The results channel is to be replaced by the next refresh, which runs at once."""
+        self._emptied = True
+        self._wake.set()
 
     async def _replace_channel(self, fresh: AbstractRobustChannel | None) -> None:
         """The results channel replaced (None: none until the next refresh), its consumers
@@ -434,27 +450,28 @@ class ResultConsumer:
         double the new channel's consumers. Under `_applying`: never under a batch."""
         old, self._channel = self._channel, fresh
         self._generation += 1
+        self._emptied = False
         self._subscribed.clear()
         self._pace.clear()  # the fresh channel's subscriptions consume them again
-        self._made.clear()
         self._retired = {queue_name: [] for queue_name in self._retired}
         if old is not None:
             self._replaced.append(old)
             await close_quietly(old)
 
     async def _close_reopened(self) -> None:
-        """A replaced channel the reconnection reopened anyway would consume every result queue
-        a second time, and the dropped channel would never be closed: closed again."""
+        """A replaced channel the reconnection reopened anyway would stay open for nothing
+        (consuming nothing: its consumers were not robust), never closed: closed again."""
         for channel in self._replaced:
             if not channel.is_closed:
                 log.warning("a replaced results channel was reopened by a reconnection; closed")
                 metrics.REPLACED_CHANNELS_REOPENED.inc()
                 await close_quietly(channel)
 
-    async def _subscribe(self, channel: AbstractChannel, service: catalog.Service) -> None:
+    async def _subscribe(self, channel: AbstractRobustChannel, service: catalog.Service) -> bool:
         """Declares the service's queues on a channel of their own (a refused declaration
         closes the channel it was made on), then consumes its `-out` and `-dlq` if they
-        exist, whatever their arguments."""
+        exist, whatever their arguments. False if the broker refused to let this gateway
+        consume them (`_refuse`): the channel closed with the refusal."""
         missing = await self._declare(service)
         broken = service.name in self._broken
         specs = {
@@ -467,20 +484,61 @@ class ResultConsumer:
         for name, dead in _result_queues(service.queue_name):
             if name in missing:
                 continue
-            # Declared on the consuming channel, so that the robust channel restores the queue
-            # and its consumer after a reconnection: in full (a broker that crashed may have
-            # lost a queue declared just before), or passively when its arguments differ.
-            if broken:
-                queue = await channel.declare_queue(name, passive=True)
-            else:
-                arguments = specs[name].arguments or None
-                queue = await channel.declare_queue(name, durable=True, arguments=arguments)
-            tags.append(await self._consume(queue, dead, START_PREFETCH))
+            # Not robust: aio-pika restores a channel with every consumer or none, so one the
+            # broker refused after a reconnection (a permission narrowed on one service) failed
+            # the whole connection's restore, every second, and every service stalled (found
+            # by a sweep). The refresh after a reconnection subscribes each service again.
+            try:
+                if broken:
+                    queue = await channel.declare_queue(name, passive=True, robust=False)
+                else:
+                    arguments = specs[name].arguments or None
+                    queue = await channel.declare_queue(
+                        name, durable=True, arguments=arguments, robust=False
+                    )
+                tags.append(await self._consume(queue, dead, START_PREFETCH))
+            except aiormq.exceptions.ChannelAccessRefused as exc:
+                self._refuse(service, exc)
+                return False
         if tags:
             self._subscribed[service.name] = Subscription(
                 service.queue_name, service.message_format, tags
             )
             log.info("consuming results", extra={"service": service.name})
+        return True
+
+    def _refuse(self, service: catalog.Service, refusal: Exception) -> None:
+        """The broker refused this gateway one of the service's result queues: the service is
+        reported (`broken()`) and left out of the results channel until `_may_consume`."""
+        reason = str(refusal)[:300] or refusal.__class__.__name__
+        if self._refused.get(service.name) != reason:
+            log.error(
+                "results of a service may not be consumed; the others go on",
+                extra={"service": service.name, "error": reason},
+            )
+        self._refused[service.name] = self._broken[service.name] = reason
+        self._empty()
+
+    async def _may_consume(self, service: catalog.Service) -> bool:
+        """Whether the broker now lets this gateway consume the service's result queues, tried
+        on a channel of its own (a refusal closes it): a consumer made and closed with it,
+        what it was given handed back. Any other error is the subscription's to meet."""
+        channel = cast(AbstractRobustChannel, await self.broker.channel(prefetch=1))
+        try:
+            for name, _ in _result_queues(service.queue_name):
+                queue = await channel.declare_queue(name, passive=True, robust=False)
+                consuming = cast(AbstractRobustQueue, queue).consume(_leave_unacked, robust=False)
+                await asyncio.wait_for(consuming, CONSUMER_LIMIT)
+        except aiormq.exceptions.ChannelAccessRefused:
+            return False
+        except Exception as exc:
+            log.debug("results probe", extra={"error": logs.describe(exc)})
+        finally:
+            await close_quietly(channel)
+        del self._refused[service.name]
+        self._broken.pop(service.name, None)
+        log.info("results of a service may be consumed again", extra={"service": service.name})
+        return True
 
     async def _consume_retired(
         self, channel: AbstractRobustChannel, in_use: set[str], moved: set[str]
@@ -512,7 +570,7 @@ class ResultConsumer:
                 if name not in consumed and await self.broker.queue_exists(name):
                     queue = await channel.declare_queue(name, passive=True, robust=False)
                     receiver = self._receiver(name, dead, left_behind)
-                    tag = await self._consumed(queue, receiver, PREFETCH, robust=False)
+                    tag = await self._consumed(queue, receiver, PREFETCH)
                     consumers.append((queue, tag))
                     log.info("consuming a queue left by its service", extra={"queue": name})
             if consumers:
@@ -606,26 +664,21 @@ class ResultConsumer:
         queue: AbstractQueue,
         receiver: Callable[[AbstractIncomingMessage], Any],
         prefetch: int,
-        robust: bool = True,
     ) -> str:
         """`queue` consumed with a prefetch of its own (RabbitMQ gives a consumer the
-        channel's as it was when it began); the channel keeps START_PREFETCH, which a
-        reconnection gives the consumers it restores."""
+        channel's as it was when it began), and not robustly: the refresh after a reconnection
+        makes it again (`_subscribe`)."""
         channel = queue.channel
         async with self._qos:
             await asyncio.wait_for(channel.set_qos(prefetch_count=prefetch), CONSUMER_LIMIT)
             try:
-                if robust:
-                    consuming = queue.consume(receiver)
-                else:
-                    consuming = cast(AbstractRobustQueue, queue).consume(receiver, robust=False)
-                tag = await asyncio.wait_for(consuming, CONSUMER_LIMIT)
+                consuming = cast(AbstractRobustQueue, queue).consume(receiver, robust=False)
+                return await asyncio.wait_for(consuming, CONSUMER_LIMIT)
             finally:
-                await asyncio.wait_for(
-                    channel.set_qos(prefetch_count=START_PREFETCH), CONSUMER_LIMIT
-                )
-        self._made[tag] = queue
-        return tag
+                if not channel.is_closed:  # a refusal closed it: that is what is raised
+                    await asyncio.wait_for(
+                        channel.set_qos(prefetch_count=START_PREFETCH), CONSUMER_LIMIT
+                    )
 
     async def _make_room(self, name: str, pace: _Pace, message: AbstractIncomingMessage) -> None:
         """`message` would take the results held past `memory`: handed back unread, and its
@@ -693,13 +746,11 @@ class ResultConsumer:
                 log.warning("a result queue not consumed yet", extra={"error": logs.describe(exc)})
                 return
 
-    def _reopened(self, *_: object) -> None:
-        """The channel reopened (a reconnection, or a channel error) restored the consumers it
-        had with the channel's prefetch, the start one: paced from there again. Paused ones
-        were cancelled: none restored."""
-        for pace in self._pace.values():
-            if not pace.paused:
-                pace.prefetch, pace.seen, pace.largest = START_PREFETCH, 0, 0
+    def _reopened(self, channel: object, *_: object) -> None:
+        """The results channel reopened (a reconnection, or a channel error) consumes nothing:
+        replaced at once by a fresh one that subscribes every service again."""
+        if channel is self._channel:
+            self._empty()
 
     async def _cancel(self, pace: _Pace) -> None:
         try:
@@ -1275,3 +1326,7 @@ async def _settle(action: Callable[..., Any], **options: Any) -> None:
 
 async def _nothing_to_restore(missing: dict[str, MessageFormat]) -> None:
     """Without an outbox (tests of the consumer alone): `-in` is declared as it was."""
+
+
+async def _leave_unacked(message: AbstractIncomingMessage) -> None:
+    """A probe's consumer: what it is given goes back to its queue when its channel closes."""

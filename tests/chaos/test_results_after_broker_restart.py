@@ -11,10 +11,13 @@ IN_PROGRESS at the end of a 10,000-task run) until the gateway was restarted.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import uuid
 from collections.abc import Callable
 
 import aio_pika
+import httpx
 import pytest
 
 from bench.chaos.infra import queue_state
@@ -272,3 +275,54 @@ async def _publish(amqp_url: str, service: str, queue: str, event: TaskEvent) ->
             aio_pika.Message(wire.body, headers=wire.headers, content_type=wire.content_type),
             routing_key=queue,
         )
+
+
+def _close_connections_of(node: RabbitNode, user: str) -> int:
+    """Every connection `user` has on the node closed by the broker, as a restart drops it."""
+    lines = node.ctl("list_connections", "-q", "--no-table-headers", "pid", "user").splitlines()
+    pids = [line.split()[0] for line in lines if line.split()[1:] == [user]]
+    for pid in pids:
+        node.ctl("close_connection", pid, "a test's reconnection")
+    return len(pids)
+
+
+def test_a_permission_narrowed_on_one_service_stalls_no_other_at_a_reconnection(
+    procs: Processes,
+    platform: Platform,
+    database_url: str,
+    private_rabbit: RabbitNode,
+) -> None:
+    """Found by a RabbitMQ sweep: a user's read permission narrowed to leave out one service's
+    `-dlq` stalled every service of the gateway at its next reconnection. aio-pika restores a
+    channel with every consumer or none, and a refused one made the whole connection's restore
+    fail, again every second: no result of any service applied, no submission published. Now
+    that service alone waits (named in /readyz), and is consumed again once it may be."""
+    node, admin_url = private_rabbit, private_rabbit.url
+    user, password = f"gw-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    node.ctl("add_user", user, password)
+    node.ctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+    url = admin_url.replace("guest:guest", f"{user}:{password}")
+    refused, other = platform.service(), platform.service()
+    env = gateway_env(database_url, url, CONVEYOR_SERVICE_REFRESH_INTERVAL="1")
+    gateway = GatewayProcess(procs, env)
+    queues = [topology.out_queue(s.queue_name) for s in (refused, other)]
+    for queue in queues:
+        _eventually(lambda q=queue: _consumers(admin_url, q) == 1, 30, f"consuming {queue}")
+
+    dlq = topology.dead_letter_queue(refused.queue_name)
+    node.ctl("set_permissions", "-p", "/", user, ".*", ".*", f"^(?!{re.escape(dlq)}$).*")
+    try:
+        assert _close_connections_of(node, user) >= 1
+        _eventually(lambda: _consumers(admin_url, queues[1]) == 1, 30, "the other consumed")
+        _result_applied(gateway, admin_url, other, other.queue_name)
+
+        def reported() -> str:
+            services = httpx.get(f"{gateway.url}/readyz").json()["data"].get("services", {})
+            return str(services.get(refused.name, ""))
+
+        _eventually(lambda: "ACCESS_REFUSED" in reported(), 20, "the refusal reported", reported)
+    finally:
+        node.ctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+    _eventually(lambda: _consumers(admin_url, dlq) == 1, 30, "the -dlq consumed again")
+    _result_applied(gateway, admin_url, refused, refused.queue_name)
+    _eventually(lambda: reported() == "", 20, "the refusal no longer reported", reported)

@@ -446,8 +446,8 @@ class ResultConsumer:
 
     async def _replace_channel(self, fresh: AbstractRobustChannel | None) -> None:
         """The results channel replaced (None: none until the next refresh), its consumers
-        with it. The old one is closed for good: restored after a reconnection, it would
-        double the new channel's consumers. Under `_applying`: never under a batch."""
+        with it. The old one is closed for good (`_close_reopened`). Under `_applying`: never
+        under a batch."""
         old, self._channel = self._channel, fresh
         self._generation += 1
         self._emptied = False
@@ -1162,7 +1162,7 @@ def _result_queues(queue_name: str) -> list[tuple[str, bool]]:
 
 async def _consumer_tags(channel: AbstractChannel) -> set[str]:
     """The consumers the broker still delivers to on the channel: it cancels the consumers
-    of a deleted queue, and a channel restored after a reconnection has its robust ones only."""
+    of a deleted queue, and a channel reopened after a reconnection has none of ours."""
     underlay = await asyncio.wait_for(channel.get_underlay_channel(), CONSUMER_LIMIT)
     return set(cast(aiormq.Channel, underlay).consumers)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import aio_pika
 import aiormq
+import pamqp.commands
 from aio_pika.abc import (
     AbstractChannel,
     AbstractConnection,
@@ -106,6 +107,17 @@ aiormq.connection.Connection.FRAME_BUFFER_SIZE = 256
 # for 33-38 s. The broker sends a frame every heartbeat / 2 at least, so one multiple is
 # RabbitMQ's own rule (two heartbeats missed), and the heartbeat is the bound it documents.
 aiormq.connection.Connection.HEARTBEAT_GRACE_MULTIPLIER = 1
+
+
+def _close_frame(frame: pamqp.commands.Connection.Close) -> str:
+    return f"<Connection.Close {frame.reply_code} {frame.reply_text}>"
+
+
+# A broker that accepts the login and then refuses the virtual host (missing, or not this
+# user's) answers Connection.Close, which aiormq reports as "Expected Connection.OpenOk, got
+# <Connection.Close object at 0x…>": every log and /readyz line said it failed, none why. The
+# frame now shows the broker's code and reason (`530 NOT_ALLOWED - vhost … not found`).
+pamqp.commands.Connection.Close.__repr__ = _close_frame  # type: ignore[method-assign,assignment]
 
 
 class CoalescingWriter:

@@ -21,11 +21,13 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 from aiormq.exceptions import ChannelInvalidStateError
+from yarl import URL
 
 from conveyor import topology
 from conveyor.connection import CONNECTION_ERRORS, connect, connect_robust
@@ -201,3 +203,23 @@ def test_a_gateway_stopped_while_its_first_connection_waits_exits(
     silent.close()
     for conn in held:
         conn.close()
+
+
+@pytest.mark.parametrize("connector", [connect, connect_robust], ids=["plain", "robust"])
+def test_a_virtual_host_the_broker_refuses_is_named_with_its_reason(
+    amqp_url: str, connector: Any
+) -> None:
+    """A black-box sweep's finding: a login accepted, then the virtual host refused, read
+    "Expected Connection.OpenOk, got <Connection.Close object at 0x…>" in every log and in
+    /readyz: that it failed, never why. The broker's code and reason are shown."""
+    missing = f"conveyor-missing-{uuid.uuid4().hex[:8]}"
+
+    async def attempt() -> str:
+        try:
+            await connector(str(URL(amqp_url).with_path(f"/{missing}")), name="vhost-probe")
+        except CONNECTION_ERRORS as exc:
+            return str(exc)
+        raise AssertionError("a missing virtual host was accepted")
+
+    said = asyncio.run(attempt())
+    assert "530 NOT_ALLOWED" in said and missing in said, said

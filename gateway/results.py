@@ -234,6 +234,8 @@ REFRESH_LIMIT = 60.0
 # waited for good, holding `_pacing`: no result was applied again, and every refresh after it
 # stalled (found in CI: a queueName changed while results flowed).
 CONSUMER_LIMIT = 10.0
+# After a failed refresh, the next one waits at least this long, woken or not.
+FAILED_PAUSE = 1.0
 
 
 class RefreshStalled(Exception):
@@ -331,7 +333,8 @@ class ResultConsumer:
 
     async def subscriptions_loop(self) -> None:
         """A refresh every `refresh_interval`, and at once when the results channel must be
-        replaced (`_empty`), unless the last one failed: a failure does not spin."""
+        replaced (`_empty`: a reconnection), a second after the last one if it failed (a
+        failure does not spin, and the reconnection it waited for is met within a second)."""
         while True:
             limit = asyncio.timeout(REFRESH_LIMIT)
             failed = False
@@ -350,10 +353,9 @@ class ResultConsumer:
                     "could not refresh subscriptions", extra={"error": logs.describe(error)}
                 )
             if failed:
-                await asyncio.sleep(self.refresh_interval)
-            else:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.refresh_interval)
+                await asyncio.sleep(min(FAILED_PAUSE, self.refresh_interval))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.refresh_interval)
             self._wake.clear()
 
     async def _let_go(self) -> None:

@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Every gateway, dispatcher and CLI a run starts compiles the project's modules again when
+# an environment forbids byte-code caches (PYTHONDONTWRITEBYTECODE): a tenth of each start.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install services migrate up test lint chaos bench clean
 

@@ -112,7 +112,9 @@ def test_a_task_handed_back_after_its_time_to_live_runs_again_and_is_not_expired
     stack.service, stack.client = service, service.clients[0]
     stack.http = stack.gateway.http(stack.client)
     first = stack.dispatcher("pod-first", SHUTDOWN_MODE="requeue")
-    task_id = stack.submit({"sleep": 6})
+    # A call long enough to be running still when the SIGTERM comes: with 6 s, in a loaded CI
+    # run, IN_PROGRESS was seen late enough for the call to end first (called once, not twice).
+    task_id = stack.submit({"sleep": 10})
     stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
     time.sleep(5.0)  # past the 4 s time to live, still running
     first.signal(signal.SIGTERM)

@@ -30,14 +30,14 @@ up: install services
 	$(BIN)/python -m scripts.up
 
 ## The test suite: unit, integration (real PostgreSQL + RabbitMQ) and end-to-end (real processes),
-## four test files at a time: most of a test's time waits on processes, brokers and deadlines,
-## so four keep two cores busy (three left them 10 % idle: 22 min against 20; pytest-xdist;
-## PYTEST_ARGS='-n 0' runs one test at a time).
+## three test files at a time: most of a test's time waits on processes, brokers and deadlines,
+## so three keep two cores busy (four were 2 minutes faster, and twice as many tests met a
+## machine too loaded for their deadlines; pytest-xdist; PYTEST_ARGS='-n 0' runs one at a time).
 test: install services
 	@command -v node >/dev/null || bash scripts/ensure-services.sh apt nodejs || true
 	@command -v chromium >/dev/null || bash scripts/ensure-services.sh apt chromium
 	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || bash scripts/ensure-services.sh apt pgbouncer
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 4 --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 ## ruff, the type checker and the import rules (gateway and dispatcher never import each other)
 lint: install

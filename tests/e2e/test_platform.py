@@ -107,19 +107,20 @@ def test_a_task_handed_back_after_its_time_to_live_runs_again_and_is_not_expired
     (a long queue, a long call, then a deploy): PENDING again, it was failed `expired` by the
     next reaper pass, and the function was then called again for a task already FAILURE.
     Its republished message lives a new time to live: so does the task."""
-    service = platform.service(jsonSchema={"type": "object"}, taskTimeout=60, retention=4)
+    service = platform.service(jsonSchema={"type": "object"}, taskTimeout=60, retention=12)
     stack.http.close()
     stack.service, stack.client = service, service.clients[0]
     stack.http = stack.gateway.http(stack.client)
     first = stack.dispatcher("pod-first", SHUTDOWN_MODE="requeue")
-    # A call long enough to be running still when the SIGTERM comes: with 6 s, in a loaded CI
-    # run, IN_PROGRESS was seen late enough for the call to end first (called once, not twice).
-    task_id = stack.submit({"sleep": 10})
+    # A time to live a loaded machine starts a dispatcher within (4 s was not, in CI: the
+    # hand-back's copy expired, rightly; a start once took 7 s), and a call long enough to be
+    # running still when the SIGTERM comes (6 s was not: IN_PROGRESS seen late, the call ended).
+    task_id = stack.submit({"sleep": 18})
     stack.watch(task_id, lambda d: d["status"] == "IN_PROGRESS")
-    time.sleep(5.0)  # past the 4 s time to live, still running
+    time.sleep(13.0)  # past the 12 s time to live, still running
     first.signal(signal.SIGTERM)
     assert first.wait(timeout=10) == 0
-    # At once: the hand-back's copy lives the 4 s time to live again, and so does the task;
+    # At once: the hand-back's copy lives the 12 s time to live again, and so does the task;
     # the next one started later (CI under load: 7 s) found both expired, rightly. A start
     # takes a second at least, two reaper passes: without the renewal they fail the task.
     stack.dispatcher("pod-second")

@@ -212,7 +212,6 @@ class Subscription:
 
     queue_name: str
     message_format: MessageFormat
-    consumers: list[Consumer]
 
     def serves(self, service: catalog.Service) -> bool:
         return (self.queue_name, self.message_format) == (
@@ -482,7 +481,7 @@ class ResultConsumer:
                 service.queue_name, service.message_format, self.delivery_limit
             )
         }
-        tags = []
+        consumed = False
         for name, dead in _result_queues(service.queue_name):
             if name in missing:
                 continue
@@ -498,13 +497,14 @@ class ResultConsumer:
                     queue = await channel.declare_queue(
                         name, durable=True, arguments=arguments, robust=False
                     )
-                tags.append(await self._consume(queue, dead, START_PREFETCH))
+                await self._consume(queue, dead, START_PREFETCH)
+                consumed = True
             except aiormq.exceptions.ChannelAccessRefused as exc:
                 self._refuse(service, exc)
                 return False
-        if tags:
+        if consumed:
             self._subscribed[service.name] = Subscription(
-                service.queue_name, service.message_format, tags
+                service.queue_name, service.message_format
             )
             log.info("consuming results", extra={"service": service.name})
         return True
